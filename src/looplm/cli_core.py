@@ -1,0 +1,97 @@
+"""Core subcommands: convert, info."""
+
+from __future__ import annotations
+
+import argparse
+from importlib import resources
+from pathlib import Path
+
+from .cli import Timer, UsageError, print_json, read_text_arg
+
+HELDOUT_SAMPLE = "heldout_sample.txt"  # Milton, Paradise Regained book II (public domain); not in any training split
+
+
+def sample_text() -> str:
+    return resources.files("looplm").joinpath("data", HELDOUT_SAMPLE).read_text(encoding="utf-8")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="convert a pretrained model into a (Relaxed) Recursive Transformer")
+    p.add_argument("--model", default="smollm2-135m", help="embedded name, HF/looplm directory or .gguf file")
+    p.add_argument("--loops", type=int, default=2, help="B, the number of loops (must divide the layer count)")
+    p.add_argument("--strategy", default="cycle", choices=["cycle", "sequence", "cycle-rev"])
+    p.add_argument("--init", default="average", help="stepwise | stepwise-start | average | lower | random")
+    p.add_argument("--norms", default="tied-avg", help="tied-avg | tied-choice | tied-zero | per-depth")
+    p.add_argument("--lora-rank", default="64", help="rank of every per-depth LoRA (0 = plain recursive, 'full')")
+    p.add_argument("--lora-ranks", default=None, help="per-group ranks, e.g. q=128,kv=64,out=128,ffn=256")
+    p.add_argument("--lora-init", default="svd", help="svd | zero")
+    p.add_argument("--out", default=None, help="output directory (default: out/<model>-b<loops>-r<rank>)")
+    p.add_argument("--text", default=None, help="held-out text for the before/after perplexity")
+    p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens of held-out text to score (0 = skip)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("info", help="parameter counts (N-emb, total) and the layer map of a model")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+
+def _ppl(model, tok, text, max_tokens):
+    from .eval.perplexity import perplexity
+    return perplexity(model, tok, text, seq_len=512, max_tokens=max_tokens)
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert, count_parameters, parse_lora_ranks
+    from .models import load_model, save_model
+
+    ranks = parse_lora_ranks(args.lora_ranks, args.lora_rank)
+    text = read_text_arg(args.text) if args.text else sample_text()
+    out = Path(args.out) if args.out else Path("out") / f"{Path(args.model).name}-b{args.loops}-r{args.lora_rank}"
+    with Timer() as t_load:
+        vanilla, tok = load_model(args.model)
+    with Timer() as t_conv:
+        model = convert(vanilla, loops=args.loops, strategy=args.strategy, init=args.init, norms=args.norms,
+                        lora_ranks=ranks, lora_init=args.lora_init, seed=args.seed)
+    save_model(model, tok, out)
+    before, after = count_parameters(vanilla), count_parameters(model)
+    result = {"out": str(out), "load_seconds": round(t_load.seconds, 2), "convert_seconds": round(t_conv.seconds, 2),
+              "n_emb_before": before["n_emb"], "n_emb_after": after["n_emb"],
+              "total_before": before["total"], "total_after": after["total"], "lora_ranks": model.config.lora_ranks}
+    if args.ppl_tokens:
+        ppl_before, ppl_after = _ppl(vanilla, tok, text, args.ppl_tokens), _ppl(model, tok, text, args.ppl_tokens)
+        result.update(ppl_before=ppl_before["perplexity"], ppl_after=ppl_after["perplexity"],
+                      ppl_tokens=ppl_after["tokens"])
+    if args.json:
+        print_json(result)
+        return 0
+    print(f"converted {args.model}: B={args.loops} {args.strategy}, init {args.init}, norms {args.norms}, "
+          f"LoRA {model.config.lora_ranks} ({args.lora_init if model.config.is_relaxed else 'none'})")
+    print(f"N-emb   {before['n_emb']:>13,} -> {after['n_emb']:>13,} ({after['n_emb'] / before['n_emb']:.1%})")
+    print(f"total   {before['total']:>13,} -> {after['total']:>13,}")
+    print(f"time    load {t_load.seconds:.1f} s, convert {t_conv.seconds:.1f} s")
+    if args.ppl_tokens:
+        print(f"held-out perplexity ({result['ppl_tokens']} tokens): original {result['ppl_before']:.2f}, "
+              f"converted {result['ppl_after']:.2f}")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .convert import describe
+    from .models import load_model
+    model, _ = load_model(args.model)
+    info = describe(model)
+    if args.json:
+        print_json(info)
+        return 0
+    print(f"{args.model}: {info['family']}, depth {info['depth']} = {info['shared_layers']} shared layers x "
+          f"{info['loops']} loops ({info['sharing']})")
+    print(f"N-emb      {info['n_emb']:>13,}   (LoRA {info['lora']:,})")
+    print(f"embedding  {info['embedding']:>13,}")
+    print(f"total      {info['total']:>13,}")
+    print(f"LoRA ranks {info['lora_ranks']}, per-depth norms: {info['per_depth_vectors']}")
+    print("layer map  " + " ".join(f"{d}->{k}" for d, k in enumerate(info["layer_map"])))
+    return 0

@@ -1,0 +1,267 @@
+"""Vanilla model -> Recursive Transformer -> Relaxed Recursive Transformer (paper sections 2.2-2.3).
+
+``convert`` builds a model of K = L / B shared layers from a vanilla (B = 1) looplm model:
+1. choose, per shared layer k, the pretrained depths tied to it (the sharing strategy);
+2. initialise the shared weights from them (Stepwise, Average, Lower or Random);
+3. initialise norm weights (tied: avg, choice, zero; or kept per depth);
+4. optionally add a LoRA per depth, initialised by truncated SVD of W_d - W'_k (or zero init).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..models import LORA_GROUPS, ConfigError, LoopLMConfig, LoopLMForCausalLM
+from ..models.layers import DepthNorm, LoopLinear
+
+INITS = ("stepwise", "stepwise-start", "average", "lower", "random")
+NORMS = ("tied-avg", "tied-choice", "tied-zero", "per-depth")
+LORA_INITS = ("svd", "zero")
+# Which linears each LoRA rank group covers (paper appendix F: Q, KV, Out, FFN).
+GROUP_OF = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "out",
+            "gate_proj": "ffn", "up_proj": "ffn", "down_proj": "ffn"}
+
+
+def stepwise_layers(num_layers: int, num_shared: int, fixed_ends: bool = True) -> list[int]:
+    """The pretrained layer each shared layer copies under Stepwise init. Fixed-ends keeps the first
+    and last layer and spaces the rest evenly; fixed-start takes layer 0 and then every B-th."""
+    if num_shared == 1:
+        return [0]
+    if fixed_ends:
+        return [round(k * (num_layers - 1) / (num_shared - 1)) for k in range(num_shared)]
+    step = num_layers // num_shared
+    return [k * step for k in range(num_shared)]
+
+
+def parse_lora_ranks(text: str | None, rank: int | str | None) -> dict:
+    """--lora-ranks q=128,kv=64,out=128,ffn=256 (unnamed groups get --lora-rank), or one rank for all.
+    A rank may be 'full': the module's min(in, out)."""
+    base = {g: rank or 0 for g in LORA_GROUPS}
+    if text:
+        for part in text.split(","):
+            if "=" not in part:
+                raise ConfigError(f"bad --lora-ranks entry {part!r}; write e.g. q=128,kv=64,out=128,ffn=256")
+            key, value = (s.strip() for s in part.split("=", 1))
+            if key not in LORA_GROUPS:
+                raise ConfigError(f"unknown LoRA group {key!r} in --lora-ranks; groups are {', '.join(LORA_GROUPS)}")
+            base[key] = value
+    out = {}
+    for g, v in base.items():
+        if v == "full":
+            out[g] = "full"
+            continue
+        try:
+            out[g] = int(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"LoRA rank {v!r} for group {g} is not a whole number or 'full'") from None
+        if out[g] < 0:
+            raise ConfigError(f"LoRA rank for group {g} is negative ({v}); use 0 for no LoRA")
+    return out
+
+
+def _resolve_ranks(config: LoopLMConfig, ranks: dict) -> dict:
+    """Check each group's rank against its modules' shapes; 'full' becomes min(in, out)."""
+    c = config
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    limits = {"q": min(c.hidden_size, q_out), "kv": min(c.hidden_size, kv_out),
+              "out": min(q_out, c.hidden_size), "ffn": min(c.hidden_size, c.intermediate_size)}
+    resolved = {}
+    for g in LORA_GROUPS:
+        r = ranks.get(g, 0)
+        r = limits[g] if r == "full" else int(r)
+        if r > limits[g]:
+            raise ConfigError(
+                f"LoRA rank {r} for group {g} exceeds min(in, out) = {limits[g]} of its linears; use at most "
+                f"{limits[g]}, 'full', or per-group ranks (--lora-ranks q=..,kv=..,out=..,ffn=..)"
+            )
+        resolved[g] = r
+    return resolved
+
+
+def tied_depths(config: LoopLMConfig) -> list[list[int]]:
+    """For each shared layer k, the depths that run it, in slot order."""
+    groups: list[list[int]] = [[] for _ in range(config.num_shared_layers)]
+    for d, k in enumerate(config.layer_map):
+        groups[k].append(d)
+    return groups
+
+
+def _linears(block) -> dict[str, LoopLinear]:
+    return {n: m for n, m in block.named_modules() if isinstance(m, LoopLinear)}
+
+
+def _norms(block) -> dict[str, DepthNorm]:
+    return {n: m for n, m in block.named_modules() if isinstance(m, DepthNorm)}
+
+
+def svd_factors(residual: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """B = U_r S_r, A = V_r^T from the truncated SVD of ``residual`` [out, in].
+
+    Full SVD in float64 when the rank is a large part of the spectrum (so that full rank restores the
+    weight to float32 precision); a randomised SVD (Halko et al.) otherwise, which is much faster."""
+    small = min(residual.shape)
+    if rank * 4 >= small:
+        U, S, Vh = torch.linalg.svd(residual.double(), full_matrices=False)
+        U, S, Vh = U[:, :rank], S[:rank], Vh[:rank]
+    else:
+        U, S, V = torch.svd_lowrank(residual.double(), q=min(rank + 16, small), niter=4)
+        U, S, Vh = U[:, :rank], S[:rank], V[:, :rank].T
+    return (U * S).to(residual.dtype), Vh.to(residual.dtype)
+
+
+@torch.no_grad()
+def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle", init: str = "average",
+            norms: str = "tied-avg", lora_ranks: dict | int | str = 0, lora_init: str = "svd",
+            seed: int = 0) -> LoopLMForCausalLM:
+    """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model."""
+    src_cfg = vanilla.config
+    if src_cfg.num_loops != 1:
+        raise ConfigError("convert takes a vanilla model (num_loops = 1); this one is already recursive")
+    if init not in INITS:
+        raise ConfigError(f"unknown --init {init!r}; use one of {', '.join(INITS)}")
+    if norms not in NORMS:
+        raise ConfigError(f"unknown --norms {norms!r}; use one of {', '.join(NORMS)}")
+    if lora_init not in LORA_INITS:
+        raise ConfigError(f"unknown --lora-init {lora_init!r}; use one of {', '.join(LORA_INITS)}")
+    if not isinstance(lora_ranks, dict):
+        lora_ranks = parse_lora_ranks(None, lora_ranks)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+
+    cfg_dict = src_cfg.to_dict()
+    for key in ("model_type", "transformers_version", "architectures"):
+        cfg_dict.pop(key, None)
+    config = LoopLMConfig(**{**cfg_dict, "num_loops": loops, "sharing": strategy,
+                             "per_depth_vectors": norms == "per-depth"})
+    config.lora_ranks = _resolve_ranks(config, lora_ranks)
+    config.conversion = {
+        **src_cfg.conversion, "loops": loops, "strategy": strategy, "init": init, "norms": norms,
+        "lora_ranks": dict(config.lora_ranks), "lora_init": lora_init if config.is_relaxed else None,
+    }
+    model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
+    model.model.embed_tokens.weight.copy_(vanilla.model.embed_tokens.weight)
+    model.model.norm.weight.copy_(vanilla.model.norm.weight)
+    if model.model.norm.bias is not None:
+        model.model.norm.bias.copy_(vanilla.model.norm.bias)
+    if not config.tie_word_embeddings:
+        model.lm_head.weight.copy_(vanilla.lm_head.weight)
+
+    L, K = src_cfg.num_hidden_layers, config.num_shared_layers
+    chosen = {"stepwise": stepwise_layers(L, K, True), "stepwise-start": stepwise_layers(L, K, False),
+              "lower": list(range(K))}.get(init)
+    src_layers = vanilla.model.layers
+    for k, depths in enumerate(tied_depths(config)):
+        block = model.model.layers[k]
+        pick = chosen[k] if chosen else depths[0]  # the "one layer" for Norm-choice
+        src_lin = [_linears(src_layers[d]) for d in depths]
+        for name, lin in _linears(block).items():
+            stack = torch.stack([s[name].weight for s in src_lin])
+            if init == "average":
+                lin.weight.copy_(stack.mean(0))
+            elif chosen:
+                lin.weight.copy_(_linears(src_layers[pick])[name].weight)
+            if lin.bias is not None:
+                biases = torch.cat([s[name].bias for s in src_lin])  # [B, out]
+                if config.per_depth_vectors:
+                    lin.bias.copy_(biases)
+                elif init == "average":
+                    lin.bias.copy_(biases.mean(0, keepdim=True))
+                elif chosen:
+                    lin.bias.copy_(_linears(src_layers[pick])[name].bias)
+            if lin.rank:
+                _init_lora(lin, stack, lora_init)
+        if init == "random":
+            continue  # norms keep their fresh init too
+        src_norm = [_norms(src_layers[d]) for d in depths]
+        for name, norm in _norms(block).items():
+            for param in ("weight", "bias"):
+                dst = getattr(norm, param)
+                if dst is None:
+                    continue
+                vectors = torch.cat([getattr(s[name], param) for s in src_norm])  # [B, dim]
+                if norms == "per-depth":
+                    dst.copy_(vectors)
+                elif norms == "tied-avg":
+                    dst.copy_(vectors.mean(0, keepdim=True))
+                elif norms == "tied-choice":
+                    dst.copy_(getattr(_norms(src_layers[pick])[name], param))
+                else:  # tied-zero, the paper's Norm-zero
+                    dst.zero_()
+    model.config.conversion["seconds"] = round(time.perf_counter() - started, 3)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def _init_lora(lin: LoopLinear, pretrained: torch.Tensor, how: str) -> None:
+    """Per-depth LoRA init. SVD: B_d A_d = best rank-r approximation of W_d - W'. A depth whose
+    pretrained weight equals the shared one (nothing to approximate) gets the ordinary zero init,
+    A Gaussian and B zero, as does every depth under zero init (paper appendix C)."""
+    for slot, w_d in enumerate(pretrained):
+        residual = w_d - lin.weight
+        if how == "zero" or not residual.any():
+            lin.lora_A[slot].normal_(std=lin.in_features ** -0.5)
+            lin.lora_B[slot].zero_()
+            continue
+        b, a = svd_factors(residual, lin.rank)
+        lin.lora_B[slot].copy_(b)
+        lin.lora_A[slot].copy_(a)
+
+
+@torch.no_grad()
+def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
+    """The equivalent vanilla (B = 1) model: every depth gets dense weights W' + B_d A_d and its own
+    norm weights. Used for export and to check that conversion is exact where it should be."""
+    c = model.config
+    cfg_dict = c.to_dict()
+    for key in ("model_type", "transformers_version", "architectures"):
+        cfg_dict.pop(key, None)
+    cfg_dict.update(num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={})
+    out = LoopLMForCausalLM(LoopLMConfig(**cfg_dict)).to(next(model.parameters()).dtype)
+    out.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")},
+                        strict=False)
+    for d, (k, slot) in enumerate(zip(c.layer_map, c.slot_map)):
+        shared, dense = model.model.layers[k], out.model.layers[d]
+        dense_lin = _linears(dense)
+        for name, lin in _linears(shared).items():
+            dense_lin[name].weight.copy_(lin.merged_weight(slot))
+            if lin.bias is not None:
+                dense_lin[name].bias.copy_(lin.bias[slot if lin.bias.shape[0] > 1 else 0][None])
+        dense_norm = _norms(dense)
+        for name, norm in _norms(shared).items():
+            row = slot if norm.weight.shape[0] > 1 else 0
+            dense_norm[name].weight.copy_(norm.weight[row][None])
+            if norm.bias is not None:
+                dense_norm[name].bias.copy_(norm.bias[row][None])
+    if out.config.tie_word_embeddings:
+        out.tie_weights()
+    return out.eval()
+
+
+def count_parameters(model: LoopLMForCausalLM) -> dict:
+    """Total, embedding and N-emb (everything but the embedding matrix and LM head, LoRAs included,
+    as the paper counts), plus the LoRA share of N-emb."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    emb = model.model.embed_tokens.weight.numel()
+    if not model.config.tie_word_embeddings:
+        emb += model.lm_head.weight.numel()
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return {"total": total, "embedding": emb, "n_emb": total - emb, "lora": lora}
+
+
+def describe(model: LoopLMForCausalLM) -> dict:
+    """Everything `looplm info` prints: counts, structure and the layer map."""
+    c = model.config
+    return {
+        "family": c.family, "depth": c.num_hidden_layers, "loops": c.num_loops, "shared_layers": c.num_shared_layers,
+        "sharing": c.sharing, "per_depth_vectors": c.per_depth_vectors, "lora_ranks": c.lora_ranks,
+        "layer_map": c.layer_map, "depth_attention": c.depth_attention, "conversion": copy.deepcopy(c.conversion),
+        **count_parameters(model),
+    }

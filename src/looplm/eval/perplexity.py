@@ -1,0 +1,72 @@
+"""Held-out perplexity and bits per byte, for the final exit and every loop exit in one pass.
+
+The text is tokenised once and cut into non-overlapping windows of ``seq_len`` tokens; every token
+after a window's first is scored (a BOS is put in front of each window for models that need one,
+such as Gemma). Loop i's exit is the final norm and LM head applied after i loops: a static exit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+
+def token_windows(tokenizer, text: str, seq_len: int, add_bos: bool) -> list[list[int]]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id if add_bos else None
+    body = seq_len - (1 if bos is not None else 0)
+    windows = [ids[i:i + body] for i in range(0, len(ids), body)]
+    windows = [w for w in windows if len(w) > 1]
+    return [[bos] + w if bos is not None else w for w in windows]
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, text: str, seq_len: int = 512, batch_size: int = 4,
+               exit_loop: int | None = None, max_tokens: int | None = None, progress: bool = False) -> dict:
+    """{"perplexity", "bits_per_byte", "tokens", "per_loop": [{"loop", "perplexity", "bits_per_byte"}]}.
+
+    ``perplexity`` is for exit_loop (default: the last loop); per_loop covers loops 1..exit_loop."""
+    if not text.strip():
+        raise ValueError("the evaluation text is empty; give a file with text in it")
+    windows = token_windows(tokenizer, text, seq_len, bool(getattr(model.config, "add_bos_token", False)))
+    if max_tokens:
+        kept, total = [], 0
+        for w in windows:
+            if total >= max_tokens:
+                break
+            kept.append(w[: max_tokens - total + 1])
+            total += len(kept[-1]) - 1
+        windows = kept
+    loops = model.model.check_loops(exit_loop)
+    device = next(model.parameters()).device
+    nll = torch.zeros(loops, dtype=torch.float64)
+    count = 0
+    scored_text = []
+    for start in tqdm(range(0, len(windows), batch_size), desc="perplexity", disable=not progress):
+        batch = windows[start:start + batch_size]
+        width = max(len(w) for w in batch)
+        ids = torch.full((len(batch), width), 0, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, w in enumerate(batch):
+            ids[i, :len(w)] = torch.tensor(w)
+            mask[i, :len(w)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        # Right padding with a mask keeps positions aligned; padded targets are ignored below.
+        _, states, _ = model.model(ids, attention_mask=mask if not bool(mask.all()) else None,
+                                   num_loops=loops, output_loop_states=True)
+        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        for i, h in enumerate(states):
+            logits = model.exit_logits(h[:, :-1]).float()
+            nll[i] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                      reduction="sum").double().cpu()
+        count += int((targets != -100).sum())
+        scored_text.extend(w[1:] for w in batch)
+    # Bytes of the scored tokens (the text they decode to), for a tokenizer-independent measure.
+    n_bytes = sum(len(tokenizer.decode([t for t in w if t is not None]).encode("utf-8")) for w in scored_text)
+    per_loop = [{"loop": i + 1, "perplexity": math.exp(nll[i] / count),
+                 "bits_per_byte": float(nll[i] / math.log(2) / max(n_bytes, 1))} for i in range(loops)]
+    return {"perplexity": per_loop[-1]["perplexity"], "bits_per_byte": per_loop[-1]["bits_per_byte"],
+            "tokens": count, "bytes": n_bytes, "exit_loop": loops, "per_loop": per_loop}

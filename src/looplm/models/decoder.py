@@ -1,0 +1,169 @@
+"""The looped decoder: K shared blocks run over L = K * B depths.
+
+``LoopLMModel.forward`` is the whole method in one loop: depth d runs shared layer s(d) with the
+per-depth parameters of slot(d), attention kind (full or sliding) of depth d, and KV cache entry d.
+With B = 1 and no LoRA it is exactly the pretrained decoder.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .config import ConfigError, LoopLMConfig
+from .layers import Block, DepthNorm, LoopLinear, Rotary
+
+
+def attention_masks(kinds, batch: int, q_len: int, past_len: int, attention_mask: torch.Tensor | None,
+                    window: int | None, device) -> dict:
+    """Boolean masks [b|1, 1, q, kv] (True = may attend) per attention kind, or None where plain
+    causal attention (SDPA's is_causal, or no mask for one query) is exact."""
+    kv_len = past_len + q_len
+    masks = {}
+    for kind in kinds:
+        window_binds = kind == "sliding" and window is not None and kv_len > window
+        if attention_mask is None and not window_binds and (past_len == 0 or q_len == 1):
+            masks[kind] = None
+            continue
+        q_idx = torch.arange(past_len, kv_len, device=device)[:, None]
+        k_idx = torch.arange(kv_len, device=device)[None, :]
+        m = k_idx <= q_idx
+        if window_binds:
+            m = m & (q_idx - k_idx < window)
+        m = m[None, None]
+        if attention_mask is not None:
+            # A padded query would see nothing (NaN in softmax); letting it see itself is harmless.
+            m = (m & attention_mask[:, None, None, -kv_len:].bool()) | (k_idx == q_idx)
+        masks[kind] = m
+    return masks
+
+
+class LoopLMPreTrainedModel(PreTrainedModel):
+    config_class = LoopLMConfig
+    config: LoopLMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, LoopLinear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if module.lora_A is not None:
+                nn.init.normal_(module.lora_A, std=module.in_features ** -0.5)
+                nn.init.zeros_(module.lora_B)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, DepthNorm):
+            (nn.init.zeros_ if module.kind == "rms_plus1" else nn.init.ones_)(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
+class LoopLMModel(LoopLMPreTrainedModel):
+    def __init__(self, config: LoopLMConfig):
+        super().__init__(config)
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_shared_layers))
+        self.norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps)
+        self.rotary = Rotary(c)
+        self.gradient_checkpointing = False
+        # Plain lists, read once per step: which shared layer, slot and attention kind each depth uses.
+        self._layer_map, self._slot_map = c.layer_map, c.slot_map
+        self.post_init()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:
+            h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
+        return h
+
+    def check_loops(self, num_loops: int | None) -> int:
+        B = self.config.num_loops
+        if num_loops is None:
+            return B
+        if not 1 <= num_loops <= B:
+            raise ConfigError(f"exit loop {num_loops} is out of range: this model has {B} loops (use 1..{B})")
+        return num_loops
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, num_loops: int | None = None, output_loop_states: bool = False, **kwargs):
+        """Returns (hidden after the last depth run, [hidden after each loop] or None, cache).
+
+        num_loops < B is a static exit: every token leaves after that many loops."""
+        c = self.config
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t = h.shape[:2]
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + t, device=h.device)[None].expand(b, t)
+        tables = self.rotary(position_ids, h.dtype)
+        masks = attention_masks(set(c.depth_attention), b, t, past_len, attention_mask,
+                                c.sliding_window_size, h.device)
+        loops = self.check_loops(num_loops)
+        K = c.num_shared_layers
+        loop_states = [] if output_loop_states else None
+        for d in range(loops * K):
+            kind = c.depth_attention[d]
+            cos, sin = tables[kind]
+            layer, slot = self.layers[self._layer_map[d]], self._slot_map[d]
+            if self.gradient_checkpointing and self.training:
+                h = checkpoint(layer, h, slot, cos, sin, masks[kind], past_key_values, d, use_reentrant=False)
+            else:
+                h = layer(h, slot, cos, sin, masks[kind], past_key_values, d)
+            if loop_states is not None and (d + 1) % K == 0:
+                loop_states.append(h)
+        return h, loop_states, past_key_values
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None):
+        self.gradient_checkpointing = enable
+
+
+class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LoopLMConfig):
+        super().__init__(config)
+        self.model = LoopLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def exit_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The exit after any loop: final norm, LM head, and Gemma 2's logit soft-cap."""
+        logits = self.lm_head(self.model.norm(h))
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int = 0,
+                num_loops: int | None = None, **kwargs) -> CausalLMOutputWithPast:
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        h, _, cache = self.model(input_ids, attention_mask, position_ids, past_key_values if use_cache or
+                                 past_key_values is not None else None, inputs_embeds, num_loops=num_loops)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.exit_logits(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)

@@ -1,0 +1,280 @@
+"""Building blocks of the looped decoder: per-depth norms and linears, rotary embeddings, attention,
+MLP and the block.
+
+Every parametrised piece takes a ``slot`` argument: the index, among the B depths that run a shared
+layer, of the depth being computed. It is an ``int`` when all tokens are at the same depth
+(training, evaluation) or a LongTensor with one entry per token when a batch mixes depths
+(continuous depth-wise batching). Slots select per-depth LoRA matrices and per-depth vectors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError, LoopLMConfig
+
+Slot = int | torch.Tensor
+
+
+def _select(stack: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """Row ``slot`` of a per-depth stack [S, ...]; a stack of one row is shared by every depth."""
+    if stack.shape[0] == 1:
+        return stack[0]
+    return stack[slot]
+
+
+class DepthNorm(nn.Module):
+    """RMSNorm (w * x), Gemma's RMSNorm ((1 + w) * x) or LayerNorm, with one weight row per slot."""
+
+    def __init__(self, dim: int, kind: str, eps: float, num_slots: int = 1):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        init = torch.zeros if kind == "rms_plus1" else torch.ones
+        self.weight = nn.Parameter(init(num_slots, dim))
+        self.bias = nn.Parameter(torch.zeros(num_slots, dim)) if kind == "layer" else None
+
+    def forward(self, x: torch.Tensor, slot: Slot = 0) -> torch.Tensor:
+        w = _select(self.weight, slot)
+        if self.kind == "layer":
+            b = _select(self.bias, slot)
+            if w.dim() == 1:
+                return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+            return F.layer_norm(x, (x.shape[-1],), None, None, self.eps) * w + b
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.kind == "rms_plus1":  # Gemma: scale in float32, then cast
+            return (xf * (1.0 + w.float())).type_as(x)
+        return w * xf.to(x.dtype)
+
+
+class LoopLinear(nn.Module):
+    """A linear layer shared by B depths, with an optional LoRA per depth: y = W x + b + B_s A_s x.
+
+    lora_A: [B, r, in], lora_B: [B, out, r]. Rank 0 is the plain (recursive) linear.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, num_slots: int,
+                 bias_slots: int, rank: int):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(bias_slots, out_features)) if bias else None
+        if rank:
+            self.lora_A = nn.Parameter(torch.zeros(num_slots, rank, in_features))
+            self.lora_B = nn.Parameter(torch.zeros(num_slots, out_features, rank))
+        else:
+            self.register_parameter("lora_A", None)
+            self.register_parameter("lora_B", None)
+
+    def forward(self, x: torch.Tensor, slot: Slot = 0) -> torch.Tensor:
+        bias = None if self.bias is None else _select(self.bias, slot)
+        if bias is None or bias.dim() == 1:
+            y = F.linear(x, self.weight, bias)
+        else:  # one bias row per token (per-depth biases in a mixed-depth batch)
+            y = F.linear(x, self.weight) + bias
+        if self.lora_A is None:
+            return y
+        if isinstance(slot, int):
+            return y + F.linear(F.linear(x, self.lora_A[slot]), self.lora_B[slot])
+        return y + self._grouped_lora(x, slot)
+
+    def _grouped_lora(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """LoRA for a batch that mixes depths: one matmul pair per depth present (SGMV-style
+        grouping), never a Python loop over tokens."""
+        flat_x, flat_s = x.reshape(-1, x.shape[-1]), slot.reshape(-1)
+        out = flat_x.new_zeros(flat_x.shape[0], self.out_features)
+        for s in range(self.lora_A.shape[0]):
+            idx = (flat_s == s).nonzero(as_tuple=True)[0]
+            if idx.numel():
+                out.index_copy_(0, idx, F.linear(F.linear(flat_x[idx], self.lora_A[s]), self.lora_B[s]))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def merged_weight(self, slot: int) -> torch.Tensor:
+        """The dense weight depth ``slot`` effectively uses: W' + B_s A_s."""
+        if self.lora_A is None:
+            return self.weight.detach().clone()
+        return (self.weight + self.lora_B[slot] @ self.lora_A[slot]).detach()
+
+
+# --- rotary embeddings ------------------------------------------------------------------------
+
+def rope_inv_freq(params: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale of one rotary setting (default, linear, llama3)."""
+    dim = int(head_dim * params.get("partial", 1.0))
+    inv = 1.0 / (params["theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = params.get("type", "default")
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / params["factor"], 1.0
+    if kind == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, inv_l), 1.0
+    raise ConfigError(f"rope type {kind!r} is not supported; looplm supports default, linear, llama3")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for each attention kind ("full", "sliding") present in the config."""
+
+    def __init__(self, config: LoopLMConfig):
+        super().__init__()
+        self.kinds = sorted(config.rope)
+        self.scales = {}
+        for kind in self.kinds:
+            inv, scale = rope_inv_freq(config.rope[kind], config.head_dim)
+            self.register_buffer(f"inv_freq_{kind}", inv, persistent=False)
+            self.scales[kind] = scale
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
+        tables = {}
+        for kind in self.kinds:
+            inv = getattr(self, f"inv_freq_{kind}")
+            freqs = position_ids[..., None].float() * inv.float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            tables[kind] = ((emb.cos() * self.scales[kind]).to(dtype), (emb.sin() * self.scales[kind]).to(dtype))
+        if "sliding" not in tables:
+            tables["sliding"] = tables["full"]
+        return tables
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, t, head_dim]; cos/sin: [b, t, rot_dim]. Rotates the first rot_dim dims."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# --- attention and MLP ------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, config: LoopLMConfig):
+        super().__init__()
+        c = config
+        B, S, r = c.num_loops, c.num_vector_slots, c.lora_ranks
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = LoopLinear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias, B, S, r["q"])
+        self.k_proj = LoopLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias, B, S, r["kv"])
+        self.v_proj = LoopLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias, B, S, r["kv"])
+        self.o_proj = LoopLinear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias, B, S, r["out"])
+        self.q_norm = DepthNorm(c.head_dim, c.norm_type, c.norm_eps, S) if c.qk_norm else None
+        self.k_norm = DepthNorm(c.head_dim, c.norm_type, c.norm_eps, S) if c.qk_norm else None
+        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.softcap = c.attn_logit_softcap
+
+    def project(self, x: torch.Tensor, slot: Slot, cos: torch.Tensor, sin: torch.Tensor):
+        """x [b, t, hidden] -> rotated q [b, H, t, d] and k, v [b, KV, t, d]."""
+        b, t, _ = x.shape
+        if not isinstance(slot, int):
+            slot_h = slot.unsqueeze(-1)  # per-token slot broadcast over heads for q/k norms
+        q = self.q_proj(x, slot).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, slot).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, slot).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            s = slot if isinstance(slot, int) else slot_h.expand(b, t, self.num_heads)
+            q = self.q_norm(q, s)
+            s = slot if isinstance(slot, int) else slot_h.expand(b, t, self.num_kv_heads)
+            k = self.k_norm(k, s)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Scaled dot-product attention; mask is a bool [b|1, 1, q, kv] (True = attend) or None
+        for plain causal attention over equal-length q and kv."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+            )
+        # Gemma 2 soft-caps the attention logits, which SDPA cannot do: compute them by hand.
+        rep = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+    def forward(self, x, slot, cos, sin, mask, cache=None, depth: int = 0):
+        q, k, v = self.project(x, slot, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, depth)
+        out = self.attend(q, k, v, mask)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1), slot)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class MLP(nn.Module):
+    """GLU (down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward."""
+
+    def __init__(self, config: LoopLMConfig):
+        super().__init__()
+        c = config
+        if c.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"activation {c.hidden_act!r} is not supported; use one of {sorted(ACTIVATIONS)}")
+        B, S, r = c.num_loops, c.num_vector_slots, c.lora_ranks["ffn"]
+        self.act = ACTIVATIONS[c.hidden_act]
+        self.gate_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r) if c.mlp_type == "glu" else None
+        self.up_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r)
+        self.down_proj = LoopLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, B, S, r)
+
+    def forward(self, x: torch.Tensor, slot: Slot) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x, slot)), slot)
+        return self.down_proj(self.act(self.gate_proj(x, slot)) * self.up_proj(x, slot), slot)
+
+
+class Block(nn.Module):
+    """One shared transformer layer. Residual layouts: sequential (Llama, Gemma), sandwich norms
+    (Gemma 2/3: norms before and after each sublayer), parallel (GPT-NeoX)."""
+
+    def __init__(self, config: LoopLMConfig):
+        super().__init__()
+        c, S = config, config.num_vector_slots
+        self.parallel = c.parallel_residual
+        self.attn = Attention(c)
+        self.mlp = MLP(c)
+        self.attn_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S)
+        self.mlp_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S)
+        self.attn_out_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S) if c.sandwich_norms else None
+        self.mlp_out_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S) if c.sandwich_norms else None
+
+    def forward(self, h, slot, cos, sin, mask, cache=None, depth: int = 0):
+        a = self.attn(self.attn_norm(h, slot), slot, cos, sin, mask, cache, depth)
+        if self.parallel:
+            return h + a + self.mlp(self.mlp_norm(h, slot), slot)
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a, slot)
+        h = h + a
+        m = self.mlp(self.mlp_norm(h, slot), slot)
+        if self.mlp_out_norm is not None:
+            m = self.mlp_out_norm(m, slot)
+        return h + m
