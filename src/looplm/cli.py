@@ -14,11 +14,14 @@ from pathlib import Path
 COMMAND_MODULES = [
     "looplm.cli_core",
     "looplm.eval.cli",
+    "looplm.train.cli",
+    "looplm.serve.cli",
 ]
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
+class UsageError(ValueError):
+    """Bad input from the user: printed as one line, exit code 2. (A ValueError, so that it is caught
+    even when this file runs as __main__ and the class exists twice.)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # transformers' per-file loading bars; ours report real work
     from .models import ConfigError
     try:
         return int(args.func(args) or 0)

@@ -20,15 +20,25 @@ def register(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help="embedded name, HF/looplm directory or .gguf file")
     p.add_argument("--loops", type=int, default=2, help="B, the number of loops (must divide the layer count)")
     p.add_argument("--strategy", default="cycle", choices=["cycle", "sequence", "cycle-rev"])
-    p.add_argument("--init", default="average", help="stepwise | stepwise-start | average | lower | random")
+    p.add_argument("--init", default="average", help="stepwise | stepwise-start | average | lower | random | aware (needs --calib-text/--calib-data)")
     p.add_argument("--norms", default="tied-avg", help="tied-avg | tied-choice | tied-zero | per-depth")
     p.add_argument("--lora-rank", default="64", help="rank of every per-depth LoRA (0 = plain recursive, 'full')")
     p.add_argument("--lora-ranks", default=None, help="per-group ranks, e.g. q=128,kv=64,out=128,ffn=256")
-    p.add_argument("--lora-init", default="svd", help="svd | zero")
+    p.add_argument("--lora-init", default="svd", help="svd | zero | aware-svd (needs --calib-text/--calib-data)")
     p.add_argument("--out", default=None, help="output directory (default: out/<model>-b<loops>-r<rank>)")
     p.add_argument("--text", default=None, help="held-out text for the before/after perplexity")
     p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens of held-out text to score (0 = skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calib-text", action="append", default=[], metavar="FILE",
+                   help="training-split text for --init aware / --lora-init aware-svd (repeatable; never held-out text)")
+    p.add_argument("--calib-data", action="append", default=[], metavar="DIR",
+                   help="directory of training-split .txt files for calibration (repeatable)")
+    p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens to run through the original model")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="calibration window length in tokens")
+    p.add_argument("--calib-damp", type=float, default=0.01,
+                   help="damping of the input statistics, relative to their mean diagonal (see docs/AWARE.md)")
+    p.add_argument("--calib-no-fold-norms", action="store_true",
+                   help="do not account for tied norm weights in the data-aware objective")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_convert)
 
@@ -52,14 +62,17 @@ def cmd_convert(args) -> int:
     out = Path(args.out) if args.out else Path("out") / f"{Path(args.model).name}-b{args.loops}-r{args.lora_rank}"
     with Timer() as t_load:
         vanilla, tok = load_model(args.model)
+    calibration = _calibration(args, vanilla, tok, text)
     with Timer() as t_conv:
         model = convert(vanilla, loops=args.loops, strategy=args.strategy, init=args.init, norms=args.norms,
-                        lora_ranks=ranks, lora_init=args.lora_init, seed=args.seed)
+                        lora_ranks=ranks, lora_init=args.lora_init, seed=args.seed, calibration=calibration)
     save_model(model, tok, out)
     before, after = count_parameters(vanilla), count_parameters(model)
     result = {"out": str(out), "load_seconds": round(t_load.seconds, 2), "convert_seconds": round(t_conv.seconds, 2),
               "n_emb_before": before["n_emb"], "n_emb_after": after["n_emb"],
               "total_before": before["total"], "total_after": after["total"], "lora_ranks": model.config.lora_ranks}
+    if calibration is not None:
+        result["calibration"] = calibration.summary()
     if args.ppl_tokens:
         ppl_before, ppl_after = _ppl(vanilla, tok, text, args.ppl_tokens), _ppl(model, tok, text, args.ppl_tokens)
         result.update(ppl_before=ppl_before["perplexity"], ppl_after=ppl_after["perplexity"],
@@ -77,6 +90,26 @@ def cmd_convert(args) -> int:
               f"converted {result['ppl_after']:.2f}")
     print(f"wrote {out}")
     return 0
+
+
+def _calibration(args, vanilla, tok, heldout: str):
+    """Input statistics of the original model on --calib-text / --calib-data (None without them)."""
+    if not (args.calib_text or args.calib_data):
+        return None
+    from .convert import aware
+    from .models import ConfigError
+    try:
+        texts, paths = aware.read_calibration_texts(args.calib_text, args.calib_data)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if aware.shares_text(texts, heldout) or aware.shares_text(texts, sample_text()):
+        raise UsageError("the calibration text contains held-out text (the --text file or the built-in Milton "
+                         "sample): calibrate on a training split only")
+    windows = aware.text_windows(tok, texts, args.calib_seq_len, args.calib_tokens,
+                                 add_bos=bool(getattr(vanilla.config, "add_bos_token", False)))
+    source = paths[0] if len(paths) == 1 else f"{len(paths)} files"
+    return aware.collect_calibration(vanilla, windows, damp=args.calib_damp,
+                                     fold_norms=not args.calib_no_fold_norms, source=source)
 
 
 def cmd_info(args) -> int:

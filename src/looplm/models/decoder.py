@@ -64,6 +64,8 @@ class LoopLMPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, Rotary):
+            module.reset()
         elif isinstance(module, DepthNorm):
             (nn.init.zeros_ if module.kind == "rms_plus1" else nn.init.ones_)(module.weight)
             if module.bias is not None:

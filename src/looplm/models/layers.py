@@ -128,12 +128,21 @@ class Rotary(nn.Module):
 
     def __init__(self, config: LoopLMConfig):
         super().__init__()
+        self.config = config
         self.kinds = sorted(config.rope)
         self.scales = {}
         for kind in self.kinds:
             inv, scale = rope_inv_freq(config.rope[kind], config.head_dim)
             self.register_buffer(f"inv_freq_{kind}", inv, persistent=False)
             self.scales[kind] = scale
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Recompute the tables (transformers builds models on the meta device, so non-persistent
+        buffers must be filled in again after loading)."""
+        for kind in self.kinds:
+            inv, _ = rope_inv_freq(self.config.rope[kind], self.config.head_dim)
+            getattr(self, f"inv_freq_{kind}").copy_(inv)
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -278,3 +287,31 @@ class Block(nn.Module):
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m, slot)
         return h + m
+
+    def forward_attend(self, h, slot, cos, sin, attend_fn):
+        """``forward`` with the attention core supplied by the caller (serving engines that keep their
+        own KV cache and mix requests, positions and depths in one flat batch).
+
+        ``attend_fn(q, k, v, attn)`` gets the rotated q [b, H, t, d], k, v [b, KV, t, d] of this
+        block and returns the attention output [b, H, t, d]; norms, projections, per-depth LoRA
+        (grouped when ``slot`` is a per-token tensor), MLP and residuals are exactly ``forward``'s."""
+        attn = self.attn
+        q, k, v = attn.project(self.attn_norm(h, slot), slot, cos, sin)
+        out = attend_fn(q, k, v, attn)
+        b, _, t, _ = out.shape
+        a = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1), slot)
+        if self.parallel:
+            return h + a + self.mlp(self.mlp_norm(h, slot), slot)
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a, slot)
+        h = h + a
+        m = self.mlp(self.mlp_norm(h, slot), slot)
+        if self.mlp_out_norm is not None:
+            m = self.mlp_out_norm(m, slot)
+        return h + m
+
+    def project_kv(self, h, slot, cos, sin):
+        """The rotated k, v [b, KV, t, d] this block would cache for input ``h`` (no attention, no
+        MLP): used to fill the KV entries of depths an early-exited token skipped (CALM-style copy)."""
+        _, k, v = self.attn.project(self.attn_norm(h, slot), slot, cos, sin)
+        return k, v

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random models of every family (transformers' own classes, the oracle),
+and the real embedded SmolLM2 (loaded once per session)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def make_hf_model(family: str, num_layers: int = 4, seed: int = 0):
+    """A randomly initialised transformers model of a family, with norms and biases perturbed so
+    that they matter in comparisons."""
+    import transformers as T
+    torch.manual_seed(seed)
+    small = {**SMALL, "num_hidden_layers": num_layers}
+    if family == "llama":
+        model = T.LlamaForCausalLM(T.LlamaConfig(**small, tie_word_embeddings=True))
+    elif family == "llama-untied":
+        model = T.LlamaForCausalLM(T.LlamaConfig(**small, tie_word_embeddings=False, attention_bias=True))
+    elif family == "gemma":
+        model = T.GemmaForCausalLM(T.GemmaConfig(**small))
+    elif family == "gemma2":
+        model = T.Gemma2ForCausalLM(T.Gemma2Config(**small, sliding_window=8))
+    elif family == "gemma3":
+        model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**small, sliding_window=8,
+                                                       layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)))
+    elif family in ("gpt_neox", "gpt_neox-sequential"):
+        neox = {k: v for k, v in small.items() if k not in ("num_key_value_heads", "head_dim")}
+        model = T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**neox, use_parallel_residual=family == "gpt_neox"))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+FAMILIES = ["llama", "llama-untied", "gemma", "gemma2", "gemma3", "gpt_neox", "gpt_neox-sequential"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from looplm.models import load_model
+    return load_model("smollm2-135m")[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(looplm vanilla model, tokenizer, transformers model) for the real SmolLM2-135M."""
+    from looplm.models import load_hf_reference, load_model
+    model, tok = load_model("smollm2-135m")
+    hf, _ = load_hf_reference("smollm2-135m")
+    return model, tok, hf
+
+
+@pytest.fixture(scope="session")
+def heldout_text():
+    from looplm.cli_core import sample_text
+    return sample_text()

@@ -1,0 +1,87 @@
+"""The `looplm` command end to end on a small checkpoint: convert, info, eval ppl, and bad input
+(exit code 2, a one-line error, no half-written output)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import SMALL
+
+
+def run(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "looplm.cli", *args], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"looplm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, smollm2_tokenizer):
+    """A small randomly initialised Llama checkpoint in Hugging Face format, with SmolLM2's tokenizer."""
+    import transformers as T
+    tok = smollm2_tokenizer
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**{**SMALL, "vocab_size": len(tok)}, tie_word_embeddings=True))
+    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_convert_info_eval(hf_dir, tmp_path):
+    out = tmp_path / "relaxed"
+    result = json.loads(run("convert", "--model", str(hf_dir), "--loops", "2", "--lora-rank", "8",
+                            "--out", str(out), "--ppl-tokens", "256", "--json").stdout)
+    assert result["n_emb_after"] < result["n_emb_before"]
+    assert result["ppl_before"] > 1 and result["ppl_after"] > 1 and result["ppl_tokens"] == 256
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+    info = json.loads(run("info", str(out), "--json").stdout)
+    assert info["loops"] == 2 and info["layer_map"] == [0, 1, 0, 1] and info["n_emb"] == result["n_emb_after"]
+
+    ppl = json.loads(run("eval", "ppl", str(out), "--json", "--max-tokens", "200").stdout)
+    assert ppl["tokens"] == 200 and ppl["perplexity"] > 1 and len(ppl["per_loop"]) == 2
+    exit1 = json.loads(run("eval", "ppl", str(out), "--json", "--max-tokens", "200", "--exit-loop", "1").stdout)
+    assert exit1["perplexity"] == pytest.approx(ppl["per_loop"][0]["perplexity"], rel=1e-6)
+
+    human = run("convert", "--model", str(hf_dir), "--lora-rank", "0", "--out", str(tmp_path / "rec"),
+                "--ppl-tokens", "0").stdout
+    assert "N-emb" in human and "wrote" in human
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--loops", "3"], "does not divide"),
+    (["--lora-rank", "1000"], "exceeds min"),
+    (["--lora-ranks", "attn=4"], "unknown LoRA group"),
+    (["--init", "middle"], "unknown --init"),
+])
+def test_bad_convert_input(hf_dir, tmp_path, args, message):
+    out = tmp_path / "never"
+    proc = run("convert", "--model", str(hf_dir), "--out", str(out), "--ppl-tokens", "0", *args, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_unknown_model_name(tmp_path):
+    proc = run("info", "no-such-model", check=False)
+    assert proc.returncode == 2 and "smollm2-135m" in proc.stderr
+
+
+def test_corrupt_checkpoint(hf_dir, tmp_path):
+    out = tmp_path / "m"
+    run("convert", "--model", str(hf_dir), "--lora-rank", "0", "--out", str(out), "--ppl-tokens", "0")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    proc = run("eval", "ppl", str(out), check=False)
+    assert proc.returncode == 2 and "corrupt or truncated" in proc.stderr
+
+
+def test_empty_text_file(hf_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    proc = run("eval", "ppl", str(hf_dir), "--text", str(empty), check=False)
+    assert proc.returncode == 2 and "empty" in proc.stderr
