@@ -47,6 +47,12 @@ def test_convert_info_eval(hf_dir, tmp_path):
     exit1 = json.loads(run("eval", "ppl", str(out), "--json", "--max-tokens", "200", "--exit-loop", "1").stdout)
     assert exit1["perplexity"] == pytest.approx(ppl["per_loop"][0]["perplexity"], rel=1e-6)
 
+    unrolled = tmp_path / "unrolled"
+    run("unroll", str(out), "--out", str(unrolled))
+    assert json.loads(run("info", str(unrolled), "--json").stdout)["loops"] == 1
+    dense_ppl = json.loads(run("eval", "ppl", str(unrolled), "--json", "--max-tokens", "200").stdout)
+    assert dense_ppl["perplexity"] == pytest.approx(ppl["perplexity"], rel=1e-4)
+
     human = run("convert", "--model", str(hf_dir), "--lora-rank", "0", "--out", str(tmp_path / "rec"),
                 "--ppl-tokens", "0").stdout
     assert "N-emb" in human and "wrote" in human

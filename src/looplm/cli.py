@@ -25,7 +25,7 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="looplm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="looplm", description="Relaxed Recursive Transformers: convert, uptrain, evaluate and serve looped LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -20,7 +20,8 @@ def register(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help="embedded name, HF/looplm directory or .gguf file")
     p.add_argument("--loops", type=int, default=2, help="B, the number of loops (must divide the layer count)")
     p.add_argument("--strategy", default="cycle", choices=["cycle", "sequence", "cycle-rev"])
-    p.add_argument("--init", default="average", help="stepwise | stepwise-start | average | lower | random | aware (needs --calib-text/--calib-data)")
+    p.add_argument("--init", default="average",
+                   help="stepwise | stepwise-start | average | lower | random | aware (needs --calib-text/-data)")
     p.add_argument("--norms", default="tied-avg", help="tied-avg | tied-choice | tied-zero | per-depth")
     p.add_argument("--lora-rank", default="64", help="rank of every per-depth LoRA (0 = plain recursive, 'full')")
     p.add_argument("--lora-ranks", default=None, help="per-group ranks, e.g. q=128,kv=64,out=128,ffn=256")
@@ -30,17 +31,22 @@ def register(sub) -> None:
     p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens of held-out text to score (0 = skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calib-text", action="append", default=[], metavar="FILE",
-                   help="training-split text for --init aware / --lora-init aware-svd (repeatable; never held-out text)")
+                   help="training-split text for --init aware / --lora-init aware-svd (repeatable; never held-out)")
     p.add_argument("--calib-data", action="append", default=[], metavar="DIR",
                    help="directory of training-split .txt files for calibration (repeatable)")
-    p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens to run through the original model")
+    p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens run through the original model")
     p.add_argument("--calib-seq-len", type=int, default=512, help="calibration window length in tokens")
     p.add_argument("--calib-damp", type=float, default=0.01,
-                   help="damping of the input statistics, relative to their mean diagonal (see docs/AWARE.md)")
+                   help="damping of the input statistics, relative to their mean diagonal (docs/AWARE.md)")
     p.add_argument("--calib-no-fold-norms", action="store_true",
                    help="do not account for tied norm weights in the data-aware objective")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("unroll", help="export the equivalent vanilla model: each depth's LoRA merged into dense weights")
+    p.add_argument("model")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_unroll)
 
     p = sub.add_parser("info", help="parameter counts (N-emb, total) and the layer map of a model")
     p.add_argument("model")
@@ -127,4 +133,15 @@ def cmd_info(args) -> int:
     print(f"total      {info['total']:>13,}")
     print(f"LoRA ranks {info['lora_ranks']}, per-depth norms: {info['per_depth_vectors']}")
     print("layer map  " + " ".join(f"{d}->{k}" for d, k in enumerate(info["layer_map"])))
+    return 0
+
+
+def cmd_unroll(args) -> int:
+    from .convert import count_parameters, unroll
+    from .models import load_model, save_model
+    model, tok = load_model(args.model)
+    dense = unroll(model)
+    save_model(dense, tok, args.out)
+    print(f"unrolled {args.model} ({model.config.num_loops} loops) into {dense.config.num_hidden_layers} dense layers: "
+          f"N-emb {count_parameters(dense)['n_emb']:,}; wrote {args.out}")
     return 0

@@ -17,9 +17,9 @@ import torch
 from ..models import LORA_GROUPS, ConfigError, LoopLMConfig, LoopLMForCausalLM
 from ..models.layers import DepthNorm, LoopLinear
 
-INITS = ("stepwise", "stepwise-start", "average", "lower", "random")
+INITS = ("stepwise", "stepwise-start", "average", "lower", "random", "aware")
 NORMS = ("tied-avg", "tied-choice", "tied-zero", "per-depth")
-LORA_INITS = ("svd", "zero")
+LORA_INITS = ("svd", "zero", "aware-svd")
 # Which linears each LoRA rank group covers (paper appendix F: Q, KV, Out, FFN).
 GROUP_OF = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "out",
             "gate_proj": "ffn", "up_proj": "ffn", "down_proj": "ffn"}
@@ -112,11 +112,22 @@ def svd_factors(residual: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.
     return (U * S).to(residual.dtype), Vh.to(residual.dtype)
 
 
+def _derived_config(config: LoopLMConfig, **changes) -> LoopLMConfig:
+    """A copy of ``config`` with ``changes`` applied (transformers' bookkeeping keys dropped)."""
+    fields = config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures"):
+        fields.pop(key, None)
+    return LoopLMConfig(**{**fields, **changes})
+
+
 @torch.no_grad()
 def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle", init: str = "average",
             norms: str = "tied-avg", lora_ranks: dict | int | str = 0, lora_init: str = "svd",
-            seed: int = 0) -> LoopLMForCausalLM:
-    """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model."""
+            seed: int = 0, calibration=None) -> LoopLMForCausalLM:
+    """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model.
+
+    ``calibration`` (an ``aware.Calibration`` of the vanilla model) is needed by init "aware" and
+    lora_init "aware-svd" (convert/aware.py)."""
     src_cfg = vanilla.config
     if src_cfg.num_loops != 1:
         raise ConfigError("convert takes a vanilla model (num_loops = 1); this one is already recursive")
@@ -128,14 +139,13 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
         raise ConfigError(f"unknown --lora-init {lora_init!r}; use one of {', '.join(LORA_INITS)}")
     if not isinstance(lora_ranks, dict):
         lora_ranks = parse_lora_ranks(None, lora_ranks)
+    from . import aware
+    aware.check_calibration(calibration, src_cfg, init, lora_init, lora_ranks)
     torch.manual_seed(seed)
     started = time.perf_counter()
 
-    cfg_dict = src_cfg.to_dict()
-    for key in ("model_type", "transformers_version", "architectures"):
-        cfg_dict.pop(key, None)
-    config = LoopLMConfig(**{**cfg_dict, "num_loops": loops, "sharing": strategy,
-                             "per_depth_vectors": norms == "per-depth"})
+    config = _derived_config(src_cfg, num_loops=loops, sharing=strategy,
+                             per_depth_vectors=norms == "per-depth")
     config.lora_ranks = _resolve_ranks(config, lora_ranks)
     config.conversion = {
         **src_cfg.conversion, "loops": loops, "strategy": strategy, "init": init, "norms": norms,
@@ -159,7 +169,11 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
         src_lin = [_linears(src_layers[d]) for d in depths]
         for name, lin in _linears(block).items():
             stack = torch.stack([s[name].weight for s in src_lin])
-            if init == "average":
+            problem = aware.depth_problem(calibration, stack, depths, name.rsplit(".", 1)[-1], norms, pick) \
+                if calibration is not None and (init == "aware" or lora_init == "aware-svd") else None
+            if init == "aware":
+                lin.weight.copy_(aware.shared_weight(*problem))
+            elif init == "average":
                 lin.weight.copy_(stack.mean(0))
             elif chosen:
                 lin.weight.copy_(_linears(src_layers[pick])[name].weight)
@@ -167,12 +181,12 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
                 biases = torch.cat([s[name].bias for s in src_lin])  # [B, out]
                 if config.per_depth_vectors:
                     lin.bias.copy_(biases)
-                elif init == "average":
+                elif init in ("average", "aware"):
                     lin.bias.copy_(biases.mean(0, keepdim=True))
                 elif chosen:
                     lin.bias.copy_(_linears(src_layers[pick])[name].bias)
             if lin.rank:
-                _init_lora(lin, stack, lora_init)
+                _init_lora(lin, stack, lora_init, problem)
         if init == "random":
             continue  # norms keep their fresh init too
         src_norm = [_norms(src_layers[d]) for d in depths]
@@ -196,17 +210,21 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
     return model.eval()
 
 
-def _init_lora(lin: LoopLinear, pretrained: torch.Tensor, how: str) -> None:
+def _init_lora(lin: LoopLinear, pretrained: torch.Tensor, how: str, problem=None) -> None:
     """Per-depth LoRA init. SVD: B_d A_d = best rank-r approximation of W_d - W'. A depth whose
     pretrained weight equals the shared one (nothing to approximate) gets the ordinary zero init,
     A Gaussian and B zero, as does every depth under zero init (paper appendix C)."""
+    if how == "aware-svd":  # targets and input statistics from aware.depth_problem
+        from .aware import whitened_svd_factors
+        pretrained, covs = problem
     for slot, w_d in enumerate(pretrained):
-        residual = w_d - lin.weight
+        residual = w_d - lin.weight.to(w_d.dtype)
         if how == "zero" or not residual.any():
             lin.lora_A[slot].normal_(std=lin.in_features ** -0.5)
             lin.lora_B[slot].zero_()
             continue
-        b, a = svd_factors(residual, lin.rank)
+        b, a = whitened_svd_factors(residual, covs[slot], lin.rank) if how == "aware-svd" \
+            else svd_factors(residual, lin.rank)
         lin.lora_B[slot].copy_(b)
         lin.lora_A[slot].copy_(a)
 
@@ -216,11 +234,8 @@ def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
     """The equivalent vanilla (B = 1) model: every depth gets dense weights W' + B_d A_d and its own
     norm weights. Used for export and to check that conversion is exact where it should be."""
     c = model.config
-    cfg_dict = c.to_dict()
-    for key in ("model_type", "transformers_version", "architectures"):
-        cfg_dict.pop(key, None)
-    cfg_dict.update(num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={})
-    out = LoopLMForCausalLM(LoopLMConfig(**cfg_dict)).to(next(model.parameters()).dtype)
+    config = _derived_config(c, num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={})
+    out = LoopLMForCausalLM(config).to(next(model.parameters()).dtype)
     out.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")},
                         strict=False)
     for d, (k, slot) in enumerate(zip(c.layer_map, c.slot_map)):

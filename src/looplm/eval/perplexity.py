@@ -59,9 +59,10 @@ def perplexity(model, tokenizer, text: str, seq_len: int = 512, batch_size: int 
                                    num_loops=loops, output_loop_states=True)
         targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
         for i, h in enumerate(states):
-            logits = model.exit_logits(h[:, :-1]).float()
-            nll[i] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                      reduction="sum").double().cpu()
+            # One window at a time: a [batch, seq, vocab] float32 block is GBs for Gemma's 262k vocabulary.
+            for j in range(h.shape[0]):
+                logits = model.exit_logits(h[j, :-1]).float()
+                nll[i] += F.cross_entropy(logits, targets[j], ignore_index=-100, reduction="sum").double().cpu()
         count += int((targets != -100).sum())
         scored_text.extend(w[1:] for w in batch)
     # Bytes of the scored tokens (the text they decode to), for a tokenizer-independent measure.

@@ -223,14 +223,6 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
-    def forward(self, x, slot, cos, sin, mask, cache=None, depth: int = 0):
-        q, k, v = self.project(x, slot, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v, depth)
-        out = self.attend(q, k, v, mask)
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1), slot)
-
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -277,16 +269,13 @@ class Block(nn.Module):
         self.mlp_out_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S) if c.sandwich_norms else None
 
     def forward(self, h, slot, cos, sin, mask, cache=None, depth: int = 0):
-        a = self.attn(self.attn_norm(h, slot), slot, cos, sin, mask, cache, depth)
-        if self.parallel:
-            return h + a + self.mlp(self.mlp_norm(h, slot), slot)
-        if self.attn_out_norm is not None:
-            a = self.attn_out_norm(a, slot)
-        h = h + a
-        m = self.mlp(self.mlp_norm(h, slot), slot)
-        if self.mlp_out_norm is not None:
-            m = self.mlp_out_norm(m, slot)
-        return h + m
+        """Dense attention over this call's tokens plus, with a cache, the depth's cached keys/values
+        (``cache.update(k, v, depth)``, transformers' Cache interface)."""
+        def attend(q, k, v, attn):
+            if cache is not None:
+                k, v = cache.update(k, v, depth)
+            return attn.attend(q, k, v, mask)
+        return self.forward_attend(h, slot, cos, sin, attend)
 
     def forward_attend(self, h, slot, cos, sin, attend_fn):
         """``forward`` with the attention core supplied by the caller (serving engines that keep their

@@ -1,0 +1,10 @@
+"""Serving: KV cache, exit policies, the engine, and static / sequence-wise / depth-wise schedulers."""
+
+from .cache import KVCache
+from .engine import Engine, Request
+from .exits import ExitPolicy, parse_policy
+from .sampling import RequestError, SamplingParams
+from .schedulers import SCHEDULERS, make_scheduler, replay, generate
+
+__all__ = ["KVCache", "Engine", "Request", "ExitPolicy", "parse_policy", "RequestError", "SamplingParams",
+           "SCHEDULERS", "make_scheduler", "replay", "generate"]

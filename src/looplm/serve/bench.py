@@ -1,0 +1,400 @@
+"""`looplm bench serve`: request traces from real text, replayed against static, sequence-wise and
+depth-wise batching on one engine, plus the paper's hypothetical (simulated) throughput.
+
+Figures per run: useful tokens/s (tokens delivered to finished requests / makespan), TTFT and TPOT
+p50/p99, peak RSS, exits per loop, and agreement (fraction of generated tokens equal to the
+full-depth greedy token of the same model given the same prefix, teacher-forced).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from importlib import resources
+
+import torch
+
+from .engine import Engine, Request
+from .exits import ExitPolicy
+from .schedulers import make_scheduler, replay, rss_mb
+
+
+def heldout_text() -> str:
+    return resources.files("looplm").joinpath("data", "heldout_sample.txt").read_text(encoding="utf-8")
+
+
+def make_trace(token_ids: list[int], n: int, prompt_len=(16, 96), output_len=(8, 64), arrivals="all",
+               rate: float = 4.0, seed: int = 0) -> list[dict]:
+    """n requests cut from real text at random offsets: prompt and output lengths uniform in the
+    given ranges; arrival 0 for all ("all") or a Poisson process of ``rate`` requests/s ("poisson")."""
+    rnd = random.Random(seed)
+    if len(token_ids) < prompt_len[1] + 2:
+        raise ValueError("the trace text is shorter than the longest prompt")
+    t, out = 0.0, []
+    for _ in range(n):
+        L, o = rnd.randint(*prompt_len), rnd.randint(*output_len)
+        s = rnd.randint(0, len(token_ids) - L - 1)
+        if arrivals == "poisson":
+            t += rnd.expovariate(rate)
+        elif arrivals != "all":
+            raise ValueError(f"unknown arrival pattern {arrivals!r}; use all or poisson")
+        out.append({"prompt": token_ids[s:s + L], "max_tokens": o, "arrival": t})
+    return out
+
+
+def percentile(xs, q):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_trace(model, trace, scheduler: str, max_batch: int, max_seq_len: int, policy: ExitPolicy | None = None,
+              kv_mode: str = "copy") -> tuple[dict, list[Request], Engine]:
+    engine = Engine(model, max_batch=max_batch, max_seq_len=max_seq_len, exit_policy=policy, kv_mode=kv_mode)
+    reqs = [Request(r["prompt"], r["max_tokens"], arrival=r["arrival"]) for r in trace]
+    rss0 = rss_mb()
+    res = replay(make_scheduler(scheduler, engine), reqs)
+    ok = [r for r in reqs if r.status == "done"]
+    tokens = sum(len(r.output) for r in ok)
+    first = min(r.arrival for r in reqs)
+    span = max(r.finish_time for r in ok) - first if ok else float("nan")
+    ttft = [r.ttft for r in ok]
+    tpot = [r.tpot for r in ok]
+    stats = engine.stats
+    fig = {
+        "tokens": tokens, "seconds": round(span, 3), "tokens_per_s": round(tokens / span, 2),
+        "ttft_p50": _r(percentile(ttft, 0.5)), "ttft_p99": _r(percentile(ttft, 0.99)),
+        "tpot_p50": _r(percentile(tpot, 0.5)), "tpot_p99": _r(percentile(tpot, 0.99)),
+        "peak_rss_mb": round(res["peak_rss_mb"], 1), "rss_growth_mb": round(res["peak_rss_mb"] - rss0, 1),
+        "kv_cache_mb": round(engine.cache.nbytes / 2 ** 20, 1),
+        "exits_per_loop": list(stats["exits_per_loop"]), "steps": stats["stages"],
+        "mixed_steps": stats["mixed_stages"], "mean_items_per_step": round(stats["stage_items"] / max(1, stats["stages"]), 2),
+        "kv_copy_tokens": stats["kv_copy_tokens"], "kv_later_items": stats["kv_later_items"],
+        "failed": sum(r.status == "error" for r in reqs),
+    }
+    return fig, reqs, engine
+
+
+def _r(x, n=4):
+    return None if x is None else round(x, n)
+
+
+@torch.no_grad()
+def agreement(model, reqs) -> float:
+    """Fraction of generated tokens equal to the full-depth greedy choice given the same prefix."""
+    same = total = 0
+    for r in reqs:
+        if not r.output:
+            continue
+        ids = torch.tensor([r.prompt + r.output[:-1]], device=next(model.parameters()).device)
+        want = model(ids).logits[0, len(r.prompt) - 1:].argmax(-1).tolist()
+        same += sum(a == b for a, b in zip(want, r.output))
+        total += len(r.output)
+    return same / total if total else float("nan")
+
+
+# --- the paper's hypothetical throughput (appendix J) -------------------------------------------
+
+def stage_time_model(stage_times) -> tuple[float, float]:
+    """Least-squares t(n) = a + b n over decode-only steps (n items, n tokens)."""
+    pts = [(n, dt) for n, t, dt in stage_times if n == t]
+    if len(pts) < 2:
+        pts = [(n, dt) for n, t, dt in stage_times]
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return max(my - b * mx, 0.0), max(b, 0.0)
+
+
+def simulate(trajectories: list[list[int]], num_loops: int, max_batch: int, t_stage) -> dict:
+    """Decode-only throughput (tokens per simulated second) of three ways to serve a queue of
+    requests whose token-by-token exit loops are ``trajectories``; one loop over n items costs
+    t_stage(n). Vanilla = the same depth with no exits (B loops per token)."""
+    B, M = num_loops, max_batch
+    total = sum(len(t) for t in trajectories)
+    # static: batches of M in queue order; every step costs a full depth over the whole batch
+    t_static = 0.0
+    for i in range(0, len(trajectories), M):
+        batch = trajectories[i:i + M]
+        t_static += max(len(t) for t in batch) * B * t_stage(len(batch))
+    # continuous sequence-wise: finished requests are replaced at once; full depth per step
+    queue, active, t_seq = list(range(len(trajectories))), [], 0.0
+    left = [len(t) for t in trajectories]
+    while queue or active:
+        while queue and len(active) < M:
+            active.append(queue.pop(0))
+        t_seq += B * t_stage(len(active))
+        for a in active:
+            left[a] -= 1
+        active = [a for a in active if left[a] > 0]
+    # continuous depth-wise with oracle exits: one loop per step, exits free the slot's next token
+    queue, active, t_cdb = list(range(len(trajectories))), {}, 0.0  # request -> (token index, loop)
+    while queue or active:
+        while queue and len(active) < M:
+            active[queue.pop(0)] = (0, 0)
+        t_cdb += t_stage(len(active))
+        for a, (ti, loop) in list(active.items()):
+            if loop + 1 >= trajectories[a][ti]:  # exits after this loop
+                active[a] = (ti + 1, 0)
+                if ti + 1 >= len(trajectories[a]):
+                    del active[a]
+            else:
+                active[a] = (ti, loop + 1)
+    thr = {"static": total / t_static, "sequence": total / t_seq, "depth_oracle": total / t_cdb}
+    return {"tokens_per_s": {k: round(v, 2) for k, v in thr.items()},
+            "delta_v": round(thr["depth_oracle"] / thr["static"], 3),
+            "delta_seq": round(thr["depth_oracle"] / thr["sequence"], 3),
+            "mean_exit_loop": round(sum(map(sum, trajectories)) / total, 3)}
+
+
+# --- machine limits ------------------------------------------------------------------------------
+
+def machine_limits(size: int = 1024, reps: int = 5) -> dict:
+    """Measured float32 matmul GFLOP/s and memory copy GB/s on this process's threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    gflops = 2 * size ** 3 * reps / (time.perf_counter() - t) / 1e9
+    x = torch.empty(32 * 2 ** 20)  # 128 MB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    gbs = 2 * x.numel() * 4 * reps / (time.perf_counter() - t) / 1e9  # read + write
+    return {"matmul_gflops": round(gflops, 1), "copy_gb_s": round(gbs, 1), "matmul_size": size}
+
+
+def utilisation(model, fig: dict, limits: dict) -> dict:
+    """Achieved FLOP/s (2 x weights used per token x tokens/s) and weight bytes read per step x
+    steps/s, as fractions of the measured matmul and copy limits (decode-dominated estimate)."""
+    c = model.config
+    body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    head = c.vocab_size * c.hidden_size
+    per_token = 2 * (body * c.num_loops + head)  # every depth runs once per token at full depth
+    flops = per_token * fig["tokens_per_s"]
+    step_bytes = (body + head) * next(model.parameters()).element_size()
+    bw = step_bytes * fig["steps"] / fig["seconds"]
+    return {"gflops": round(flops / 1e9, 2), "matmul_fraction": round(flops / 1e9 / limits["matmul_gflops"], 3),
+            "weight_gb_s": round(bw / 1e9, 2), "bandwidth_fraction": round(bw / 1e9 / limits["copy_gb_s"], 3)}
+
+
+# --- the whole benchmark -------------------------------------------------------------------------
+
+HEADLINE_KEYS = ("tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "peak_rss_mb")
+
+
+def _looped_model(args, vanilla):
+    from ..models import load_model
+    if args.looped:
+        model, _ = load_model(args.looped)
+        return model, f"{args.looped}"
+    from ..convert import convert, parse_lora_ranks
+    ranks = parse_lora_ranks(None, args.lora_rank)
+    model = convert(vanilla, loops=args.loops, init=args.init, lora_ranks=ranks, norms="per-depth", seed=args.seed)
+    return model.eval(), f"{args.model} converted: B={args.loops}, init {args.init}, LoRA rank {args.lora_rank}, " \
+                         f"per-depth norms (not uptrained)"
+
+
+def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
+    """transformers generate (batch 1) and generate_batch vs our engine (vanilla model,
+    sequence-wise) on the same requests, all with one output length (generate_batch takes one)."""
+    from transformers import GenerationConfig
+    from ..models import load_hf_reference
+    hf, _ = load_hf_reference(args.model)
+    sub = trace[:args.hf]
+    n_new = max(r["max_tokens"] for r in sub)
+    sub = [{**r, "max_tokens": n_new, "arrival": 0.0} for r in sub]
+    out = {"requests": len(sub), "max_new_tokens": n_new}
+    cfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    t, toks = time.perf_counter(), 0
+    with torch.no_grad():
+        for r in sub:
+            g = hf.generate(torch.tensor([r["prompt"]]), generation_config=cfg)
+            toks += g.shape[1] - len(r["prompt"])
+    out["hf_generate_b1_tokens_per_s"] = round(toks / (time.perf_counter() - t), 2)
+    if log:
+        log(f"  transformers generate, batch 1: {out['hf_generate_b1_tokens_per_s']} tok/s")
+    try:
+        t = time.perf_counter()
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        # sized explicitly: left to itself it sizes the cache from free memory, which on a shared CPU
+        # machine got the process killed
+        cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
+        res = hf.generate_batch([r["prompt"] for r in sub], generation_config=cfg, continuous_batching_config=cb,
+                                progress_bar=False)
+        toks = sum(len(v.generated_tokens) for v in res.values())
+        out["hf_generate_batch_tokens_per_s"] = round(toks / (time.perf_counter() - t), 2)
+    except Exception as e:  # report rather than abort the benchmark
+        out["hf_generate_batch_error"] = f"{type(e).__name__}: {e}"
+    if log:
+        log(f"  transformers generate_batch: {out.get('hf_generate_batch_tokens_per_s', out.get('hf_generate_batch_error'))}")
+    fig, _, _ = run_trace(vanilla, sub, "sequence", args.max_batch, max_seq_len)
+    out["engine_sequence_tokens_per_s"] = fig["tokens_per_s"]
+    out["vs_generate_b1"] = round(fig["tokens_per_s"] / out["hf_generate_b1_tokens_per_s"], 2)
+    if "hf_generate_batch_tokens_per_s" in out:
+        out["vs_generate_batch"] = round(fig["tokens_per_s"] / out["hf_generate_batch_tokens_per_s"], 2)
+    if log:
+        log(f"  our engine (vanilla, sequence-wise, batch {args.max_batch}): {fig['tokens_per_s']} tok/s")
+    del hf
+    return out
+
+
+def bench_serve(args, arrivals: list[str], log=print) -> dict:
+    from ..models import load_model
+    from .exits import parse_policy
+    say = log or (lambda *a: None)
+    vanilla, tok = load_model(args.model)
+    vanilla.eval()
+    ids = tok(heldout_text(), add_special_tokens=False)["input_ids"]
+    max_seq_len = args.prompt_len[1] + args.output_len[1]
+    base = make_trace(ids, args.requests, args.prompt_len, args.output_len, "all", seed=args.seed)
+    if getattr(args, "hf_only", False):
+        if not args.hf:
+            raise ValueError("--hf-only needs --hf N")
+        return {"model": args.model, "torch_threads": torch.get_num_threads(), "machine": machine_limits(),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "transformers": hf_comparison(args, base, vanilla, max_seq_len, log)}
+    looped, looped_desc = _looped_model(args, vanilla)
+    policy = parse_policy(args.exit)
+    limits = machine_limits()
+    result = {"model": args.model, "looped": looped_desc, "exit_policy": f"{policy.kind}:{policy.threshold}",
+              "kv_mode": args.kv_mode, "max_batch": args.max_batch, "torch_threads": torch.get_num_threads(),
+              "machine": limits, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    say(f"vanilla {args.model}; looped: {looped_desc}; exit {result['exit_policy']}, kv {args.kv_mode}")
+    other_kv = "later" if args.kv_mode == "copy" else "copy"
+    for arrival in arrivals:
+        if arrival == "poisson":
+            rate = args.rate
+            if rate is None:  # ~80% of what sequence-wise batching sustained on the all-at-once trace
+                seq = result.get("schedulers", {}).get("sequence", {}).get("tokens_per_s")
+                mean_out = sum(r["max_tokens"] for r in base) / len(base)
+                rate = 0.8 * seq / mean_out if seq else 1.0
+            trace = make_trace(ids, args.requests, args.prompt_len, args.output_len, "poisson", rate, args.seed)
+            say(f"\nPoisson arrivals, {rate:.2f} requests/s")
+        else:
+            trace = base
+            say(f"\nall {len(trace)} requests at once; prompts {args.prompt_len}, outputs {args.output_len}")
+        runs = {}
+        plan = [("static", vanilla, "static", None, "copy"), ("sequence", vanilla, "sequence", None, "copy"),
+                ("depth", looped, "depth", policy, args.kv_mode)]
+        if arrival == "all":
+            plan.append(("depth_oracle", looped, "depth", parse_policy("oracle"), "copy"))
+            if args.extra:
+                plan += [(f"depth_kv_{other_kv}", looped, "depth", policy, other_kv),
+                         ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
+                         ("looped_depth_full_depth", looped, "depth", None, "copy")]
+        engines = {}
+        for name, model, sched, pol, kv in plan:
+            fig, reqs, engine = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, kv)
+            if model is looped:
+                fig["agreement"] = round(agreement(looped, reqs), 4)
+            fig["model"] = "vanilla" if model is vanilla else "looped"
+            fig["scheduler"] = sched
+            runs[name] = fig
+            engines[name] = (engine, reqs)
+            say(f"  {name:<28} {fig['tokens_per_s']:>8.1f} tok/s  ttft p50 {fig['ttft_p50']:.3f}s p99 "
+                f"{fig['ttft_p99']:.3f}s  tpot p50 {fig['tpot_p50']:.4f}s p99 {fig['tpot_p99']:.4f}s  "
+                f"rss {fig['peak_rss_mb']:.0f} MB  exits/loop {fig['exits_per_loop']}"
+                + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else ""))
+        block = {"schedulers": {k: {**{h: runs[k][h] for h in HEADLINE_KEYS}, "model": runs[k]["model"]}
+                                for k in ("static", "sequence", "depth")},
+                 "agreement": runs["depth"]["agreement"],
+                 "speedup": {"depth_vs_static": round(runs["depth"]["tokens_per_s"] / runs["static"]["tokens_per_s"], 3),
+                             "depth_vs_sequence": round(runs["depth"]["tokens_per_s"] / runs["sequence"]["tokens_per_s"], 3)},
+                 "runs": runs,
+                 "utilisation": {k: utilisation(vanilla if runs[k]["model"] == "vanilla" else looped, runs[k], limits)
+                                 for k in ("static", "sequence", "depth")}}
+        say(f"  measured: depth/static {block['speedup']['depth_vs_static']}x, depth/sequence "
+            f"{block['speedup']['depth_vs_sequence']}x at agreement {block['agreement']:.3f}")
+        if "depth_oracle" in runs:
+            engine, reqs = engines["depth_oracle"]
+            a, b = stage_time_model(engine.stats["stage_times"])
+            sim = simulate([r.oracle_loops for r in reqs if r.oracle_loops], looped.config.num_loops,
+                           args.max_batch, lambda n: a + b * n)
+            sim["stage_time_model"] = {"a_s": round(a, 5), "b_s_per_item": round(b, 6)}
+            sim["oracle_exits_per_loop"] = [sum(l == i + 1 for r in reqs for l in r.oracle_loops)
+                                            for i in range(looped.config.num_loops)]
+            block["hypothetical"] = sim
+            say(f"  hypothetical (oracle exits x measured step times): Delta_V {sim['delta_v']}x, "
+                f"Delta_Seq {sim['delta_seq']}x; oracle exits per loop {sim['oracle_exits_per_loop']}")
+        if arrival == "all":
+            result.update(block)
+        else:
+            result[arrival] = block
+    say("\nexit policies, teacher-forced on held-out text (full-depth KV; an upper bound for the engine)")
+    trade = exit_tradeoff(looped, ids[len(ids) // 2:], n_tokens=args.tradeoff_tokens)
+    result["exit_tradeoff"] = trade
+    say(f"  per-loop perplexity {trade['per_loop_perplexity']}, oracle exit fraction {trade['oracle_exit_fraction']}")
+    for row in trade["policies"]:
+        say(f"  {row['policy']:<14} early exits {row['early_exit_fraction']:.3f}  agreement {row['agreement']:.4f}  "
+            f"perplexity {row['perplexity']}")
+    if args.hf:
+        say("\ntransformers comparison")
+        result["transformers"] = hf_comparison(args, base, vanilla, max_seq_len, log)
+    return result
+
+
+@torch.no_grad()
+def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: int = 256,
+                  policies=(("softmax", (0.5, 0.7, 0.9, 0.95)), ("margin", (0.3, 0.6, 0.9)),
+                            ("entropy", (2.0, 1.0, 0.5)), ("cosine", (0.9, 0.95, 0.99)))) -> dict:
+    """Teacher-forced on held-out text (full-depth KV, so an upper bound for the engine): per policy and
+    threshold, the fraction of tokens leaving before the last loop, agreement of their argmax with the
+    final loop's, and the perplexity of the logits actually used (exit logits where a token exits)."""
+    B = model.config.num_loops
+    dev = next(model.parameters()).device
+    ids = token_ids[:n_tokens + 1]
+    per_loop_logp, per_loop_arg, cos_prev = [], [], []
+    targets = []
+    for s in range(0, len(ids) - 1, seq_len):
+        w = ids[s:s + seq_len + 1]
+        if len(w) < 2:
+            break
+        x = torch.tensor([w[:-1]], device=dev)
+        h0 = model.model.embed(x)
+        _, states, _ = model.model(x, output_loop_states=True)
+        lp = [model.exit_logits(h)[0].float().log_softmax(-1) for h in states]
+        per_loop_logp.append(torch.stack(lp))                       # [B, t, V]
+        prev = [h0] + states[:-1]
+        cos_prev.append(torch.stack([torch.nn.functional.cosine_similarity(a[0].float(), b[0].float(), dim=-1)
+                                     for a, b in zip(states, prev)]))  # [B, t]
+        targets.append(torch.tensor(w[1:], device=dev))
+    logp, cosv, tgt = torch.cat(per_loop_logp, 1), torch.cat(cos_prev, 1), torch.cat(targets)
+    arg = logp.argmax(-1)
+    nll_loop = -logp.gather(-1, tgt[None, :, None].expand(B, -1, 1))[..., 0]  # [B, t]
+    out = {"tokens": int(tgt.numel()),
+           "per_loop_perplexity": [round(float(nll_loop[i].mean().exp()), 2) for i in range(B)],
+           "oracle_exit_fraction": [round(float((arg[i] == arg[-1]).float().mean()), 3) for i in range(B - 1)],
+           "policies": []}
+    probs = logp.exp()
+    for kind, thresholds in policies:
+        for thr in thresholds:
+            exit_loop = torch.full_like(tgt, B - 1)
+            for i in range(B - 2, -1, -1):
+                if kind == "softmax":
+                    ok = probs[i].max(-1).values >= thr
+                elif kind == "margin":
+                    t2 = probs[i].topk(2, -1).values
+                    ok = (t2[:, 0] - t2[:, 1]) >= thr
+                elif kind == "entropy":
+                    ok = -(probs[i] * logp[i].clamp_min(-1e30)).nan_to_num().sum(-1) <= thr
+                else:
+                    ok = cosv[i] >= thr
+                exit_loop = torch.where(ok, torch.full_like(exit_loop, i), exit_loop)
+            chosen = arg.gather(0, exit_loop[None])[0]
+            nll = nll_loop.gather(0, exit_loop[None])[0]
+            out["policies"].append({
+                "policy": f"{kind}:{thr}", "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 3),
+                "mean_loops": round(float(exit_loop.float().mean() + 1), 3),
+                "agreement": round(float((chosen == arg[-1]).float().mean()), 4),
+                "perplexity": round(float(nll.mean().exp()), 2)})
+    return out

@@ -1,0 +1,149 @@
+"""`looplm bench serve`, `looplm generate` and `looplm serve` (the HTTP server is in server.py)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..cli import UsageError, print_json
+
+
+def _bench_subparsers(sub):
+    """The `bench` command's subparsers, creating `bench` unless another module already did."""
+    if "bench" in sub.choices:
+        parser = sub.choices["bench"]
+        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.add_parser("bench", help="benchmarks")
+    return parser.add_subparsers(dest="bench_command", required=True)
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def register(sub) -> None:
+    bench = _bench_subparsers(sub)
+    p = bench.add_parser("serve", help="static vs sequence-wise vs depth-wise batching on real-text traces")
+    p.add_argument("--model", default="smollm2-135m", help="the vanilla model (embedded name or directory)")
+    p.add_argument("--looped", default=None, help="a saved looped model; default: convert --model on the fly")
+    p.add_argument("--loops", type=int, default=2, help="B when converting on the fly")
+    p.add_argument("--init", default="stepwise", help="init when converting on the fly")
+    p.add_argument("--lora-rank", default="64", help="LoRA rank when converting on the fly (0 = recursive)")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--prompt-len", type=_range, default=(16, 96), help="LO:HI tokens")
+    p.add_argument("--output-len", type=_range, default=(8, 64), help="LO:HI tokens")
+    p.add_argument("--arrivals", default="all,poisson", help="comma list of all, poisson")
+    p.add_argument("--rate", type=float, default=None, help="Poisson requests/s (default: ~80%% of the measured "
+                   "sequence-wise capacity on the all-at-once trace)")
+    p.add_argument("--max-batch", type=int, default=8, help="KV cache rows = concurrent requests")
+    p.add_argument("--exit", default="softmax:0.9", help="exit policy[:threshold] for the depth-wise run "
+                   "(softmax, margin, entropy, cosine, oracle, none)")
+    p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of skipped loops (headline run)")
+    p.add_argument("--extra", action="store_true", help="also: the other kv mode, looped model under sequence-wise "
+                   "batching without exits")
+    p.add_argument("--hf", type=int, default=0, help="also time transformers generate (batch 1) and generate_batch "
+                   "on the first N requests against our engine (vanilla, sequence-wise)")
+    p.add_argument("--tradeoff-tokens", type=int, default=1024, help="held-out tokens for the exit-policy table")
+    p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    p.set_defaults(func=cmd_bench_serve)
+
+    p = sub.add_parser("generate", help="generate text with the serving engine")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
+    p.add_argument("--exit", default="none", help="exit policy[:threshold]")
+    p.add_argument("--kv-mode", default="copy", choices=["copy", "later"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the depth-wise engine (docs/SERVING.md)")
+    p.add_argument("model", help="embedded model name or a saved model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: MODEL)")
+    p.add_argument("--max-concurrency", type=int, default=8, help="batch slots (KV cache rows)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the slots; more get 429")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="context per request (prompt + max_tokens - 1)")
+    p.add_argument("--exit-policy", default="none", help="exit policy[:threshold] for every request unless it asks "
+                   "for full depth (softmax, margin, entropy, cosine, none)")
+    p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of the loops an exit skips")
+    p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
+    p.add_argument("--loops", type=int, default=0, help="convert MODEL to B loops on the fly (0: serve as saved)")
+    p.add_argument("--init", default="stepwise", help="init when converting on the fly")
+    p.add_argument("--lora-rank", default="64", help="LoRA rank when converting on the fly (0 = recursive)")
+    p.add_argument("--device", default=None, help="torch device (default: where the model loads)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish "
+                   "after SIGINT/SIGTERM before they are failed")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from .exits import parse_policy
+    if args.max_concurrency < 1 or args.max_queue < 0 or args.max_seq_len < 2:
+        raise UsageError("need --max-concurrency >= 1, --max-queue >= 0 and --max-seq-len >= 2")
+    policy = parse_policy(args.exit_policy)  # a bad policy is a usage error before the model loads
+    if policy.kind == "oracle":
+        raise UsageError("the oracle policy is for analysis (it never exits); use softmax, margin, entropy, "
+                         "cosine or none")
+    from .server import main
+    return main(args)
+
+
+def cmd_generate(args) -> int:
+    from ..models import load_model
+    from .engine import Engine, Request
+    from .exits import parse_policy
+    from .sampling import SamplingParams
+    from .schedulers import make_scheduler, replay
+    model, tok = load_model(args.model)
+    sp = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    reqs = [Request(tok(p, add_special_tokens=bool(model.config.add_bos_token))["input_ids"], args.max_tokens, sp,
+                    eos_token_id=tok.eos_token_id) for p in args.prompt]
+    need = max(len(r.prompt) for r in reqs) + args.max_tokens
+    engine = Engine(model, max_batch=max(1, min(len(reqs), 16)), max_seq_len=max(need, 64),
+                    exit_policy=parse_policy(args.exit), kv_mode=args.kv_mode)
+    res = replay(make_scheduler(args.scheduler, engine), reqs)
+    out = [{"prompt": p, "status": r.status, "error": r.error, "text": tok.decode(r.output), "tokens": len(r.output),
+            "exit_loops": r.exit_loops} for p, r in zip(args.prompt, reqs)]
+    if args.json:
+        print_json({"results": out, "seconds": round(res["seconds"], 3)})
+    else:
+        for o in out:
+            print(o["prompt"] + (o["text"] if o["status"] == "done" else f"  [error: {o['error']}]"))
+    return 0 if all(r.status == "done" for r in reqs) else 1
+
+
+def cmd_bench_serve(args) -> int:
+    import torch
+    from .bench import bench_serve
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    arrivals = [a.strip() for a in args.arrivals.split(",") if a.strip()]
+    if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
+        raise UsageError(f"--arrivals takes a comma list of all, poisson; got {args.arrivals!r}")
+    if args.requests < 1 or args.max_batch < 1:
+        raise UsageError("--requests and --max-batch must be >= 1")
+    import functools
+    import sys
+    log = functools.partial(print, file=sys.stderr, flush=True) if args.json else print
+    result = bench_serve(args, arrivals, log=log)
+    if args.json:
+        print_json(result)
+    return 0

@@ -1,0 +1,374 @@
+"""The serving engine: one batched forward of the shared block over work items at mixed depths.
+
+A work item is (request, positions, loop): a whole prompt (prefill), one new token, or (``kv``
+items) an early-exited token finishing the loops it skipped, only to fill its KV entries. One
+``Engine.step`` runs one loop (the K shared layers) over every item given: all tokens are flattened
+into one [1, N, hidden] batch, so norms, projections, per-depth LoRA (grouped by slot when loops are
+mixed) and the MLP are single calls; attention reads each token's own cache row at its own depth
+(one gather for all single-token items, one SDPA per prompt segment).
+
+After the loop, items at their last loop emit a token; the others either continue or, under an
+exit policy, leave early. The KV entries of loops an exited token skips are filled either by
+``copy`` (CALM: project its exit state through the skipped depths' k/v projections) or ``later``
+(the paper's proposal: the token keeps running those loops as a ``kv`` item, batched with other
+work, while its successor already starts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from ..models.config import ConfigError
+from .cache import KVCache
+from .exits import ExitPolicy
+from .sampling import RequestError, SamplingParams, sample
+
+KV_MODES = ("copy", "later")
+_ids = itertools.count()
+
+
+class Request:
+    """A generation request and, once served, its result and timings (clock seconds)."""
+
+    def __init__(self, prompt, max_tokens: int = 16, sampling: SamplingParams | None = None,
+                 arrival: float = 0.0, eos_token_id: int | None = None, on_token=None, request_id=None,
+                 full_depth: bool = False):
+        self.id = next(_ids) if request_id is None else request_id
+        self.prompt = list(prompt) if not isinstance(prompt, torch.Tensor) else prompt.tolist()
+        self.max_tokens = max_tokens
+        self.sampling = sampling or SamplingParams()
+        self.arrival = arrival
+        self.eos_token_id = eos_token_id
+        self.on_token = on_token  # callback(request, token); an exception fails this request only
+        self.full_depth = full_depth  # never exit early, whatever the engine's exit policy
+        self.output: list[int] = []
+        self.exit_loops: list[int] = []     # loop (1-based) each output token left at
+        self.oracle_loops: list[int] = []   # oracle policy: first loop whose argmax equals the final one
+        self.token_times: list[float] = []
+        self.status = "new"  # new, queued, running, done, error, cancelled
+        self.error: str | None = None
+        self.row: int | None = None
+        self.generator: torch.Generator | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("done", "error", "cancelled")
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    def __repr__(self):
+        return f"Request({self.id}, {self.status}, prompt={len(self.prompt)}, out={len(self.output)})"
+
+
+class Item:
+    __slots__ = ("req", "pos", "length", "loop", "h", "ids", "kind", "argmaxes")
+
+    def __init__(self, req, pos, length, loop, kind, ids=None, h=None):
+        self.req, self.pos, self.length, self.loop, self.kind = req, pos, length, loop, kind
+        self.ids, self.h, self.argmaxes = ids, h, []
+
+
+class Engine:
+    def __init__(self, model, max_batch: int = 16, max_seq_len: int = 512, exit_policy: ExitPolicy | None = None,
+                 kv_mode: str = "copy", clock=None):
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"unknown kv mode {kv_mode!r}; use one of {KV_MODES}")
+        self.model = model.eval()
+        c = self.config = model.config
+        self.K, self.B, self.L = c.num_shared_layers, c.num_loops, c.num_hidden_layers
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = KVCache(self.L, max_batch, max_seq_len, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.layers = model.model.layers
+        self.layer_map, self.slot_map, self.kinds = c.layer_map, c.slot_map, list(c.depth_attention)
+        self.slot_map_t = torch.tensor(self.slot_map, device=self.device)
+        self.sliding_t = torch.tensor([k == "sliding" for k in self.kinds], device=self.device)
+        self.window = c.sliding_window_size
+        self.has_sliding = "sliding" in self.kinds
+        self.mixable = self.B == 1 or c.sharing == "cycle"  # loops share layer k at every step
+        self.policy = exit_policy or ExitPolicy()
+        self.kv_mode = kv_mode
+        self.clock = clock or time.perf_counter
+        self._arange = torch.arange(max_seq_len, device=self.device)
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.stats = {"stages": 0, "mixed_stages": 0, "stage_items": 0, "stage_tokens": 0, "stage_seconds": 0.0,
+                      "exits_per_loop": [0] * self.B, "kv_copy_tokens": 0, "kv_later_items": 0,
+                      "stage_times": []}
+
+    # --- request life ---------------------------------------------------------------------------
+    def validate(self, req: Request) -> None:
+        V = self.config.vocab_size
+        if not req.prompt:
+            raise RequestError("the prompt is empty; give at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < V for t in req.prompt):
+            raise RequestError(f"prompt token ids must be whole numbers in [0, {V})")
+        if not isinstance(req.max_tokens, int) or isinstance(req.max_tokens, bool) or req.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be a whole number >= 1, got {req.max_tokens!r}")
+        need = len(req.prompt) + req.max_tokens - 1
+        if need > self.max_seq_len:
+            raise RequestError(
+                f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} needs {need} positions; "
+                f"this engine holds {self.max_seq_len} (shorten the prompt or lower max_tokens)")
+        if not isinstance(req.sampling, SamplingParams):
+            raise RequestError("sampling must be a SamplingParams")
+        req.sampling.validate()
+
+    def start(self, req: Request) -> Item:
+        """Give the request a cache row and return its prefill item."""
+        req.row = self.cache.allocate()
+        req.status = "running"
+        if not req.sampling.greedy:
+            seed = req.sampling.seed if req.sampling.seed is not None else int(torch.randint(2 ** 62, ()).item())
+            req.generator = torch.Generator().manual_seed(seed)
+        ids = torch.tensor(req.prompt, device=self.device)
+        return Item(req, 0, len(req.prompt), 0, "prefill", ids=ids)
+
+    def finish(self, req: Request, status: str = "done", error: str | None = None) -> None:
+        """Finish, cancel or fail a request: release its cache row at once."""
+        if req.row is not None:
+            self.cache.release(req.row)
+            req.row = None
+        if not req.finished:
+            req.status, req.error = status, error
+            req.finish_time = self.clock()
+
+    def cancel(self, req: Request) -> None:
+        self.finish(req, "cancelled")
+
+    # --- one loop over a batch of items ----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, items: list[Item]) -> tuple[list[Item], list[Item]]:
+        """Run one loop over ``items``. Returns (items continuing to their next loop, new items:
+        the next token of each request that emitted one and is not finished)."""
+        items = [it for it in items if it.req.status == "running"]
+        if not items:
+            return [], []
+        items.sort(key=lambda it: it.length > 1)  # single tokens first, then prompt segments
+        t0 = time.perf_counter()
+        mixed = len({it.loop for it in items}) > 1
+        try:
+            h_out = self._forward(items)
+        except Exception as e:  # a fault in the batch fails the requests in it, not the engine
+            for req in {id(it.req): it.req for it in items}.values():
+                self.finish(req, "error", f"engine fault: {type(e).__name__}: {e}")
+            return [], []
+        result = self._after_loop(items, h_out)
+        dt = time.perf_counter() - t0
+        s = self.stats
+        s["stages"] += 1
+        s["mixed_stages"] += mixed
+        s["stage_items"] += len(items)
+        s["stage_tokens"] += h_out.shape[0]
+        s["stage_seconds"] += dt
+        s["stage_times"].append((len(items), h_out.shape[0], dt))
+        return result
+
+    def _embed_missing(self, items):
+        todo = [it for it in items if it.h is None]
+        if todo:
+            h = self.model.model.embed(torch.cat([it.ids for it in todo]))
+            for it, part in zip(todo, h.split([it.length for it in todo])):
+                it.h = part
+
+    def _forward(self, items: list[Item]) -> torch.Tensor:
+        self._embed_missing(items)
+        dev, R, K = self.device, self.cache.num_rows, self.K
+        n_dec = sum(1 for it in items if it.length == 1)
+        loops = {it.loop for it in items}
+        uniform = len(loops) == 1
+        if not uniform and not self.mixable:
+            raise ConfigError("mixing loops in one batch needs cycle sharing (every loop runs shared layer k "
+                              "at step k); use the static or sequence scheduler for this model")
+        h = torch.cat([it.h for it in items])[None]
+        L_ = torch.long
+        pos = torch.tensor([it.pos for it in items[:n_dec]], dtype=L_, device=dev)
+        row = torch.tensor([it.req.row for it in items[:n_dec]], dtype=L_, device=dev)
+        loop = torch.tensor([it.loop for it in items[:n_dec]], dtype=L_, device=dev)
+        segs = items[n_dec:]
+        if segs:
+            pos = torch.cat([pos] + [torch.arange(it.pos, it.pos + it.length, device=dev) for it in segs])
+            row = torch.cat([row, torch.tensor([it.req.row for it in segs], device=dev).repeat_interleave(
+                torch.tensor([it.length for it in segs], device=dev))])
+            loop = torch.cat([loop, torch.tensor([it.loop for it in segs], device=dev).repeat_interleave(
+                torch.tensor([it.length for it in segs], device=dev))])
+        tables = self.model.model.rotary(pos[None], h.dtype)
+        pos_dec = pos[:n_dec]
+        t_dec = int(pos_dec.max()) + 1 if n_dec else 0
+        ar = self._arange[:t_dec]
+        base_mask = (ar[None] <= pos_dec[:, None]) if n_dec else None
+        win_mask = ((pos_dec[:, None] - ar[None]) < self.window) if (n_dec and self.has_sliding) else None
+        seg_starts = list(itertools.accumulate([n_dec] + [it.length for it in segs]))[:-1]
+        for k in range(K):
+            if uniform:
+                d = next(iter(loops)) * K + k
+                layer, slot, kind = self.layers[self.layer_map[d]], self.slot_map[d], self.kinds[d]
+                depth = torch.full_like(pos, d)
+                cos, sin = tables[kind]
+                sliding_tok = None if kind == "full" else torch.ones_like(pos, dtype=torch.bool)
+            else:
+                depth = loop * K + k
+                layer, slot = self.layers[k], self.slot_map_t[depth][None]
+                if self.has_sliding:
+                    sliding_tok = self.sliding_t[depth]
+                    sel = sliding_tok[None, :, None]
+                    cos = torch.where(sel, tables["sliding"][0], tables["full"][0])
+                    sin = torch.where(sel, tables["sliding"][1], tables["full"][1])
+                else:
+                    sliding_tok, (cos, sin) = None, tables["full"]
+            flat = depth * R + row
+
+            def attend(q, kk, vv, attn, flat=flat, sliding_tok=sliding_tok):
+                self.cache.write(flat, pos, kk[0].transpose(0, 1), vv[0].transpose(0, 1))
+                outs = []
+                if n_dec:
+                    kd, vd = self.cache.gather(flat[:n_dec], t_dec)
+                    mask = base_mask
+                    if sliding_tok is not None:
+                        mask = mask & (win_mask | ~sliding_tok[:n_dec, None])
+                    o = attn.attend(q[0, :, :n_dec].transpose(0, 1).unsqueeze(2), kd, vd, mask[:, None, None, :])
+                    outs.append(o.squeeze(2).transpose(0, 1).unsqueeze(0))
+                for it, s in zip(segs, seg_starts):
+                    t, p0 = it.length, it.pos
+                    fr = int(flat[s])
+                    ks, vs = self.cache.segment(fr, p0 + t)
+                    sliding = sliding_tok is not None and bool(sliding_tok[s])
+                    mask = None
+                    if p0 > 0 or (sliding and p0 + t > self.window):
+                        qi = self._arange[p0:p0 + t, None]
+                        ki = self._arange[None, :p0 + t]
+                        mask = ki <= qi
+                        if sliding:
+                            mask = mask & (qi - ki < self.window)
+                        mask = mask[None, None]
+                    outs.append(attn.attend(q[:, :, s:s + t], ks, vs, mask))
+                return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+            h = layer.forward_attend(h, slot, cos, sin, attend)
+        return h[0]
+
+    # --- after the loop: exits, tokens, KV of skipped loops --------------------------------------
+    def _after_loop(self, items: list[Item], h_out: torch.Tensor):
+        B, policy = self.B, self.policy
+        starts = list(itertools.accumulate([0] + [it.length for it in items]))
+        cont, emit, exited = [], [], []  # emit: (item, row index into h_out)
+        inter, spans = [], {}
+        for it, s in zip(items, starts):
+            h = h_out[s:s + it.length]
+            if it.kind == "kv":
+                if it.loop < B - 1:
+                    it.h, it.loop = h, it.loop + 1
+                    cont.append(it)
+                continue
+            last = s + it.length - 1
+            if it.loop == B - 1:
+                emit.append((it, last))
+            elif policy.active and not it.req.full_depth and (it.kind == "token" or policy.kind == "oracle"):
+                # prompts never exit
+                inter.append((it, last))
+                spans[id(it)] = (s, it.length)
+            else:
+                it.h, it.loop = h, it.loop + 1
+                cont.append(it)
+        exit_mask = None
+        logit_rows = [r for _, r in emit]
+        if inter:
+            rows_t = torch.tensor([r for _, r in inter], device=self.device)
+            if policy.needs_logits:
+                logit_rows = logit_rows + [r for _, r in inter]
+            else:  # cosine: h after this loop vs h before it
+                h_prev = torch.cat([it.h[-1:] for it, _ in inter])  # it.h is still this loop's input
+                exit_mask = policy.decide(None, h_out.index_select(0, rows_t), h_prev)
+                logit_rows = logit_rows + [r for (_, r), e in zip(inter, exit_mask.tolist()) if e]
+        logits = self.model.exit_logits(h_out.index_select(0, torch.tensor(logit_rows, device=self.device))) \
+            if logit_rows else None
+        n_emit = len(emit)
+        if inter and policy.needs_logits:
+            inter_logits = logits[n_emit:]
+            exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), None)
+            if policy.kind == "oracle":
+                for (it, _), a in zip(inter, inter_logits.argmax(-1).tolist()):
+                    it.argmaxes.append(a)
+            keep = [n_emit + i for i, e in enumerate(exit_mask.tolist()) if e]
+            logits = logits[list(range(n_emit)) + keep]
+        if inter:
+            for (it, r), e in zip(inter, exit_mask.tolist()):
+                if e:
+                    exited.append((it, r))
+                else:
+                    s, n = spans[id(it)]
+                    it.h, it.loop = h_out[s:s + n], it.loop + 1
+                    cont.append(it)
+        emitters = emit + exited
+        if not emitters:
+            return cont, []
+        tokens = sample(logits, [it.req.sampling for it, _ in emitters], [it.req.generator for it, _ in emitters])
+        final_argmax = logits[:n_emit].argmax(-1).tolist() if policy.kind == "oracle" else None
+        tokens = tokens.tolist()
+        if exited:
+            self._fill_skipped([(it, r) for it, r in exited], h_out, cont)
+        now = self.clock()
+        produced = []
+        for i, ((it, _), tok) in enumerate(zip(emitters, tokens)):
+            req = it.req
+            if req.status != "running":
+                continue
+            req.output.append(tok)
+            req.token_times.append(now)
+            req.exit_loops.append(it.loop + 1)
+            self.stats["exits_per_loop"][it.loop] += 1
+            if final_argmax is not None and i < n_emit:
+                fa = final_argmax[i]
+                req.oracle_loops.append(next((l + 1 for l, a in enumerate(it.argmaxes) if a == fa), B))
+            if req.on_token is not None:
+                try:
+                    req.on_token(req, tok)
+                except Exception as e:
+                    self.finish(req, "error", f"on_token callback failed: {type(e).__name__}: {e}")
+                    continue
+            if req.status != "running":  # the callback may cancel requests
+                continue
+            if len(req.output) >= req.max_tokens or (req.eos_token_id is not None and tok == req.eos_token_id):
+                self.finish(req, "done")
+                continue
+            pos = len(req.prompt) + len(req.output) - 1
+            produced.append(Item(req, pos, 1, 0, "token", ids=torch.tensor([tok], device=self.device)))
+        return cont, produced
+
+    def _fill_skipped(self, exited, h_out, cont):
+        """KV entries of the loops an early-exited token skipped."""
+        if self.kv_mode == "later":
+            for it, r in exited:
+                kv = Item(it.req, it.pos, 1, it.loop + 1, "kv", h=h_out[r:r + 1])
+                cont.append(kv)
+                self.stats["kv_later_items"] += 1
+            return
+        R, K = self.cache.num_rows, self.K
+        by_loop: dict[int, list] = {}
+        for it, r in exited:
+            by_loop.setdefault(it.loop, []).append((it, r))
+        for l, group in by_loop.items():
+            rows_h = torch.tensor([r for _, r in group], device=self.device)
+            h = h_out.index_select(0, rows_h)[None]
+            pos = torch.tensor([it.pos for it, _ in group], device=self.device)
+            row = torch.tensor([it.req.row for it, _ in group], device=self.device)
+            tables = self.model.model.rotary(pos[None], h.dtype)
+            for d in range((l + 1) * K, self.L):
+                layer = self.layers[self.layer_map[d]]
+                cos, sin = tables[self.kinds[d]]
+                k, v = layer.project_kv(h, self.slot_map[d], cos, sin)
+                self.cache.write(d * R + row, pos, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            self.stats["kv_copy_tokens"] += len(group)

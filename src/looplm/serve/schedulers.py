@@ -1,0 +1,176 @@
+"""Three schedulers over one Engine, and a driver that replays a request trace against one.
+
+- ``static``: take up to max_batch queued requests, run them until the last one finishes, then the
+  next batch (finished requests leave idle slots).
+- ``sequence``: continuous sequence-wise batching (Orca/vLLM): before every iteration (a full-depth
+  pass for all running tokens), free slots take queued requests, whose prompts join that iteration.
+- ``depth``: continuous depth-wise batching (the paper's CDB): the unit of work is one loop; each
+  step runs every live item at its own loop, and a slot freed by a finished request takes queued
+  work at once, while an early-exited token's successor starts at loop 1 in the very next step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+from ..models.config import ConfigError
+from .engine import Engine, Item, Request
+from .sampling import RequestError
+
+
+class Scheduler:
+    name = ""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.waiting: deque[Request] = deque()
+        self.cont: list[Item] = []    # items mid-token (between loops)
+        self.ready: list[Item] = []   # items starting a token (prefills, next tokens)
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request; an invalid one is failed at once with a clear message (others unaffected)."""
+        try:
+            self.engine.validate(req)
+        except RequestError as e:
+            req.status, req.error = "error", str(e)
+            req.finish_time = self.engine.clock()
+            return req
+        req.status = "queued"
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        if req.status == "queued":
+            self.waiting = deque(r for r in self.waiting if r is not req)
+        self.engine.cancel(req)
+
+    def _prune(self):
+        self.cont = [it for it in self.cont if it.req.status == "running"]
+        self.ready = [it for it in self.ready if it.req.status == "running"]
+
+    def has_work(self) -> bool:
+        self._prune()
+        return bool(self.waiting or self.cont or self.ready)
+
+    def _admit(self):
+        cache = self.engine.cache
+        while self.waiting and cache.free_rows:
+            req = self.waiting.popleft()
+            if req.status == "queued":
+                self.ready.append(self.engine.start(req))
+
+    def _iteration(self):
+        """Every ready item through all its loops (the sequence-wise unit of work)."""
+        items, produced = self.ready, []
+        self.ready = []
+        while items:
+            items, new = self.engine.step(items)
+            produced += new
+        self.ready = produced
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+
+class StaticScheduler(Scheduler):
+    name = "static"
+
+    def step(self):
+        self._prune()
+        if not self.ready:
+            self._admit()
+        self._iteration()
+
+
+class SequenceScheduler(Scheduler):
+    name = "sequence"
+
+    def step(self):
+        self._prune()
+        self._admit()
+        self._iteration()
+
+
+class DepthScheduler(Scheduler):
+    name = "depth"
+
+    def __init__(self, engine: Engine):
+        if not engine.mixable:
+            raise ConfigError("continuous depth-wise batching needs cycle sharing (every loop runs shared layer k "
+                              "at step k); use the static or sequence scheduler for this model")
+        super().__init__(engine)
+
+    def step(self):
+        self._prune()
+        self._admit()
+        items = self.cont + self.ready
+        self.cont, self.ready = self.engine.step(items)
+
+
+SCHEDULERS = {"static": StaticScheduler, "sequence": SequenceScheduler, "depth": DepthScheduler}
+
+
+def make_scheduler(name: str, engine: Engine) -> Scheduler:
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}; use one of {', '.join(SCHEDULERS)}")
+    return SCHEDULERS[name](engine)
+
+
+def rss_mb() -> float:
+    """Current resident set size in MB (Linux /proc; falls back to the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Clock:
+    """Wall clock that can skip idle gaps (waiting for the next arrival) instead of sleeping."""
+
+    def __init__(self):
+        self.start, self.offset = time.perf_counter(), 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start + self.offset
+
+    def skip_to(self, t: float):
+        now = self()
+        if t > now:
+            self.offset += t - now
+
+
+def replay(scheduler: Scheduler, requests: list[Request], max_steps: int | None = None) -> dict:
+    """Submit each request at its arrival time (seconds from the start) and run until all finish.
+    Returns {"seconds", "peak_rss_mb", "steps"}; results and timings are on the requests."""
+    clock = Clock()
+    engine = scheduler.engine
+    engine.clock = clock
+    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    peak, steps = rss_mb(), 0
+    while pending or scheduler.has_work():
+        now = clock()
+        while pending and pending[0].arrival <= now:
+            scheduler.submit(pending.popleft())
+        if not scheduler.has_work():
+            if pending:
+                clock.skip_to(pending[0].arrival)
+            continue
+        scheduler.step()
+        steps += 1
+        if steps % 4 == 0:
+            peak = max(peak, rss_mb())
+        if max_steps is not None and steps >= max_steps:
+            break
+    peak = max(peak, rss_mb())
+    return {"seconds": clock(), "peak_rss_mb": peak, "steps": steps}
+
+
+def generate(engine: Engine, prompts, max_tokens: int = 16, scheduler: str = "depth", **kw) -> list[Request]:
+    """Convenience: serve a list of prompts (token id lists) at once; returns the finished requests."""
+    reqs = [Request(p, max_tokens, **kw) for p in prompts]
+    replay(make_scheduler(scheduler, engine), reqs)
+    return reqs

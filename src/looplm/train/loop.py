@@ -1,0 +1,615 @@
+"""The training loop: uptraining (CE + online KD from a frozen teacher) and early-exit training.
+
+One recipe for one CPU, one GPU or many (Hugging Face Accelerate: DDP, FSDP, DeepSpeed ZeRO via
+`accelerate launch --config_file configs/accelerate/...`).
+
+Run directory::
+
+    run.json                 the run's settings (checked on --resume)
+    metrics.jsonl            one JSON object per logged step / evaluation
+    latest                   name of the newest complete checkpoint (replaced atomically)
+    checkpoints/step-NNNNNNN looplm model dir (config.json, model.safetensors, tokenizer) + state.json +
+                             accelerate/ (optimizer, scheduler, RNG states of every process)
+    final/                   the trained model (looplm dir; `looplm eval`/`convert` read it)
+    tb/                      TensorBoard events, when tensorboard is installed
+
+Exact resume: the data order is a pure function of (seed, step) and everything else that changes
+(weights, AdamW moments, schedule, RNG states) is in the checkpoint, so a resumed run repeats the
+uninterrupted run's losses bit for bit on CPU in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..cli import UsageError
+from .corpus import PackedCorpus, tokenizer_fingerprint
+from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
+
+TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed")
+
+
+@dataclass
+class TrainConfig:
+    model: str | None = None
+    data: str = ""
+    out: str = ""
+    teacher: str | None = None
+    kd: str = "fkl"
+    kd_weight: float = 0.5
+    kd_temperature: float = 1.0
+    early_exit: str = "none"
+    exit_coef: float = 0.1
+    self_distill: bool = False
+    self_distill_weight: float = 1.0
+    max_steps: int | None = None
+    max_tokens: int | None = None
+    batch_size: int = 2            # sequences per process per micro-step
+    grad_accum: int = 1
+    seq_len: int | None = None     # crop the corpus's sequences (default: their full length)
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "auto"        # auto | bf16 | fp32
+    grad_checkpointing: bool = False
+    train: str = "all"
+    eval_every: int = 0
+    eval_seqs: int = 16
+    save_every: int = 0
+    keep: int = 2
+    log_every: int = 1
+    seed: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    # Settings that must not change between a run and its resume.
+    FIXED = ("data", "teacher", "kd", "kd_weight", "kd_temperature", "early_exit", "exit_coef", "self_distill",
+             "self_distill_weight", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "weight_decay",
+             "beta1", "beta2", "train", "seed")
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces
+
+
+class TrainModule(nn.Module):
+    """The student with its objective: forward returns (loss, parts). Going through one module's
+    forward is what DDP/FSDP need to synchronise gradients."""
+
+    def __init__(self, lm, cfg: TrainConfig):
+        super().__init__()
+        self.lm = lm
+        self.cfg = cfg
+
+    def forward(self, input_ids, teacher_logits=None, evaluate: bool = False):
+        c = self.cfg
+        all_exits = evaluate or c.early_exit != "none"
+        h, states, _ = self.lm.model(input_ids, output_loop_states=all_exits)
+        exits = [self.lm.exit_logits(s) for s in states] if all_exits else [self.lm.exit_logits(h)]
+        if evaluate:  # summed CE per exit and the count of predicted tokens
+            sums = torch.stack([token_ce(lg, input_ids).sum() for lg in exits])
+            return sums, torch.tensor(float(input_ids[:, 1:].numel()), device=sums.device)
+        return objective(exits, input_ids, teacher_logits, kd=c.kd, kd_weight=c.kd_weight,
+                         temperature=c.kd_temperature, early_exit=c.early_exit, exit_coef=c.exit_coef,
+                         self_distill=c.self_distill, self_distill_weight=c.self_distill_weight)
+
+
+def batch_indices(step: int, global_batch: int, num_seqs: int, seed: int) -> np.ndarray:
+    """Sequence indices of a step's global batch: epochs of seeded permutations, a pure function of step."""
+    per_epoch = num_seqs // global_batch
+    epoch, offset = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(num_seqs, generator=g).numpy()
+    return perm[offset * global_batch:(offset + 1) * global_batch]
+
+
+def micro_batch(indices: np.ndarray, micro: int, rank: int, world: int, bs: int) -> np.ndarray:
+    start = (micro * world + rank) * bs
+    return indices[start:start + bs]
+
+
+def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def select_trainable(model, spec: str) -> int:
+    """--train: 'all' or a comma list of lora, layers (shared weights), norms, embed. Returns the count."""
+    groups = {s.strip() for s in spec.split(",") if s.strip()}
+    bad = groups - set(TRAIN_GROUPS)
+    if bad or not groups:
+        raise UsageError(f"unknown --train group(s) {sorted(bad) or spec!r}; use all or a comma list of "
+                         f"{', '.join(TRAIN_GROUPS[1:])}")
+    n = 0
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            g = "lora"
+        elif "embed_tokens" in name or "lm_head" in name:
+            g = "embed"
+        elif "norm" in name.split(".")[-2]:
+            g = "norms"
+        else:
+            g = "layers"
+        p.requires_grad_("all" in groups or g in groups)
+        n += p.numel() if p.requires_grad else 0
+    if n == 0:
+        hint = " (this model has no LoRA: convert with --lora-rank > 0)" if "lora" in groups else ""
+        raise UsageError(f"--train {spec} leaves nothing to train{hint}; use --train all")
+    return n
+
+
+def param_groups(model, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 and "norm" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision not in ("auto", "bf16", "fp32"):
+        raise UsageError(f"unknown --precision {precision!r}; use auto, bf16 or fp32")
+    if precision == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if device.type == "cpu" else "fp32"
+    return precision
+
+
+def memory_available(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimate_memory(config, n_params: int, teacher_cfg, teacher_params: int, bs: int, seq: int,
+                    exits: int, checkpointing: bool) -> int:
+    """A rough upper estimate of training bytes: weights + grads + AdamW (16 B/param), the teacher's
+    weights, activations kept for backward (per depth ~(12 h + 4 ffn) floats per token, one depth's worth
+    with checkpointing), and the float32 logits of every exit and the teacher with their softmaxes."""
+    c = config
+    per_depth = (12 * c.hidden_size + 4 * c.intermediate_size) * 4
+    depths = 1 if checkpointing else c.num_hidden_layers
+    act = bs * seq * (per_depth * depths + (c.num_hidden_layers if checkpointing else 0) * c.hidden_size * 4)
+    logits = bs * seq * c.vocab_size * 4 * (3 * exits + (3 if teacher_cfg is not None else 0))
+    return 16 * n_params + 4 * teacher_params + act + logits
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def arch_fingerprint(config) -> dict:
+    d = config.to_dict()
+    for k in ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype",
+              "id2label", "label2id"):
+        d.pop(k, None)
+    return json.loads(json.dumps(d, default=str))
+
+
+def _diff(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log=print):
+        self.cfg, self._log = cfg, log
+
+    def log(self, *args) -> None:
+        acc = getattr(self, "acc", None)
+        if acc is None or acc.is_main_process:
+            self._log(*args)
+
+    # ----- validation: everything that can be wrong is found before the run directory is touched
+    def prepare(self):
+        from accelerate import Accelerator
+        from ..models import load_model
+
+        c = self.cfg
+        out = Path(c.out)
+        if not c.out:
+            raise UsageError("give the run directory with --out RUN")
+        if c.max_steps is None and c.max_tokens is None:
+            raise UsageError("give a budget with --max-steps N or --max-tokens N")
+        if c.kd not in KD_FUNCS:
+            raise UsageError(f"unknown --kd {c.kd!r}; use one of {', '.join(KD_FUNCS)}")
+        if c.early_exit not in EARLY_EXIT:
+            raise UsageError(f"unknown --early-exit {c.early_exit!r}; use one of {', '.join(EARLY_EXIT)}")
+        if c.self_distill and c.early_exit == "none":
+            raise UsageError("--self-distill trains intermediate exits: add --early-exit aggressive (or weighted)")
+        if c.batch_size < 1 or c.grad_accum < 1:
+            raise UsageError("--batch-size and --grad-accum must be at least 1")
+        if not 0 <= c.kd_weight <= 1:
+            raise UsageError(f"--kd-weight {c.kd_weight} must be in [0, 1] (loss = (1-w) CE + w KD)")
+
+        prev_run = None
+        latest = None
+        if (out / "run.json").exists():
+            prev_run = json.loads((out / "run.json").read_text())
+            if not c.resume:
+                raise UsageError(f"{out} already holds a run; add --resume to continue it or choose a new --out")
+            latest = (out / "latest").read_text().strip() if (out / "latest").exists() else None
+            c.model = c.model or prev_run["config"]["model"]
+            changed = [k for k in TrainConfig.FIXED if prev_run["config"].get(k) != getattr(c, k)]
+            if changed:
+                was = prev_run["config"]
+                what = ", ".join(f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed)
+                raise UsageError(f"--resume with different settings ({what}); use the run's settings or a new --out")
+        elif c.resume and out.exists() and any(out.iterdir()):
+            raise UsageError(f"{out} is not a looplm run (no run.json); resume needs a run directory written by "
+                             f"`looplm train`, or drop --resume and choose an empty --out")
+        if not c.model:
+            raise UsageError("give the model to train with --model DIR_OR_NAME")
+
+        self.corpus = PackedCorpus(c.data)
+        seq = c.seq_len or self.corpus.seq_len
+        if seq > self.corpus.seq_len or seq < 2:
+            raise UsageError(f"--seq-len {seq} must be between 2 and the corpus's {self.corpus.seq_len}")
+        self.seq = seq
+
+        self.acc = Accelerator(mixed_precision="no", step_scheduler_with_optimizer=False,
+                               cpu=not torch.cuda.is_available())
+        acc = self.acc
+        self.precision = resolve_precision(c.precision, acc.device)
+        self.world, self.rank = acc.num_processes, acc.process_index
+        self.global_batch = c.batch_size * c.grad_accum * self.world
+        if self.global_batch > len(self.corpus):
+            raise UsageError(f"global batch {self.global_batch} (batch-size x grad-accum x processes) is larger "
+                             f"than the corpus's {len(self.corpus)} training sequences; lower --batch-size or "
+                             f"--grad-accum, or build a bigger corpus")
+        tokens_per_step = self.global_batch * seq
+        self.max_steps = c.max_steps if c.max_steps is not None else math.ceil(c.max_tokens / tokens_per_step)
+        if self.max_steps < 1:
+            raise UsageError("the budget is less than one step; raise --max-steps or --max-tokens")
+
+        model, tok = load_model(c.model)
+        if tok is None:
+            raise UsageError(f"model {c.model} has no tokenizer files; save it with its tokenizer (looplm convert does)")
+        fp = tokenizer_fingerprint(tok)
+        if fp != self.corpus.tokenizer:
+            raise UsageError(f"the corpus {c.data} was tokenised with another tokenizer ({self.corpus.meta['model']}) "
+                             f"than {c.model}'s; rebuild it with `looplm data build --model {c.model}`")
+        self.tok = tok
+        self.teacher = None
+        if c.teacher:
+            teacher, ttok = load_model(c.teacher)
+            if ttok is None or tokenizer_fingerprint(ttok) != fp or teacher.config.vocab_size != model.config.vocab_size:
+                raise UsageError(f"teacher {c.teacher} and student {c.model} use different tokenizers; distillation "
+                                 f"needs the same vocabulary: pick the student's source model as --teacher")
+            teacher.requires_grad_(False)
+            self.teacher = teacher.eval()
+
+        if prev_run is not None and prev_run["arch"] != arch_fingerprint(model.config):
+            diff = _diff(prev_run["arch"], arch_fingerprint(model.config))
+            raise UsageError(f"{out} holds a run of another model (differs in {', '.join(diff[:4])}); resume with "
+                             f"--model {prev_run['config']['model']} or choose a new --out")
+        if latest:
+            ck = out / "checkpoints" / latest
+            if not (ck / "config.json").exists() or not (ck / "state.json").exists():
+                raise UsageError(f"checkpoint {ck} named by {out / 'latest'} is incomplete; delete {out / 'latest'} "
+                                 f"to restart from the previous one or choose a new --out")
+            ck_arch = json.loads((ck / "config.json").read_text())
+            model_arch = arch_fingerprint(model.config)
+            diff = [k for k in model_arch if k in ck_arch and ck_arch[k] != model_arch[k]]
+            if diff:
+                raise UsageError(f"checkpoint {ck} belongs to another model (differs in {', '.join(diff[:4])}); "
+                                 f"resume with the run's own --model or choose a new --out")
+        self.latest = latest
+
+        n_train = select_trainable(model, c.train)
+        n_params = sum(p.numel() for p in model.parameters())
+        if c.grad_checkpointing:
+            model.model.gradient_checkpointing = True
+        exits = model.config.num_loops if c.early_exit != "none" else 1
+        need = estimate_memory(model.config, n_params, self.teacher.config if self.teacher else None,
+                               sum(p.numel() for p in self.teacher.parameters()) if self.teacher else 0,
+                               c.batch_size, seq, exits, c.grad_checkpointing)
+        have = memory_available(acc.device)
+        if have is not None and need > have:
+            raise UsageError(f"batch {c.batch_size} x {seq} tokens needs about {need / 2**30:.1f} GiB but "
+                             f"{have / 2**30:.1f} GiB is free; lower --batch-size (raise --grad-accum to keep the "
+                             f"global batch), lower --seq-len, or add --grad-checkpointing")
+        self.n_train, self.n_params = n_train, n_params
+        self.model = model
+        self.prev_run = prev_run
+
+    # ----- the run itself
+    def run(self) -> dict:
+        self.prepare()
+        c, acc, out = self.cfg, self.acc, Path(self.cfg.out)
+        torch.manual_seed(c.seed)
+        np.random.seed(c.seed)
+        module = TrainModule(self.model, c)
+        optimizer = torch.optim.AdamW(param_groups(self.model, c.weight_decay), lr=c.lr, betas=(c.beta1, c.beta2),
+                                      eps=1e-8)
+        warmup = c.warmup_steps if c.warmup_steps is not None else max(1, round(0.05 * self.max_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(warmup, self.max_steps,
+                                                                                    c.min_lr_ratio))
+        module, optimizer = acc.prepare(module, optimizer)
+        acc.register_for_checkpointing(scheduler)
+        if self.teacher is not None:
+            self.teacher.to(acc.device)
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        dev = acc.device
+        autocast = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if self.precision == "bf16" else \
+            (lambda: torch.autocast(dev.type, enabled=False))
+        self.autocast = autocast
+
+        step, tokens, elapsed = 0, 0, 0.0
+        created = False
+        if self.latest:
+            step, tokens, elapsed = self._load(out / "checkpoints" / self.latest)
+            self.log(f"resumed {out} at step {step} ({tokens:,} tokens)")
+        if acc.is_main_process:
+            created = not out.exists()
+            (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+            for stale in (out / "checkpoints").glob(".*tmp*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            self._truncate_metrics(out / "metrics.jsonl", step)
+            if self.prev_run is None:
+                _write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
+                                                      "arch": arch_fingerprint(self.model.config),
+                                                      "tokenizer": self.corpus.tokenizer, "world": self.world,
+                                                      "global_batch": self.global_batch, "seq_len": self.seq,
+                                                      "max_steps": self.max_steps, "precision": self.precision})
+        acc.wait_for_everyone()
+        tb = self._tensorboard(out) if acc.is_main_process else None
+
+        from tqdm import tqdm
+        bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step",
+                   disable=not (c.progress and acc.is_main_process))
+        if acc.is_main_process:
+            self.log(f"training {self.n_train:,} of {self.n_params:,} parameters on {dev} ({self.precision}), "
+                     f"{self.world} process(es), global batch {self.global_batch} x {self.seq} tokens, "
+                     f"{self.max_steps} steps")
+        if c.eval_every and step == 0:
+            self._log_eval(out, tb, step, tokens)
+        train = self.corpus.splits["train"]
+        try:
+            while step < self.max_steps:
+                t0 = time.perf_counter()
+                idx = batch_indices(step, self.global_batch, len(train), c.seed)
+                module.train()
+                sums: dict[str, float] = {}
+                for m in range(c.grad_accum):
+                    rows = micro_batch(idx, m, self.rank, self.world, c.batch_size)
+                    ids = torch.from_numpy(np.asarray(train[rows][:, :self.seq], dtype=np.int64)).to(dev)
+                    teacher_logits = None
+                    if self.teacher is not None:
+                        with torch.no_grad(), autocast():
+                            teacher_logits = self.teacher(ids).logits
+                    sync = m == c.grad_accum - 1
+                    ctx = acc.no_sync(module) if not sync else _null()
+                    with ctx:
+                        with autocast():
+                            loss, parts = module(ids, teacher_logits)
+                        acc.backward(loss / c.grad_accum)
+                    for k, v in parts.items():
+                        sums[k] = sums.get(k, 0.0) + v.float() / c.grad_accum
+                grad_norm = acc.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], c.grad_clip) \
+                    if c.grad_clip and c.grad_clip > 0 else None
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                tokens += self.global_batch * self.seq
+                dt = time.perf_counter() - t0
+                elapsed += dt
+                keys = sorted(sums)
+                vals = acc.reduce(torch.stack([sums[k] for k in keys]).to(dev), reduction="mean")
+                rec = {"step": step, "tokens": tokens, **{k: float(v) for k, v in zip(keys, vals)}, "lr": lr,
+                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                       "tok_per_s": self.global_batch * self.seq / dt, "time": round(elapsed, 3)}
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tok_per_s']:.0f}")
+                if acc.is_main_process and (step % c.log_every == 0 or step == self.max_steps):
+                    self._append(out / "metrics.jsonl", rec, tb)
+                if c.eval_every and (step % c.eval_every == 0 or step == self.max_steps):
+                    self._log_eval(out, tb, step, tokens)
+                if (c.save_every and step % c.save_every == 0) or step == self.max_steps:
+                    self._save(out, step, tokens, elapsed)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if isinstance(e, torch.OutOfMemoryError) or "memory" in str(e).lower():
+                if created and step == 0 and acc.is_main_process:
+                    shutil.rmtree(out, ignore_errors=True)
+                raise UsageError(f"out of memory at batch {c.batch_size} x {self.seq} tokens; lower --batch-size "
+                                 f"(raise --grad-accum to keep the global batch), lower --seq-len or add "
+                                 f"--grad-checkpointing") from None
+            raise
+        finally:
+            bar.close()
+            if tb is not None:
+                tb.close()
+        acc.wait_for_everyone()
+        tmp = out / ".final.tmp"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        acc.wait_for_everyone()
+        self._export(tmp)
+        if acc.is_main_process:
+            old = out / ".final.old"
+            if (out / "final").exists():
+                (out / "final").rename(old)
+            tmp.rename(out / "final")
+            shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return {"out": str(out), "steps": step, "tokens": tokens, "seconds": round(elapsed, 2)}
+
+    # ----- evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        held = self.corpus.splits["heldout"]
+        n = min(len(held), self.cfg.eval_seqs)
+        if n == 0:
+            return None
+        self.module.eval()
+        dev = self.acc.device
+        sums = torch.zeros(self.model.config.num_loops, device=dev)
+        count = torch.zeros((), device=dev)
+        # every process runs the same number of forwards (collectives inside FSDP/DDP must match);
+        # a process past the end repeats row 0 with weight 0
+        for j in range(math.ceil(n / self.world)):
+            i = j * self.world + self.rank
+            weight = 1.0 if i < n else 0.0
+            i = i if i < n else 0
+            ids = torch.from_numpy(np.asarray(held[i:i + 1, :self.seq], dtype=np.int64)).to(dev)
+            with self.autocast():
+                s, k = self.module(ids, evaluate=True)
+            sums = sums + weight * s.float()
+            count = count + weight * k
+        sums = self.acc.reduce(sums, reduction="sum")
+        count = self.acc.reduce(count, reduction="sum")
+        self.module.train()
+        losses = (sums / count).tolist()
+        out = {"eval_tokens": int(count)}
+        for i, l in enumerate(losses, start=1):
+            out[f"eval_loss_{i}"] = l
+            out[f"ppl_{i}"] = math.exp(min(l, 50))
+        return out
+
+    def _log_eval(self, out, tb, step, tokens):
+        ev = self.evaluate()
+        if ev is None:
+            return
+        if self.acc.is_main_process:
+            self._append(out / "metrics.jsonl", {"step": step, "tokens": tokens, "eval": True, **ev}, tb)
+            self.log("held-out perplexity at step %d: %s" % (step, ", ".join(
+                f"loop {k.split('_')[1]} {v:.2f}" for k, v in ev.items() if k.startswith("ppl_"))))
+
+    # ----- checkpoints
+    def _save(self, out: Path, step: int, tokens: int, elapsed: float) -> None:
+        acc = self.acc
+        name = f"step-{step:07d}"
+        tmp = out / "checkpoints" / f".{name}.tmp"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp / "accelerate"), safe_serialization=False)
+        self._export(tmp)
+        if acc.is_main_process:
+            _write_json_atomic(tmp / "state.json", {"step": step, "tokens": tokens, "time": elapsed,
+                                                    "global_batch": self.global_batch, "world": self.world,
+                                                    "epoch": step // (len(self.corpus) // self.global_batch)})
+            final = out / "checkpoints" / name
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _write_json_atomic_text(out / "latest", name)
+            ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if p.is_dir())
+            for old in ckpts[:-self.cfg.keep] if self.cfg.keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+
+    def _export(self, directory: Path) -> None:
+        """Write the student as a looplm model directory (config.json, model.safetensors, tokenizer).
+        Every process must call it: under FSDP / ZeRO-3 gathering the full weights is collective."""
+        from safetensors.torch import save_file
+        sd = self.acc.get_state_dict(self.module)
+        if not self.acc.is_main_process:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        lm = self.acc.unwrap_model(self.module).lm
+        sd = {k[len("lm."):]: v for k, v in sd.items() if k.startswith("lm.")}
+        if lm.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        lm.config.save_pretrained(str(directory))
+        save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+        self.tok.save_pretrained(str(directory))
+
+    def _load(self, ck: Path) -> tuple[int, int, float]:
+        state = json.loads((ck / "state.json").read_text())
+        if state["global_batch"] != self.global_batch:
+            raise UsageError(f"checkpoint {ck} was trained with global batch {state['global_batch']}, this run has "
+                             f"{self.global_batch}; keep batch-size x grad-accum x processes the same")
+        self.acc.load_state(str(ck / "accelerate"))
+        return int(state["step"]), int(state["tokens"]), float(state["time"])
+
+    # ----- metrics
+    @staticmethod
+    def _truncate_metrics(path: Path, step: int) -> None:
+        if not path.exists():
+            return
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if rec.get("step", 0) < step or (rec.get("step", 0) == step and step > 0):
+                keep.append(line)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+    @staticmethod
+    def _append(path: Path, rec: dict, tb) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        if tb is not None:
+            prefix = "eval" if rec.get("eval") else "train"
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "eval"):
+                    tb.add_scalar(f"{prefix}/{k}", v, rec["step"])
+
+    @staticmethod
+    def _tensorboard(out: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter(str(out / "tb"))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _write_json_atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig, log=print) -> dict:
+    return Trainer(cfg, log).run()
+
+
+__all__ = ["TrainConfig", "Trainer", "train", "batch_indices", "lr_lambda_factory", "select_trainable"]

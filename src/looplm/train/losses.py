@@ -1,0 +1,112 @@
+"""Training objectives as small standalone functions (torchtune style): each takes logits and
+returns a scalar mean over the predicted positions. All math is done in float32.
+
+Shapes: ``logits`` [batch, seq, vocab] are the model's outputs at every position; position t
+predicts token t + 1, so losses use logits[:, :-1] against labels[:, 1:] (as the model's own
+``forward(labels=...)`` does). Labels equal to -100 are ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KD_FUNCS = ("fkl", "rkl", "jsd", "tvd")
+EARLY_EXIT = ("none", "weighted", "aggressive")
+
+
+def shift(logits: torch.Tensor) -> torch.Tensor:
+    """Logits of the positions that have a next token: [b, t-1, V] flattened to [n, V]."""
+    return logits[:, :-1].flatten(0, 1)
+
+
+def token_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Per-position next-token cross-entropy, [n] (ignored positions give 0)."""
+    return F.cross_entropy(shift(logits).float(), input_ids[:, 1:].flatten(), ignore_index=-100, reduction="none")
+
+
+def ce_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    return F.cross_entropy(shift(logits).float(), input_ids[:, 1:].flatten(), ignore_index=-100)
+
+
+def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, func: str = "fkl",
+               temperature: float = 1.0) -> torch.Tensor:
+    """Per-row divergence between teacher p and student q = softmax(logits / T) over the last dim.
+
+    fkl: KL(p || q) (forward, the paper's pick); rkl: KL(q || p); jsd: Jensen-Shannon with
+    m = (p + q) / 2; tvd: total variation, 1/2 sum |p - q|. Returns [rows]."""
+    if func not in KD_FUNCS:
+        raise ValueError(f"unknown distillation loss {func!r}; use one of {', '.join(KD_FUNCS)}")
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_p = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    if func == "fkl":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if func == "rkl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    if func == "jsd":
+        p, q = log_p.exp(), log_q.exp()
+        log_m = torch.log((p + q) / 2).clamp_min(torch.finfo(torch.float32).min)
+        return 0.5 * (p * (log_p - log_m)).sum(-1) + 0.5 * (q * (log_q - log_m)).sum(-1)
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor | None = None,
+            func: str = "fkl", temperature: float = 1.0) -> torch.Tensor:
+    """Mean divergence over predicted positions, scaled by T^2 (Hinton et al.) so that its gradient
+    scale does not depend on the temperature. Positions whose label is -100 are ignored."""
+    d = divergence(shift(student_logits), shift(teacher_logits), func, temperature)
+    if input_ids is not None:
+        keep = (input_ids[:, 1:].flatten() != -100).float()
+        d = (d * keep).sum() / keep.sum().clamp_min(1)
+    else:
+        d = d.mean()
+    return d * temperature ** 2
+
+
+def exit_weights(num_exits: int, mode: str, coef: float = 0.1) -> list[float]:
+    """alpha_i for exits i = 1..B. weighted: i / sum_j j; aggressive: c for i < B, 1 for the last;
+    none: only the final exit."""
+    if mode == "weighted":
+        total = num_exits * (num_exits + 1) / 2
+        return [i / total for i in range(1, num_exits + 1)]
+    if mode == "aggressive":
+        return [coef] * (num_exits - 1) + [1.0]
+    if mode == "none":
+        return [0.0] * (num_exits - 1) + [1.0]
+    raise ValueError(f"unknown early-exit loss {mode!r}; use one of {', '.join(EARLY_EXIT)}")
+
+
+def objective(exit_logits: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
+              kd: str = "fkl", kd_weight: float = 0.5, temperature: float = 1.0, early_exit: str = "none",
+              exit_coef: float = 0.1, self_distill: bool = False, self_distill_weight: float = 1.0
+              ) -> tuple[torch.Tensor, dict]:
+    """The whole training loss from the logits of every loop exit (last = final output).
+
+    Per exit i: L_i = CE_i. On the final exit with a teacher: L_B = (1 - w) CE_B + w T^2 D(teacher || final).
+    With self-distillation each intermediate exit adds ``self_distill_weight`` * KL(final.detach() || exit_i).
+    Total: sum_i alpha_i L_i with alpha from ``exit_weights`` (only the final exit when early_exit is none).
+    Returns (loss, parts) with parts holding detached values for logging: ce_i per exit (just ``ce``
+    when only the final exit is given), kd, sd_i, loss."""
+    n = len(exit_logits)
+    alphas = exit_weights(n, early_exit, exit_coef)
+    parts: dict[str, torch.Tensor] = {}
+    total = exit_logits[-1].new_zeros((), dtype=torch.float32)
+    final_detached = exit_logits[-1].detach()
+    for i, (alpha, logits) in enumerate(zip(alphas, exit_logits), start=1):
+        if alpha == 0.0:
+            continue
+        ce = ce_loss(logits, input_ids)
+        parts[f"ce_{i}" if n > 1 else "ce"] = ce
+        loss_i = ce
+        if i == n and teacher_logits is not None and kd_weight > 0:
+            kdl = kd_loss(logits, teacher_logits, input_ids, kd, temperature)
+            parts["kd"] = kdl
+            loss_i = (1 - kd_weight) * ce + kd_weight * kdl
+        elif i < n and self_distill:
+            sd = kd_loss(logits, final_detached, input_ids, "fkl", 1.0)
+            parts[f"sd_{i}"] = sd
+            loss_i = ce + self_distill_weight * sd
+        total = total + alpha * loss_i
+    parts["loss"] = total
+    return total, {k: v.detach() for k, v in parts.items()}

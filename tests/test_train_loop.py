@@ -1,0 +1,159 @@
+"""The training loop on a tiny converted model and a small real-text corpus: exact resume after
+kill -9, 2-process gloo == 1 process, gradient accumulation, freezing, checkpoints, plot."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_train_fixtures import SRC, build_corpus, make_models, run_cli
+
+from looplm.models import load_model
+from looplm.train.loop import TrainConfig, batch_indices, lr_lambda_factory, train
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loop")
+    models = make_models(tmp)
+    return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run):
+    return {r["step"]: r["loss"] for r in metrics(run) if not r.get("eval")}
+
+
+def test_kill9_then_resume_repeats_the_uninterrupted_losses(setup):
+    tmp, models, corpus = setup
+    args = ["train", "--model", models["student"], "--data", corpus, "--teacher", models["teacher"],
+            "--kd", "fkl", "--early-exit", "aggressive", "--self-distill", "--max-steps", 36, "--batch-size", 4,
+            "--save-every", 4, "--eval-every", 12, "--precision", "fp32", "--no-progress"]
+    full, cut = tmp / "full", tmp / "cut"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    # the uninterrupted run, and beside it the same run killed with SIGKILL mid-run
+    uninterrupted = subprocess.Popen([sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(full)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(cut)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 200
+    while time.time() < deadline:
+        if (cut / "metrics.jsonl").exists() and len(train_losses(cut)) >= 10:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(train_losses(cut))
+    assert killed_at < 36 and not (cut / "final").exists()
+    assert uninterrupted.wait(timeout=240) == 0, uninterrupted.stderr.read()
+    r = run_cli(*args, "--out", cut, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resumed" in r.stdout
+    a, b = train_losses(full), train_losses(cut)
+    assert sorted(a) == sorted(b) == list(range(1, 37))
+    assert max(abs(a[s] - b[s]) for s in a) <= 1e-6
+    ev_a = [r for r in metrics(full) if r.get("eval")]
+    ev_b = [r for r in metrics(cut) if r.get("eval")]
+    assert [e["step"] for e in ev_a] == [e["step"] for e in ev_b] == [0, 12, 24, 36]
+    assert max(abs(x["eval_loss_1"] - y["eval_loss_1"]) for x, y in zip(ev_a, ev_b)) <= 1e-6
+    # the final weights agree too
+    wa, _ = load_model(full / "final")
+    wb, _ = load_model(cut / "final")
+    for (n, p), q in zip(wa.state_dict().items(), wb.state_dict().values()):
+        assert torch.allclose(p, q, atol=1e-6), n
+    # only `keep` complete checkpoints, no temp dirs
+    ckpts = sorted(p.name for p in (cut / "checkpoints").iterdir())
+    assert ckpts == ["step-0000032", "step-0000036"] and (cut / "latest").read_text().strip() == "step-0000036"
+
+
+def test_two_gloo_processes_equal_one_process(setup):
+    tmp, models, corpus = setup
+    args = ["--model", models["student"], "--data", corpus, "--teacher", models["teacher"], "--early-exit",
+            "weighted", "--max-steps", 5, "--eval-every", 5, "--precision", "fp32", "--no-progress"]
+    r1 = run_cli("train", *args, "--out", tmp / "one", "--batch-size", 2, "--grad-accum", 2)
+    assert r1.returncode == 0, r1.stderr
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                         "29617", "-m", "looplm.cli", "train", *map(str, args), "--out", str(tmp / "two"),
+                         "--batch-size", "1", "--grad-accum", "2"], env=env, capture_output=True, text=True, timeout=240)
+    assert r2.returncode == 0, r2.stderr
+    run = json.loads((tmp / "two" / "run.json").read_text())
+    assert run["world"] == 2 and run["global_batch"] == 4
+    a, b = metrics(tmp / "one"), metrics(tmp / "two")
+    assert len(a) == len(b) == 7
+    for x, y in zip(a, b):
+        for k in ("loss", "ce_1", "ce_2", "kd", "eval_loss_1", "eval_loss_2"):
+            if k in x:
+                assert abs(x[k] - y[k]) <= 1e-5, (x["step"], k, x[k], y[k])
+
+
+def _cfg(setup, out, **kw):
+    tmp, models, corpus = setup
+    base = dict(model=str(models["student"]), data=str(corpus), out=str(tmp / out), max_steps=3,
+                precision="fp32", progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_grad_accumulation_equals_the_larger_batch(setup):
+    quiet = lambda *a: None  # noqa: E731
+    train(_cfg(setup, "acc1", batch_size=4, grad_accum=1), quiet)
+    train(_cfg(setup, "acc4", batch_size=1, grad_accum=4), quiet)
+    tmp = setup[0]
+    a, b = train_losses(tmp / "acc1"), train_losses(tmp / "acc4")
+    assert max(abs(a[s] - b[s]) for s in a) <= 1e-5
+    ma, _ = load_model(tmp / "acc1" / "final")
+    mb, _ = load_model(tmp / "acc4" / "final")
+    for p, q in zip(ma.parameters(), mb.parameters()):
+        assert torch.allclose(p, q, atol=1e-5)
+
+
+def test_train_lora_only_changes_lora(setup):
+    tmp, models, _ = setup
+    train(_cfg(setup, "lora", train="lora", lr=1e-2), lambda *a: None)
+    before, _ = load_model(models["student"])
+    after, _ = load_model(tmp / "lora" / "final")
+    changed = {n for (n, p), q in zip(before.named_parameters(), after.parameters()) if not torch.equal(p, q)}
+    assert changed and all("lora_" in n for n in changed)
+    assert any("lora_A" in n for n in changed)
+
+
+def test_schedule_and_data_order():
+    f = lr_lambda_factory(warmup=4, total=20, min_ratio=0.1)
+    assert [round(f(s), 4) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
+    seen = sum((batch_indices(s, 3, 10, 0).tolist() for s in range(3)), [])
+    assert len(set(seen)) == 9  # one epoch: no repeats
+    assert batch_indices(3, 3, 10, 0).tolist() != batch_indices(0, 3, 10, 0).tolist()  # next epoch reshuffles
+    assert batch_indices(5, 3, 10, 7).tolist() == batch_indices(5, 3, 10, 7).tolist()
+
+
+def test_plot_writes_pngs(setup):
+    tmp, models, corpus = setup
+    train(_cfg(setup, "plotrun", eval_every=1, early_exit="aggressive"), lambda *a: None)
+    from looplm.cli import main
+    assert main(["plot", str(tmp / "plotrun")]) == 0
+    for name in ("loss.png", "perplexity.png"):
+        data = (tmp / "plotrun" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_scratch_baseline_is_a_fresh_shallower_vanilla_model(tmp_path):
+    from test_train_fixtures import byte_tokenizer, tiny_vanilla
+
+    from looplm.models import save_model
+    from looplm.train.baselines import main as baselines_main
+    src = save_model(tiny_vanilla(seed=1, layers=4), byte_tokenizer(), tmp_path / "src")
+    assert baselines_main(["scratch", "--model", str(src), "--layers", "2", "--out", str(tmp_path / "s")]) == 0
+    m, tok = load_model(tmp_path / "s")
+    v, _ = load_model(src)
+    assert m.config.num_hidden_layers == 2 and m.config.num_loops == 1 and tok is not None
+    assert m.config.hidden_size == v.config.hidden_size and m.config.vocab_size == v.config.vocab_size
+    assert not torch.equal(m.model.layers[0].mlp.up_proj.weight, v.model.layers[0].mlp.up_proj.weight)

@@ -1,0 +1,108 @@
+"""Objectives checked against direct formulas written out element by element."""
+
+import math
+
+import pytest
+import torch
+
+from looplm.train.losses import ce_loss, divergence, exit_weights, kd_loss, objective
+
+
+def _probs(row, T=1.0):
+    m = max(row)
+    e = [math.exp((x - m) / T) for x in row]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def _direct(p, q, func):
+    if func == "fkl":
+        return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+    if func == "rkl":
+        return sum(qi * math.log(qi / pi) for pi, qi in zip(p, q))
+    if func == "jsd":
+        m = [(pi + qi) / 2 for pi, qi in zip(p, q)]
+        return 0.5 * sum(pi * math.log(pi / mi) for pi, mi in zip(p, m)) + \
+            0.5 * sum(qi * math.log(qi / mi) for qi, mi in zip(q, m))
+    return 0.5 * sum(abs(pi - qi) for pi, qi in zip(p, q))
+
+
+@pytest.mark.parametrize("func", ["fkl", "rkl", "jsd", "tvd"])
+@pytest.mark.parametrize("T", [1.0, 2.0])
+def test_divergences_match_direct_formulas(func, T):
+    g = torch.Generator().manual_seed(1)
+    s, t = torch.randn(5, 7, generator=g) * 3, torch.randn(5, 7, generator=g) * 3
+    got = divergence(s, t, func, T)
+    for r in range(5):
+        want = _direct(_probs(t[r].tolist(), T), _probs(s[r].tolist(), T), func)
+        assert got[r].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert (got >= -1e-7).all()
+    assert divergence(t, t, func, T).abs().max() < 1e-6  # zero for identical distributions
+
+
+def test_ce_matches_direct_and_ignores_minus_100():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 4, 6, generator=g)
+    ids = torch.randint(0, 6, (2, 4), generator=g)
+    want = []
+    for b in range(2):
+        for t in range(3):
+            p = _probs(logits[b, t].tolist())
+            want.append(-math.log(p[ids[b, t + 1]]))
+    assert ce_loss(logits, ids).item() == pytest.approx(sum(want) / len(want), rel=1e-6)
+    ids2 = ids.clone()
+    ids2[0, 2] = -100  # the label of position (0, 1)
+    keep = [w for i, w in enumerate(want) if i != 1]
+    assert ce_loss(logits, ids2).item() == pytest.approx(sum(keep) / len(keep), rel=1e-6)
+
+
+def test_kd_loss_is_mean_over_positions_times_T_squared():
+    g = torch.Generator().manual_seed(3)
+    s, t = torch.randn(2, 5, 9, generator=g), torch.randn(2, 5, 9, generator=g)
+    ids = torch.randint(0, 9, (2, 5), generator=g)
+    T = 2.0
+    rows = [_direct(_probs(t[b, i].tolist(), T), _probs(s[b, i].tolist(), T), "fkl") for b in range(2) for i in range(4)]
+    assert kd_loss(s, t, ids, "fkl", T).item() == pytest.approx(T * T * sum(rows) / len(rows), rel=1e-5)
+
+
+def test_exit_weights():
+    assert exit_weights(2, "weighted") == pytest.approx([1 / 3, 2 / 3])
+    assert exit_weights(4, "weighted") == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert exit_weights(3, "aggressive", 0.3) == [0.3, 0.3, 1.0]
+    assert exit_weights(3, "none") == [0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="weighted"):
+        exit_weights(2, "bogus")
+    with pytest.raises(ValueError, match="fkl"):
+        divergence(torch.zeros(1, 2), torch.zeros(1, 2), "kl")
+
+
+def test_objective_combines_parts_as_documented():
+    g = torch.Generator().manual_seed(4)
+    e1, e2, teacher = (torch.randn(2, 6, 11, generator=g) for _ in range(3))
+    ids = torch.randint(0, 11, (2, 6), generator=g)
+    c, w, T = 0.3, 0.4, 1.5
+    loss, parts = objective([e1, e2], ids, teacher, kd="rkl", kd_weight=w, temperature=T, early_exit="aggressive",
+                            exit_coef=c, self_distill=True, self_distill_weight=0.7)
+    want = c * (ce_loss(e1, ids) + 0.7 * kd_loss(e1, e2, ids, "fkl", 1.0)) + \
+        (1 - w) * ce_loss(e2, ids) + w * kd_loss(e2, teacher, ids, "rkl", T)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert set(parts) == {"ce_1", "ce_2", "kd", "sd_1", "loss"}
+    # weighted without teacher: 1/3 CE_1 + 2/3 CE_2
+    loss, _ = objective([e1, e2], ids, early_exit="weighted")
+    assert loss.item() == pytest.approx((ce_loss(e1, ids) / 3 + 2 * ce_loss(e2, ids) / 3).item(), rel=1e-6)
+    # none: the final exit only
+    loss, parts = objective([e2], ids)
+    assert loss.item() == pytest.approx(ce_loss(e2, ids).item()) and set(parts) == {"ce", "loss"}
+
+
+def test_self_distillation_target_is_detached():
+    g = torch.Generator().manual_seed(5)
+    e1 = torch.randn(1, 5, 7, generator=g, requires_grad=True)
+    e2 = torch.randn(1, 5, 7, generator=g, requires_grad=True)
+    ids = torch.randint(0, 7, (1, 5), generator=g)
+    loss, _ = objective([e1, e2], ids, early_exit="aggressive", exit_coef=0.1, self_distill=True)
+    loss.backward()
+    g2 = e2.grad.clone()
+    e2.grad = None
+    ce_loss(e2, ids).backward()  # the final exit's gradient is its own CE's, nothing from distillation
+    assert torch.allclose(g2, e2.grad, atol=1e-7)
