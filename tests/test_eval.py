@@ -168,6 +168,25 @@ def test_bad_input_is_a_one_line_error(recursive, tokenizer, monkeypatch, tmp_pa
         task_data.prepare("piqa")
 
 
+def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, tmp_path):
+    """Same vocabulary size, two token ids swapped: only the saved fingerprint can tell."""
+    import json
+    from transformers import AutoTokenizer
+    from looplm.models import save_model
+    save_model(recursive, tokenizer, tmp_path / "model")
+    LoopLMEval(pretrained=str(tmp_path / "model"))  # its own tokenizer passes
+    tokenizer.save_pretrained(str(tmp_path / "other"))
+    spec = json.loads((tmp_path / "other" / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "Ġthe", "Ġand"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "other" / "tokenizer.json").write_text(json.dumps(spec))
+    other = AutoTokenizer.from_pretrained(str(tmp_path / "other"))
+    assert len(other) == len(tokenizer) and other.convert_tokens_to_ids(a) != tokenizer.convert_tokens_to_ids(a)
+    with pytest.raises(ValueError, match="tokenizer mismatch: this tokenizer's vocabulary differs"):
+        LoopLMEval(pretrained=str(tmp_path / "model"), tokenizer=str(tmp_path / "other"))
+
+
 def test_task_data_is_rebuilt_once_with_the_standard_sizes(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOPLM_CACHE", str(tmp_path))
     sizes = {"arc_challenge": 1172, "openbookqa": 500, "winogrande": 1267}

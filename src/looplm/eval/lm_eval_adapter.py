@@ -39,12 +39,15 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from ..models.loading import tokenizer_fingerprint
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def check_tokenizer(model, tokenizer) -> None:
-    """A tokenizer whose ids do not fit the model's embedding cannot be the model's own."""
+    """A tokenizer whose ids do not fit the model's embedding, or whose vocabulary differs from the
+    one saved with the model (its fingerprint in config.json), is not the model's own."""
     if tokenizer is None:
         raise ValueError("the model has no tokenizer files; save the model with its tokenizer "
                          "(looplm.models.save_model(model, tokenizer, DIR)) or pass tokenizer=")
@@ -52,6 +55,10 @@ def check_tokenizer(model, tokenizer) -> None:
     if n_tok > n_emb:
         raise ValueError(f"tokenizer mismatch: the tokenizer has {n_tok} tokens but the model's embedding has "
                          f"{n_emb} rows; use the tokenizer saved with the model (its directory), not another one")
+    saved = getattr(model.config, "tokenizer_fingerprint", None)
+    if saved and tokenizer_fingerprint(tokenizer) != saved:
+        raise ValueError("tokenizer mismatch: this tokenizer's vocabulary differs from the one saved with the "
+                         "model; use the tokenizer saved with the model (its directory), not another one")
 
 
 def _bool(v) -> bool:

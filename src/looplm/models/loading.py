@@ -8,6 +8,7 @@ for SmolLM2), so the first open writes a float32 looplm copy to the cache direct
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -123,10 +124,19 @@ def _from_hf_reference(spec: str):
     return model, tok
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary (token -> id). Two tokenizers of the same size
+    can still disagree on ids; the fingerprint saved in a model's config catches that."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:
     """Write config, weights and tokenizer to ``out`` atomically: everything goes to a temporary
     directory beside it, which is renamed into place only when complete."""
     from .checkpoint import save_checkpoint
+    if tokenizer is not None:
+        model.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

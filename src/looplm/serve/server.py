@@ -187,18 +187,23 @@ class Metrics:
         with self.lock:
             self.occupancy = counts
 
-    def after_step(self, tokens: int, seconds: float, exits, queued: int, running: int) -> None:
+    def after_step(self, tokens: int, seconds: float, exits) -> None:
         now = time.monotonic()
         with self.lock:
             self.steps_total += 1
             self.step_seconds += seconds
             self.tokens_total += tokens
             self.exits = list(exits)
-            self.queue_depth, self.running = queued, running
             if tokens:
                 self.recent.append((now, tokens))
             while self.recent and self.recent[0][0] < now - self.window:
                 self.recent.popleft()
+
+    def set_load(self, queued: int, running: int) -> None:
+        with self.lock:
+            self.queue_depth, self.running = queued, running
+            if not running:
+                self.occupancy = [0] * self.num_loops
 
     def finished(self, status: str) -> None:
         with self.lock:
@@ -246,20 +251,22 @@ class Metrics:
 # --- the worker thread --------------------------------------------------------------------------
 
 class Worker:
-    """Owns the engine and scheduler. Handlers call submit/cancel (thread-safe); ``notify(kind,
-    value)`` callbacks run in this thread: ("token", id) per token and ("end", None) once."""
+    """Owns the engine and scheduler. Handlers call try_submit/cancel (thread-safe) and read
+    ("token", id) events (if they asked for tokens) and one ("end", None) from their asyncio.Queue.
+    Events are handed to each event loop once per step in one batch: waking the loop once per
+    token would make it fight the worker for the GIL."""
 
     def __init__(self, engine: Engine, scheduler: str, metrics: Metrics, capacity: int):
         self.engine, self.metrics, self.capacity = engine, metrics, capacity
         self.scheduler = make_scheduler(scheduler, engine)
         self.inbox: queue.Queue = queue.Queue()
-        self.active: dict[Request, callable] = {}
+        self.active: dict[Request, tuple] = {}  # request -> (event loop, asyncio.Queue)
+        self.outbox: list[tuple[Request, tuple]] = []  # events to deliver after this step
         self.lock = threading.Lock()
         self.inflight = 0            # submitted and not yet finished (the backpressure count)
         self.accepting = True
         self.deadline: float | None = None  # shutdown: fail whatever is still running after this
         self.stopped = False
-        self._step_tokens = 0
         inner = engine.step
 
         def counted_step(items):  # batch occupancy by loop, seen at the engine's own entry point
@@ -271,13 +278,16 @@ class Worker:
     def start(self):
         self.thread.start()
 
-    def try_submit(self, req: Request, notify) -> bool:
-        """Queue a request unless the server is full or shutting down (then False, nothing queued)."""
-        with self.lock:
+    def try_submit(self, req: Request, loop, events, tokens: bool) -> bool:
+        """Queue a request unless the server is full or shutting down (then False, nothing queued).
+        With ``tokens``, every generated token is sent as an event (streaming, stop strings)."""
+        if tokens:
+            req.on_token = lambda r, tok: self.outbox.append((r, ("token", tok)))
+        with self.lock:  # queued under the lock: a drain/stop cannot slip between the check and the put
             if not self.accepting or self.inflight >= self.capacity:
                 return False
             self.inflight += 1
-        self.inbox.put(("submit", req, notify))
+            self.inbox.put(("submit", req, (loop, events)))
         return True
 
     def cancel(self, req: Request) -> None:
@@ -301,29 +311,31 @@ class Worker:
         return self.thread.is_alive()
 
     def _run(self):
-        while True:
-            self._take_inbox(block=not self.scheduler.has_work())
-            if self.deadline is not None and time.monotonic() >= self.deadline:
-                self._fail_all("the server is shutting down; the request was not finished")
-            if self.stopped and not self.active:
-                return
-            if self.scheduler.has_work():
-                t0 = time.perf_counter()
-                before = self.metrics_tokens()
-                try:
-                    self.scheduler.step()
-                except Exception as e:  # a bug outside the engine's per-batch guard: fail the running
-                    self.metrics.worker_faults += 1  # requests (we cannot tell which one caused it), keep serving
-                    self._fail_all(f"engine fault: {type(e).__name__}: {e}", running_only=True)
-                self.engine.stats["stage_times"].clear()  # the engine keeps per-step timings; a server runs forever
-                sched = self.scheduler
-                self.metrics.after_step(self.metrics_tokens() - before, time.perf_counter() - t0,
-                                        self.engine.stats["exits_per_loop"], len(sched.waiting),
-                                        self.engine.cache.num_rows - len(self.engine.cache.free_rows))
-            self._notify_finished()
+        while not (self.stopped and not self.active):
+            try:
+                self._iteration()
+            except Exception as e:  # a bug outside the engine's per-batch guard: fail the running requests
+                with self.metrics.lock:  # (we cannot tell which one caused it) and keep serving the others
+                    self.metrics.worker_faults += 1
+                self._fail_all(f"engine fault: {type(e).__name__}: {e}", running_only=True)
+                self._notify_finished()
 
-    def metrics_tokens(self) -> int:
-        return sum(self.engine.stats["exits_per_loop"])
+    def _iteration(self):
+        self._take_inbox(block=not self.scheduler.has_work())
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self._fail_all("the server is shutting down; the request was not finished")
+        if self.scheduler.has_work():
+            stats = self.engine.stats
+            t0, before = time.perf_counter(), sum(stats["exits_per_loop"])
+            try:
+                self.scheduler.step()
+            finally:
+                stats["stage_times"].clear()  # the engine keeps per-step timings; a server runs for ever
+                self.metrics.after_step(sum(stats["exits_per_loop"]) - before, time.perf_counter() - t0,
+                                        stats["exits_per_loop"])
+        self._notify_finished()
+        self.metrics.set_load(sum(r.status == "queued" for r in self.scheduler.waiting),
+                              self.engine.cache.num_rows - self.engine.cache.free_rows)
 
     def _take_inbox(self, block: bool):
         try:
@@ -331,9 +343,9 @@ class Worker:
         except queue.Empty:
             return
         while True:
-            kind, req, notify = msg
+            kind, req, reply_to = msg
             if kind == "submit":
-                self.active[req] = notify
+                self.active[req] = reply_to
                 self.scheduler.submit(req)  # an invalid request fails at once; _notify_finished reports it
             elif kind == "cancel" and req in self.active and not req.finished:
                 self.scheduler.cancel(req)
@@ -349,14 +361,22 @@ class Worker:
         self.scheduler.waiting = deque(r for r in self.scheduler.waiting if not r.finished)
 
     def _notify_finished(self):
-        for req in [r for r in self.active if r.finished]:
-            notify = self.active.pop(req)
+        ended = [r for r in self.active if r.finished]
+        self.outbox += [(r, ("end", None)) for r in ended]
+        by_loop: dict = {}
+        for req, event in self.outbox:
+            loop, events = self.active[req]
+            by_loop.setdefault(loop, []).append((events, event))
+        self.outbox = []
+        for req in ended:
+            del self.active[req]
             with self.lock:
                 self.inflight -= 1
             self.metrics.finished(req.status)
+        for loop, batch in by_loop.items():
             try:
-                notify("end", None)
-            except Exception:  # the handler's event loop is gone (shutdown); nothing left to tell
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed (shutdown); nobody is left to tell
                 pass
 
 
@@ -365,7 +385,7 @@ class Worker:
 class TextStream:
     """Incremental detokenization with stop strings: ``add(token)`` returns the new text that is
     safe to send (held back while it ends in an incomplete UTF-8 character or could be the start
-    of a stop string) and whether a stop string was hit (the text is cut before it)."""
+    of a stop string); once a stop string appears, ``stopped`` is set and the text is cut before it."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tok, self.stop = tokenizer, [s for s in stop if s]
@@ -469,18 +489,15 @@ class LoopServer:
         try:
             self.engine.validate(req)  # read-only; the same checks the scheduler applies
         except RequestError as e:
-            raise APIError(400, str(e)) from None
+            msg = str(e)
+            raise APIError(400, msg, next((f for f in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed")
+                                           if msg.startswith(f)), None)) from None
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return req, stop
 
-    async def _submit(self, req: Request) -> asyncio.Queue:
+    async def _submit(self, req: Request, tokens: bool) -> asyncio.Queue:
         events: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def notify(kind, value):
-            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
-        req.on_token = lambda r, tok: notify("token", tok)
-        if not self.worker.try_submit(req, notify):
+        if not self.worker.try_submit(req, asyncio.get_running_loop(), events, tokens):
             if not self.worker.accepting:
                 raise APIError(503, "the server is shutting down", code="shutting_down", type_="server_error")
             raise APIError(429, f"the server is at capacity ({self.opts.max_concurrency} running + "
@@ -506,7 +523,7 @@ class LoopServer:
 
     async def generate(self, body, http: HTTPRequest):
         req, stop = self._make_request(body)
-        events = await self._submit(req)
+        events = await self._submit(req, tokens=bool(body.stream or stop))
         text = TextStream(self.tok, stop)
         chat = isinstance(body, ChatBody)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -516,7 +533,7 @@ class LoopServer:
 
         async def watch():  # nothing is sent until the end, so poll: a client that gave up frees its slot
             while not await http.is_disconnected():
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(1.0)
             self._abandon(req)
         watcher = asyncio.create_task(watch())
         try:
@@ -524,6 +541,8 @@ class LoopServer:
                 kind, value = await events.get()
                 if kind == "end":
                     break
+                if not text.stop:  # nothing to watch for: decode once at the end
+                    continue
                 if not text.stopped:
                     text.add(value)
                     if text.stopped:
@@ -531,6 +550,8 @@ class LoopServer:
         finally:
             watcher.cancel()
             self._abandon(req)  # a no-op unless this handler itself was cancelled
+        if not text.stop:
+            text.text = self.tok.decode(req.output, skip_special_tokens=True)
         if req.status != "done" and not (req.status == "cancelled" and text.stopped):
             raise self._failure(req)
         out, reason = text.text, self._finish_reason(req, text)
@@ -591,6 +612,9 @@ class LoopServer:
             server.worker.start()
             yield
             server.worker.stop()  # in-flight requests were given shutdown_timeout by UvicornServer
+            m = server.metrics.requests
+            print(f"looplm serve: stopped ({m['done']} requests done, {m['error']} failed, {m['cancelled']} cancelled)",
+                  flush=True)
 
         app = FastAPI(title="looplm", description="OpenAI-compatible server for looplm models (depth-wise batching)",
                       lifespan=lifespan)
@@ -650,6 +674,11 @@ class LoopServer:
             return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
         return app
+
+
+def _deliver(batch):
+    for events, event in batch:
+        events.put_nowait(event)
 
 
 def _sse(obj) -> str:
