@@ -4,6 +4,8 @@ and the real embedded SmolLM2 (loaded once per session)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def run_cli(*args, check=True):
+    """Run `looplm ARGS` in a fresh process, as a user would; on failure show its stderr."""
+    proc = subprocess.run([sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"looplm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return proc
 
 
 def make_hf_model(family: str, num_layers: int = 4, seed: int = 0):

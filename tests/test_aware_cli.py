@@ -2,20 +2,11 @@
 
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import SMALL
-
-
-def run(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "looplm.cli", *args], capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"looplm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    return proc
+from conftest import SMALL, run_cli as run
 
 
 @pytest.fixture(scope="module")

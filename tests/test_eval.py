@@ -170,9 +170,7 @@ def test_bad_input_is_a_one_line_error(recursive, tokenizer, monkeypatch, tmp_pa
 
 def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, tmp_path):
     """Same vocabulary size, two token ids swapped: only the saved fingerprint can tell."""
-    import json
     from transformers import AutoTokenizer
-    from looplm.models import save_model
     save_model(recursive, tokenizer, tmp_path / "model")
     LoopLMEval(pretrained=str(tmp_path / "model"))  # its own tokenizer passes
     tokenizer.save_pretrained(str(tmp_path / "other"))
@@ -185,6 +183,19 @@ def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, t
     assert len(other) == len(tokenizer) and other.convert_tokens_to_ids(a) != tokenizer.convert_tokens_to_ids(a)
     with pytest.raises(ValueError, match="tokenizer mismatch: this tokenizer's vocabulary differs"):
         LoopLMEval(pretrained=str(tmp_path / "model"), tokenizer=str(tmp_path / "other"))
+
+
+def test_lm_eval_cli_wrapper_runs_the_looplm_model(recursive, tokenizer, tmp_path, capsys):
+    """`looplm-lm-eval` is lm-eval's own CLI with `--model looplm` registered and our tasks included."""
+    from looplm.eval.lm_eval_adapter import main as lm_eval_main
+    save_model(recursive, tokenizer, tmp_path / "model")
+    rc = lm_eval_main(["--model", "looplm", "--model_args", f"pretrained={tmp_path / 'model'},exit_loop=1",
+               "--tasks", "looplm_piqa", "--limit", "2", "--output_path", str(tmp_path / "results")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "looplm_piqa" in out and "acc_norm" in out
+    results = list((tmp_path / "results").rglob("results_*.json"))
+    assert results and json.loads(results[0].read_text())["results"]["looplm_piqa"]["acc,none"] in (0.0, 0.5, 1.0)
 
 
 def test_task_data_is_rebuilt_once_with_the_standard_sizes(tmp_path, monkeypatch):

@@ -41,16 +41,7 @@ def plot_runs(runs: list[Path], out: Path | None = None) -> list[Path]:
         ax.plot(x, [r["loss"] for r in train], label=f"{run.name} loss", lw=1)
         for key in sorted(k for k in train[-1] if k.startswith("ce") or k.startswith("sd_") or k == "kd"):
             ax.plot(x, [r.get(key) for r in train], label=f"{run.name} {key}", lw=0.8, alpha=0.7)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("loss")
-    ax.set_title("training loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    loss_png = out / "loss.png"
-    fig.tight_layout()
-    fig.savefig(loss_png, dpi=120)
-    plt.close(fig)
-    paths = [loss_png]
+    paths = [_save(fig, ax, "loss", "training loss", out / "loss.png")]
 
     if any(e for _, e in data.values()):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -60,15 +51,19 @@ def plot_runs(runs: list[Path], out: Path | None = None) -> list[Path]:
             for key in sorted(k for k in evals[-1] if k.startswith("ppl_")):
                 ax.plot([r["tokens"] for r in evals], [r[key] for r in evals], marker="o", ms=3,
                         label=f"{run.name} exit after loop {key[4:]}")
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("held-out perplexity")
         ax.set_yscale("log")
-        ax.set_title("held-out perplexity per loop exit")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        ppl_png = out / "perplexity.png"
-        fig.tight_layout()
-        fig.savefig(ppl_png, dpi=120)
-        plt.close(fig)
-        paths.append(ppl_png)
+        paths.append(_save(fig, ax, "held-out perplexity", "held-out perplexity per loop exit", out / "perplexity.png"))
     return paths
+
+
+def _save(fig, ax, ylabel: str, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
