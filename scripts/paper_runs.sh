@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
 DATA=${DATA:-out/corpus-smollm2-512}
 OUT=${OUT:-out/paper-b2}
-TOKENS=${TOKENS:-409600}           # 400 steps of 2 x 512: about an hour each on this 2-core CPU
+TOKENS=${TOKENS:-163840}           # 160 steps of 2 x 512: about an hour each on this 2-core CPU (fp32)
 STUDENTS=${STUDENTS:-"rec-stepwise rec-average rel-svd64 rel-zero64 rec-random"}
 
 declare -A CONVERT=(
@@ -34,7 +34,7 @@ for s in $STUDENTS; do
   if [ -d "$run/final" ]; then echo "$s: done"; continue; fi
   resume=""; [ -f "$run/run.json" ] && resume="--resume"
   $LOOPLM train --model "$model" --teacher smollm2-135m --kd fkl --data "$DATA" --out "$run" \
-      --batch-size 2 --seq-len 512 --max-tokens "$TOKENS" --eval-every 50 --eval-seqs 16 \
+      --batch-size 2 --seq-len 512 --max-tokens "$TOKENS" --eval-every 20 --eval-seqs 16 \
       --save-every 10 --keep 2 --no-progress $resume
 done
 $LOOPLM plot "$OUT"/runs/* --out "$OUT"

@@ -168,9 +168,11 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision not in ("auto", "bf16", "fp32"):
         raise UsageError(f"unknown --precision {precision!r}; use auto, bf16 or fp32")
     if precision == "auto":
+        # bf16 autocast only where it pays: on this project's CPUs (AVX-512 BF16, no AMX) a training
+        # step ran 1.4x faster in fp32 (docs/BENCHMARKS.md), so CPU training stays in fp32.
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-        return "bf16" if device.type == "cpu" else "fp32"
+        return "fp32"
     return precision
 
 
