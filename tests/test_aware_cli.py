@@ -68,3 +68,24 @@ def test_data_aware_conversion_refuses_missing_or_heldout_calibration(hf_dir, tm
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_gemma3_full_rank_aware_svd_is_exact_with_per_depth_norms_and_warns_with_tied(
+        smollm2_tokenizer, calib_text, tmp_path):
+    """Gemma 3's post-norms and q/k norms cannot be folded: per-depth norms keep the full-rank aware-svd
+    model exact; tied norms get a warning that names the fix (--norms per-depth)."""
+    from conftest import make_hf_model
+    hf = make_hf_model("gemma3")
+    hf.resize_token_embeddings(len(smollm2_tokenizer))
+    d = tmp_path / "tiny-gemma3"
+    hf.save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    common = ["convert", "--model", str(d), "--loops", "2", "--lora-rank", "full", "--lora-init", "aware-svd",
+              "--calib-text", str(calib_text), "--calib-tokens", "512", "--calib-seq-len", "128",
+              "--ppl-tokens", "256", "--json"]
+    exact = run(*common, "--norms", "per-depth", "--out", str(tmp_path / "pd"))
+    result = json.loads(exact.stdout)
+    assert result["ppl_after"] == pytest.approx(result["ppl_before"], rel=1e-4)
+    assert "warning" not in exact.stderr
+    tied = run(*common, "--norms", "tied-avg", "--out", str(tmp_path / "tied"))
+    assert tied.returncode == 0 and "use --norms per-depth" in tied.stderr

@@ -122,3 +122,30 @@ def test_reader_errors(tmp_path):
                                                           "splits": {"train": {"seqs": 0}, "heldout": {"seqs": 0}}}))
     with pytest.raises(UsageError, match="empty"):
         PackedCorpus(tmp_path / "c")
+
+
+def test_eval_ppl_scores_the_heldout_split_of_a_corpus(tmp_path, model_dir, capsys):
+    """`looplm eval ppl MODEL --data CORPUS` scores the corpus's held-out rows as tokens: the same
+    number as a plain forward pass over those rows, cut to --seq-len."""
+    import math
+
+    import torch
+
+    from looplm.cli import main
+    from looplm.models import load_model
+    _build(tmp_path, model_dir, write_texts(tmp_path / "texts", n_files=2, chars=20000))
+    rows = PackedCorpus(tmp_path / "corpus").splits["heldout"]
+    assert main(["eval", "ppl", str(model_dir), "--data", str(tmp_path / "corpus"), "--seq-len", "32",
+                 "--no-save", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    model, _ = load_model(model_dir)
+    ids = torch.tensor(np.asarray(rows, dtype=np.int64)).reshape(-1, 32)  # 64-token rows cut in two
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    assert got["tokens"] == ids[:, 1:].numel() and got["name"] == "corpus-heldout"
+    assert got["perplexity"] == pytest.approx(math.exp(float(nll)), rel=1e-4)
+    # a model with another tokenizer is refused, naming the fix
+    other = save_model(load_model(model_dir)[0], byte_tokenizer(extra="<x>"), tmp_path / "other")
+    assert main(["eval", "ppl", str(other), "--data", str(tmp_path / "corpus"), "--no-save"]) == 2
+    assert "looplm data build --model" in capsys.readouterr().err

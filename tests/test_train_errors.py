@@ -106,7 +106,8 @@ def test_batch_larger_than_memory(setup, capsys, tmp_path):
     model, _ = load_model(models["student"])
     seq = 1024
     per_seq = estimate_memory(model.config, 0, None, 0, 1, seq, 1, False)
-    batch = memory_available(model.device) // per_seq + 1
+    # 1.5x what is free now: free memory moves while the suite runs (freed caches of earlier tests)
+    batch = int(1.5 * memory_available(model.device)) // per_seq + 1
     rng = random.Random(0)
     words = ["loop", "depth", "shared", "layer", "relaxed", "rank", "token", "exit", "batch", "teacher"]
     text_dir = tmp_path / "big"

@@ -17,7 +17,8 @@ def register(sub) -> None:
     q.add_argument("--text", default=None, help="text file (default: the packaged held-out sample)")
     q.add_argument("--data", default=None,
                    help="a directory of held-out .txt files (files named *heldout*/*test*/*valid* if any, "
-                        "else every .txt), or 'lambada' for the LAMBADA (OpenAI) test passages")
+                        "else every .txt), a corpus from `looplm data build` (its held-out split), or 'lambada' for "
+                        "the LAMBADA (OpenAI) test passages")
     q.add_argument("--exit-loop", type=int, default=None, help="static exit: every token leaves after loop i")
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--batch-size", type=int, default=4)
@@ -70,7 +71,8 @@ def _save_dir(args) -> Path | None:
     return p if p.is_dir() else None
 
 
-def _ppl_texts(args) -> dict[str, str]:
+def _ppl_sources(args) -> dict:
+    """name -> text to score, or a PackedCorpus whose held-out rows are scored."""
     if args.text and args.data:
         raise UsageError("give either --text FILE or --data DIR, not both")
     if args.data == "lambada":
@@ -80,6 +82,9 @@ def _ppl_texts(args) -> dict[str, str]:
         d = Path(args.data)
         if not d.is_dir():
             raise UsageError(f"--data {d} is not a directory (or use --data lambada)")
+        if (d / "meta.json").exists():  # a corpus from `looplm data build`: its held-out split, as tokens
+            from ..train.corpus import PackedCorpus
+            return {f"{d.name}-heldout": PackedCorpus(d)}
         files = sorted(d.glob("*.txt"))
         held = [f for f in files if any(k in f.name for k in ("heldout", "held_out", "test", "valid"))]
         files = held or files
@@ -93,12 +98,9 @@ def _ppl_texts(args) -> dict[str, str]:
 
 
 def cmd_eval_ppl(args) -> int:
-    from .perplexity import perplexity
-    texts = _ppl_texts(args)
+    texts = _ppl_sources(args)
     model, tok = _load(args.model)
-    results = {name: perplexity(model, tok, text, seq_len=args.seq_len, batch_size=args.batch_size,
-                                exit_loop=args.exit_loop, max_tokens=args.max_tokens, progress=not args.json)
-               for name, text in texts.items()}
+    results = {name: _score(model, tok, text, args) for name, text in texts.items()}
     result = results[next(iter(results))] if len(results) == 1 else _combine(results)
     result = {**result, "name": "+".join(texts)}
     if len(results) > 1:
@@ -117,6 +119,24 @@ def cmd_eval_ppl(args) -> int:
     for row in result["per_loop"][:-1]:
         print(f"  loop {row['loop']}: perplexity {row['perplexity']:.3f}  bits/byte {row['bits_per_byte']:.4f}")
     return 0
+
+
+def _score(model, tok, source, args) -> dict:
+    """Perplexity of one text, or of the held-out rows of a packed corpus (cut to --seq-len)."""
+    from .perplexity import perplexity, score_windows
+    if isinstance(source, str):
+        return perplexity(model, tok, source, seq_len=args.seq_len, batch_size=args.batch_size,
+                          exit_loop=args.exit_loop, max_tokens=args.max_tokens, progress=not args.json)
+    from ..models.loading import tokenizer_fingerprint
+    if tokenizer_fingerprint(tok) != source.tokenizer:
+        raise UsageError(f"the corpus {source.dir} was tokenised with {source.meta['model']}'s tokenizer, not "
+                         f"{args.model}'s; build one for this model with `looplm data build --model {args.model}`")
+    rows = source.splits["heldout"]
+    if len(rows) == 0:
+        raise UsageError(f"the corpus {source.dir} has no held-out split; rebuild it with a held-out fraction")
+    windows = [row[i:i + args.seq_len].tolist() for row in rows for i in range(0, len(row), args.seq_len)]
+    return score_windows(model, tok, [w for w in windows if len(w) > 1], batch_size=args.batch_size,
+                         exit_loop=args.exit_loop, max_tokens=args.max_tokens, progress=not args.json)
 
 
 def _combine(results: dict) -> dict:

@@ -1,7 +1,7 @@
 """Held-out perplexity and bits per byte, for the final exit and every loop exit in one pass.
 
-The text is tokenised once and cut into non-overlapping windows of ``seq_len`` tokens; every token
-after a window's first is scored (a BOS is put in front of each window for models that need one,
+The text is tokenised once and cut into non-overlapping windows of ``seq_len`` tokens (or the windows
+are given, as the rows of a packed corpus's held-out split); every token after a window's first is scored (a BOS is put in front of each window for models that need one,
 such as Gemma). Loop i's exit is the final norm and LM head applied after i loops: a static exit.
 """
 
@@ -32,6 +32,15 @@ def perplexity(model, tokenizer, text: str, seq_len: int = 512, batch_size: int 
     if not text.strip():
         raise ValueError("the evaluation text is empty; give a file with text in it")
     windows = token_windows(tokenizer, text, seq_len, bool(getattr(model.config, "add_bos_token", False)))
+    return score_windows(model, tokenizer, windows, batch_size, exit_loop, max_tokens, progress)
+
+
+@torch.no_grad()
+def score_windows(model, tokenizer, windows: list[list[int]], batch_size: int = 4, exit_loop: int | None = None,
+                  max_tokens: int | None = None, progress: bool = False) -> dict:
+    """``perplexity`` on token windows given directly (e.g. the rows of a packed corpus's held-out split)."""
+    if not windows:
+        raise ValueError("nothing to score: no window holds two or more tokens")
     if max_tokens:
         kept, total = [], 0
         for w in windows:

@@ -125,10 +125,12 @@ def _from_hf_reference(spec: str):
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the tokenizer's vocabulary (token -> id). Two tokenizers of the same size
-    can still disagree on ids; the fingerprint saved in a model's config catches that."""
+    """A short hash of the tokenizer's vocabulary (token -> id) and special token ids. Two tokenizers of
+    the same size can still disagree on ids; the fingerprint saved in a model's config and in a
+    corpus's meta.json catches that."""
     vocab = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id]
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
 
 
 def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:

@@ -25,16 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from ..cli import UsageError
+from ..models.loading import tokenizer_fingerprint
 from .sources import resolve_sources, sha256_file
 
 FORMAT = 1
-
-
-def tokenizer_fingerprint(tok) -> str:
-    """sha256 of the vocabulary and special tokens: two tokenizers agree iff their fingerprints do."""
-    vocab = sorted(tok.get_vocab().items())
-    special = [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id]
-    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
 
 
 def load_tokenizer(spec: str):

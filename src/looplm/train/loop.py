@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from ..cli import UsageError
-from .corpus import PackedCorpus, tokenizer_fingerprint
+from ..models.loading import tokenizer_fingerprint
+from .corpus import PackedCorpus
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 
 TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed")
