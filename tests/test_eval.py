@@ -177,6 +177,14 @@ def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, t
     assert len(other) == len(tokenizer) and other.convert_tokens_to_ids(a) != tokenizer.convert_tokens_to_ids(a)
     with pytest.raises(ValueError, match="tokenizer mismatch: this tokenizer's vocabulary differs"):
         LoopLMEval(pretrained=str(tmp_path / "model"), tokenizer=str(tmp_path / "other"))
+    # a model saved before the fingerprint covered special ids still loads with its own tokenizer
+    from looplm.models.loading import accepted_fingerprints, tokenizer_fingerprint
+    legacy = (accepted_fingerprints(tokenizer) - {tokenizer_fingerprint(tokenizer)}).pop()
+    cfg = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**cfg, "tokenizer_fingerprint": legacy}))
+    LoopLMEval(pretrained=str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        LoopLMEval(pretrained=str(tmp_path / "model"), tokenizer=str(tmp_path / "other"))
 
 
 def test_lm_eval_cli_wrapper_runs_the_looplm_model(recursive, tokenizer, tmp_path, capsys):

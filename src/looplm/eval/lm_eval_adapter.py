@@ -39,7 +39,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from ..models.loading import tokenizer_fingerprint
+from ..models.loading import accepted_fingerprints
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -56,7 +56,7 @@ def check_tokenizer(model, tokenizer) -> None:
         raise ValueError(f"tokenizer mismatch: the tokenizer has {n_tok} tokens but the model's embedding has "
                          f"{n_emb} rows; use the tokenizer saved with the model (its directory), not another one")
     saved = getattr(model.config, "tokenizer_fingerprint", None)
-    if saved and tokenizer_fingerprint(tokenizer) != saved:
+    if saved and saved not in accepted_fingerprints(tokenizer):
         raise ValueError("tokenizer mismatch: this tokenizer's vocabulary differs from the one saved with the "
                          "model; use the tokenizer saved with the model (its directory), not another one")
 

@@ -1,8 +1,8 @@
 """Held-out perplexity and bits per byte, for the final exit and every loop exit in one pass.
 
 The text is tokenised once and cut into non-overlapping windows of ``seq_len`` tokens (or the windows
-are given, as the rows of a packed corpus's held-out split); every token after a window's first is scored (a BOS is put in front of each window for models that need one,
-such as Gemma). Loop i's exit is the final norm and LM head applied after i loops: a static exit.
+are given, as the rows of a packed corpus's held-out split); every token after a window's first is
+scored (a BOS is put in front of each text window for models that need one, such as Gemma). Loop i's exit is the final norm and LM head applied after i loops: a static exit.
 """
 
 from __future__ import annotations

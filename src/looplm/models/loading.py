@@ -133,6 +133,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
 
 
+def accepted_fingerprints(tokenizer) -> set[str]:
+    """The fingerprint, and the vocabulary-only one that models saved before 2026-11-22 carry."""
+    legacy = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return {tokenizer_fingerprint(tokenizer), hashlib.sha256(legacy.encode()).hexdigest()[:16]}
+
+
 def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:
     """Write config, weights and tokenizer to ``out`` atomically: everything goes to a temporary
     directory beside it, which is renamed into place only when complete."""
