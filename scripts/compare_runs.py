@@ -3,7 +3,7 @@
 Usage: python scripts/compare_runs.py OUT.png OUT.json RUN[=label] RUN[=label] ...
 Reads each RUN/metrics.jsonl (written by `looplm train`); the first run is the baseline.
 """
-import json, sys, math
+import json, sys
 import matplotlib; matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 

@@ -44,6 +44,15 @@ def test_bench_serve_json(tiny_dir, capsys):
     assert out["runs"]["static"]["tokens"] == out["runs"]["sequence"]["tokens"] == out["runs"]["depth"]["tokens"]
 
 
+def test_bench_serve_without_the_exit_table(tiny_dir, capsys):
+    rc = main(["bench", "serve", "--model", str(tiny_dir), "--requests", "2", "--prompt-len", "4:8",
+               "--output-len", "2:3", "--max-batch", "2", "--arrivals", "all", "--tradeoff-tokens", "0", "--lora-rank", "8",
+               "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "exit_tradeoff" not in out and set(out["schedulers"]) == {"static", "sequence", "depth"}
+
+
 def test_bench_serve_bad_args(tiny_dir, capsys):
     assert main(["bench", "serve", "--model", str(tiny_dir), "--arrivals", "sometimes"]) == 2
     assert "--arrivals" in capsys.readouterr().err

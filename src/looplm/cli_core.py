@@ -113,7 +113,7 @@ def _calibration(args, vanilla, tok, heldout: str):
         raise UsageError("the calibration text contains held-out text (the --text file or the built-in Milton "
                          "sample): calibrate on a training split only")
     if args.norms != "per-depth" and (vanilla.config.sandwich_norms or vanilla.config.qk_norm):
-        # Measured on Gemma-3-270M at B=3, rank 64: aware-svd 1.1e16 with tied-avg norms, 1,286 per-depth.
+        # Measured on Gemma-3-270M at B=3, rank 64: aware-svd 2.5e16 with tied-avg norms, 1,286 per-depth.
         print("looplm convert: warning: this model's post-attention/post-FFN or q/k norms sit after a linear and "
               "cannot be folded into the data-aware LoRA, so tied norms undo it; use --norms per-depth "
               "(docs/AWARE.md)", file=sys.stderr)

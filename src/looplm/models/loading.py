@@ -128,15 +128,20 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the tokenizer's vocabulary (token -> id) and special token ids. Two tokenizers of
     the same size can still disagree on ids; the fingerprint saved in a model's config and in a
     corpus's meta.json catches that."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id]
-    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
+    return _fingerprints(tokenizer)[0]
 
 
 def accepted_fingerprints(tokenizer) -> set[str]:
     """The fingerprint, and the vocabulary-only one that models saved before 2026-11-22 carry."""
-    legacy = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    return {tokenizer_fingerprint(tokenizer), hashlib.sha256(legacy.encode()).hexdigest()[:16]}
+    return set(_fingerprints(tokenizer))
+
+
+def _fingerprints(tokenizer) -> tuple[str, str]:
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id]
+    current = json.dumps([vocab, special])
+    legacy = json.dumps(vocab, ensure_ascii=False)
+    return tuple(hashlib.sha256(t.encode()).hexdigest()[:16] for t in (current, legacy))
 
 
 def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:

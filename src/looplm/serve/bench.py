@@ -330,13 +330,15 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
             result.update(block)
         else:
             result[arrival] = block
-    say("\nexit policies, teacher-forced on held-out text (full-depth KV; an upper bound for the engine)")
-    trade = exit_tradeoff(looped, ids[len(ids) // 2:], n_tokens=args.tradeoff_tokens)
-    result["exit_tradeoff"] = trade
-    say(f"  per-loop perplexity {trade['per_loop_perplexity']}, oracle exit fraction {trade['oracle_exit_fraction']}")
-    for row in trade["policies"]:
-        say(f"  {row['policy']:<14} early exits {row['early_exit_fraction']:.3f}  agreement {row['agreement']:.4f}  "
-            f"perplexity {row['perplexity']}")
+    if args.tradeoff_tokens > 0:
+        say("\nexit policies, teacher-forced on held-out text (full-depth KV; an upper bound for the engine)")
+        trade = exit_tradeoff(looped, ids[len(ids) // 2:], n_tokens=args.tradeoff_tokens)
+        result["exit_tradeoff"] = trade
+        say(f"  per-loop perplexity {trade['per_loop_perplexity']}, "
+            f"oracle exit fraction {trade['oracle_exit_fraction']}")
+        for row in trade["policies"]:
+            say(f"  {row['policy']:<14} early exits {row['early_exit_fraction']:.3f}  "
+                f"agreement {row['agreement']:.4f}  perplexity {row['perplexity']}")
     if args.hf:
         say("\ntransformers comparison")
         result["transformers"] = hf_comparison(args, base, vanilla, max_seq_len, log)

@@ -50,7 +50,7 @@ def register(sub) -> None:
                    "batching without exits")
     p.add_argument("--hf", type=int, default=0, help="also time transformers generate (batch 1) and generate_batch "
                    "on the first N requests against our engine (vanilla, sequence-wise)")
-    p.add_argument("--tradeoff-tokens", type=int, default=1024, help="held-out tokens for the exit-policy table")
+    p.add_argument("--tradeoff-tokens", type=int, default=1024, help="held-out tokens for the exit-policy table (0 = skip it)")
     p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
