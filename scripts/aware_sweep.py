@@ -115,6 +115,7 @@ def run(args, results: dict, out: Path) -> None:
         calib = aware.collect_calibration(vanilla, windows, damp=args.damp, fold_norms=not args.no_fold_norms,
                                           source=f"{len(paths)} files under {Path(paths[0]).parent}")
         if args.calib_cache:
+            Path(args.calib_cache).parent.mkdir(parents=True, exist_ok=True)
             calib.save(args.calib_cache)
     print(f"calibration: {calib.summary()}", flush=True)
     results["calibration"] = calib.summary()

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Issue 7: plain against data-aware conversion, then the same short uptraining for both.
-# SmolLM2-135M, B=2, rank 64: "plain" = --init average --lora-init svd (the paper's init),
-# "aware" = --init average --lora-init aware-svd calibrated on the corpus' training split.
+# SmolLM2-135M, B=LOOPS, for each rank in RANKS: "plain" = --init average --lora-init svd (the paper's
+# init), "aware" = --init average --lora-init aware-svd calibrated on the corpus' training split.
 # Resumable: existing models are kept, a started run continues with --resume, a finished run is skipped.
-# Environment: TOKENS (budget per run, default 5120), EVERY (eval/save period in steps), DATA, OUT, CALIB.
+# Environment: LOOPS (default 2), RANKS (default "64"), TOKENS (budget per run, default 5120),
+# EVERY (eval/save period in steps), DATA, OUT, CALIB.
+# Writes docs/aware/uptrain_b{LOOPS}_r{RANK}_{TOKENS}.{png,json} per rank.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
 DATA=${DATA:-out/corpus-smollm2-512}
 OUT=${OUT:-out/aware}
 CALIB=${CALIB:-$OUT/calib}          # text files decoded from the corpus' *.train.bin parts, never held-out
+LOOPS=${LOOPS:-2}
+RANKS=${RANKS:-64}
 TOKENS=${TOKENS:-5120}
 EVERY=${EVERY:-2}
 mkdir -p "$OUT/models" "$OUT/runs" "$CALIB"
@@ -29,19 +33,23 @@ for source in meta["sources"]:
     (calib / f"{source}.train.txt").write_text("\n\n".join(tok.decode(r.tolist()) for r in picks), encoding="utf-8")
 PY
 
-[ -f "$OUT/models/plain-b2-r64/config.json" ] || $LOOPLM convert --model smollm2-135m --loops 2 \
-  --lora-rank 64 --init average --lora-init svd --out "$OUT/models/plain-b2-r64" --ppl-tokens 2048 --json
-[ -f "$OUT/models/aware-b2-r64/config.json" ] || $LOOPLM convert --model smollm2-135m --loops 2 \
-  --lora-rank 64 --init average --lora-init aware-svd --calib-data "$CALIB" --calib-tokens 6144 \
-  --out "$OUT/models/aware-b2-r64" --ppl-tokens 2048 --json
+for rank in $RANKS; do
+  plain="plain-b$LOOPS-r$rank" aware="aware-b$LOOPS-r$rank"
+  [ -f "$OUT/models/$plain/config.json" ] || $LOOPLM convert --model smollm2-135m --loops "$LOOPS" \
+    --lora-rank "$rank" --init average --lora-init svd --out "$OUT/models/$plain" --ppl-tokens 2048 --json
+  [ -f "$OUT/models/$aware/config.json" ] || $LOOPLM convert --model smollm2-135m --loops "$LOOPS" \
+    --lora-rank "$rank" --init average --lora-init aware-svd --calib-data "$CALIB" --calib-tokens 6144 \
+    --out "$OUT/models/$aware" --ppl-tokens 2048 --json
 
-for name in plain-b2-r64 aware-b2-r64; do
-  run="$OUT/runs/$name"
-  if [ -d "$run/final" ]; then echo "$name: done"; continue; fi
-  resume=""; [ -f "$run/run.json" ] && resume="--resume"
-  $LOOPLM train --model "$OUT/models/$name" --teacher smollm2-135m --kd fkl --data "$DATA" --out "$run" \
-    --batch-size 2 --seq-len 256 --max-tokens "$TOKENS" --eval-every "$EVERY" --eval-seqs 8 \
-    --save-every "$EVERY" --keep 2 --no-progress $resume
+  for name in "$plain" "$aware"; do
+    run="$OUT/runs/$name-$TOKENS"
+    if [ -d "$run/final" ]; then echo "$name: done"; continue; fi
+    resume=""; [ -f "$run/run.json" ] && resume="--resume"
+    $LOOPLM train --model "$OUT/models/$name" --teacher smollm2-135m --kd fkl --data "$DATA" --out "$run" \
+      --batch-size 2 --seq-len 256 --max-tokens "$TOKENS" --eval-every "$EVERY" --eval-seqs 8 \
+      --save-every "$EVERY" --keep 2 --no-progress $resume
+  done
+  .venv/bin/python scripts/compare_runs.py "docs/aware/uptrain_b${LOOPS}_r${rank}_${TOKENS}.png" \
+    "docs/aware/uptrain_b${LOOPS}_r${rank}_${TOKENS}.json" \
+    "$OUT/runs/$plain-$TOKENS=plain" "$OUT/runs/$aware-$TOKENS=aware"
 done
-.venv/bin/python scripts/compare_runs.py docs/aware/uptrain_b2_r64.png docs/aware/uptrain_b2_r64.json \
-  "$OUT/runs/plain-b2-r64=plain" "$OUT/runs/aware-b2-r64=aware"

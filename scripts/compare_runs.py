@@ -15,8 +15,9 @@ for spec in specs:
     ev, tr = [], []
     for line in open(f"{path}/metrics.jsonl"):
         m = json.loads(line)
-        if m.get("eval"):
-            ev.append((m["tokens"], m["eval_loss_2"], m["ppl_2"]))
+        if m.get("eval"):  # the final exit: the highest loop index logged
+            last = max(int(k.rsplit("_", 1)[1]) for k in m if k.startswith("eval_loss_"))
+            ev.append((m["tokens"], m[f"eval_loss_{last}"], m[f"ppl_{last}"]))
         elif "loss" in m:
             tr.append((m["tokens"], m["loss"], m.get("tok_per_s")))
     runs[label] = {"run": path, "eval": ev, "train": tr}

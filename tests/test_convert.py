@@ -151,3 +151,25 @@ def test_rank_validation(vanilla):
     assert relaxed.config.lora_ranks == {"q": 8, "kv": 4, "out": 8, "ffn": 64}
     with pytest.raises(ConfigError, match="already recursive"):
         convert(relaxed, loops=2)
+
+
+def test_merged_lora_path_equals_the_two_matmul_path():
+    """Large batches run W + B_s A_s as one weight (fewer FLOPs); outputs and gradients must not change."""
+    from looplm.models.layers import LoopLinear
+    torch.manual_seed(0)
+    lin = LoopLinear(16, 24, bias=True, num_slots=2, bias_slots=2, rank=4)
+    for p in lin.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(2, 40, 16)  # 80 tokens x (16 + 24) > 16 x 24: the merge pays
+    assert lin._merge_pays(x) and not lin._merge_pays(x[:, :4])
+    outs, grads = [], []
+    for merge in (True, False):
+        lin.merge_lora = merge
+        lin.zero_grad()
+        y = lin(x, 1)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append([p.grad.clone() for p in lin.parameters()])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)

@@ -90,6 +90,7 @@ def load_looplm_dir(p: Path, dtype=torch.float32):
     from transformers import AutoTokenizer
     from .checkpoint import load_checkpoint
     model = load_checkpoint(p, dtype)
+    model.source_dir = p  # where files saved beside the weights are found (e.g. the exit probe)
     tokenizer = AutoTokenizer.from_pretrained(str(p)) if (p / "tokenizer_config.json").exists() else None
     return model, tokenizer
 

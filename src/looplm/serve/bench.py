@@ -264,7 +264,7 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "transformers": hf_comparison(args, base, vanilla, max_seq_len, log)}
     looped, looped_desc = _looped_model(args, vanilla)
-    policy = parse_policy(args.exit)
+    policy = parse_policy(args.exit).bind(looped)  # the probe policy: the looped model's fitted probe
     limits = machine_limits()
     result = {"model": args.model, "looped": looped_desc, "exit_policy": f"{policy.kind}:{policy.threshold}",
               "kv_mode": args.kv_mode, "max_batch": args.max_batch, "torch_threads": torch.get_num_threads(),
@@ -351,11 +351,18 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
                             ("entropy", (2.0, 1.0, 0.5)), ("cosine", (0.9, 0.95, 0.99)))) -> dict:
     """Teacher-forced on held-out text (full-depth KV, so an upper bound for the engine): per policy and
     threshold, the fraction of tokens leaving before the last loop, agreement of their argmax with the
-    final loop's, and the perplexity of the logits actually used (exit logits where a token exits)."""
+    final loop's, and the perplexity of the logits actually used (exit logits where a token exits).
+    A model with a fitted exit probe also gets the probe policy's rows (its calibrated threshold too)."""
+    from .probe import ProbeError, load_probe, probe_features
     B = model.config.num_loops
     dev = next(model.parameters()).device
     ids = token_ids[:n_tokens + 1]
-    per_loop_logp, per_loop_arg, cos_prev = [], [], []
+    try:
+        probe = load_probe(model)
+        policies = tuple(policies) + (("probe", tuple(sorted({0.5, 0.7, 0.9, probe.threshold}))),)
+    except ProbeError:
+        probe = None
+    per_loop_logp, per_loop_arg, cos_prev, probe_p = [], [], [], []
     targets = []
     for s in range(0, len(ids) - 1, seq_len):
         w = ids[s:s + seq_len + 1]
@@ -369,8 +376,12 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
         prev = [h0] + states[:-1]
         cos_prev.append(torch.stack([torch.nn.functional.cosine_similarity(a[0].float(), b[0].float(), dim=-1)
                                      for a, b in zip(states, prev)]))  # [B, t]
+        if probe is not None:
+            probe_p.append(torch.stack([probe.prob(probe_features(model, states[i][0], prev[i][0]),
+                                                   torch.full((x.shape[1],), i, device=dev)) for i in range(B - 1)]))
         targets.append(torch.tensor(w[1:], device=dev))
     logp, cosv, tgt = torch.cat(per_loop_logp, 1), torch.cat(cos_prev, 1), torch.cat(targets)
+    probe_pv = torch.cat(probe_p, 1) if probe is not None else None
     arg = logp.argmax(-1)
     nll_loop = -logp.gather(-1, tgt[None, :, None].expand(B, -1, 1))[..., 0]  # [B, t]
     out = {"tokens": int(tgt.numel()),
@@ -389,6 +400,8 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
                     ok = (t2[:, 0] - t2[:, 1]) >= thr
                 elif kind == "entropy":
                     ok = -(probs[i] * logp[i].clamp_min(-1e30)).nan_to_num().sum(-1) <= thr
+                elif kind == "probe":
+                    ok = probe_pv[i] >= thr
                 else:
                     ok = cosv[i] >= thr
                 exit_loop = torch.where(ok, torch.full_like(exit_loop, i), exit_loop)

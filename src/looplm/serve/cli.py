@@ -44,7 +44,7 @@ def register(sub) -> None:
                    "sequence-wise capacity on the all-at-once trace)")
     p.add_argument("--max-batch", type=int, default=8, help="KV cache rows = concurrent requests")
     p.add_argument("--exit", default="softmax:0.9", help="exit policy[:threshold] for the depth-wise run "
-                   "(softmax, margin, entropy, cosine, oracle, none)")
+                   "(softmax, margin, entropy, cosine, probe, oracle, none)")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of skipped loops (headline run)")
     p.add_argument("--extra", action="store_true", help="also: the other kv mode, looped model under sequence-wise "
                    "batching without exits")
@@ -56,6 +56,19 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.set_defaults(func=cmd_bench_serve)
+
+    p = sub.add_parser("fit-exit-probe", help="fit the learned exit probe (the `probe` exit policy) of a saved "
+                       "looped model on a corpus' training split")
+    p.add_argument("model", help="a saved looped model directory (the probe is written into it)")
+    p.add_argument("--data", required=True, help="a corpus from `looplm data build` (its training split is used)")
+    p.add_argument("--fit-rows", type=int, default=32, help="training-split rows to fit on")
+    p.add_argument("--calib-rows", type=int, default=16, help="other training-split rows to calibrate the threshold on")
+    p.add_argument("--target-agreement", type=float, default=0.95, help="calibrate the threshold to this "
+                   "teacher-forced agreement with the final loop")
+    p.add_argument("--l2", type=float, default=1e-3, help="L2 penalty on the standardised weights")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fit_exit_probe)
 
     p = sub.add_parser("generate", help="generate text with the serving engine")
     p.add_argument("prompt", nargs="+")
@@ -80,7 +93,7 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the slots; more get 429")
     p.add_argument("--max-seq-len", type=int, default=1024, help="context per request (prompt + max_tokens - 1)")
     p.add_argument("--exit-policy", default="none", help="exit policy[:threshold] for every request unless it asks "
-                   "for full depth (softmax, margin, entropy, cosine, none)")
+                   "for full depth (softmax, margin, entropy, cosine, probe, none)")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of the loops an exit skips")
     p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
     p.add_argument("--loops", type=int, default=0, help="convert MODEL to B loops on the fly (0: serve as saved)")
@@ -101,9 +114,58 @@ def cmd_serve(args) -> int:
     policy = parse_policy(args.exit_policy)  # a bad policy is a usage error before the model loads
     if policy.kind == "oracle":
         raise UsageError("the oracle policy is for analysis (it never exits); use softmax, margin, entropy, "
-                         "cosine or none")
+                         "cosine, probe or none")
     from .server import main
     return main(args)
+
+
+def cmd_fit_exit_probe(args) -> int:
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from ..models import load_model
+    from ..models.loading import is_looplm_dir, tokenizer_fingerprint
+    from ..train.corpus import PackedCorpus
+    from .probe import PROBE_FILE, fit_probe
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    d = Path(args.model)
+    if not (d.is_dir() and is_looplm_dir(d)):
+        raise UsageError(f"{d} is not a saved looplm model directory; the probe is written beside its weights "
+                         f"(save one with `looplm convert` or `looplm train`)")
+    if args.fit_rows < 1 or args.calib_rows < 1 or not 0 < args.target_agreement <= 1:
+        raise UsageError("need --fit-rows >= 1, --calib-rows >= 1 and 0 < --target-agreement <= 1")
+    corpus = PackedCorpus(args.data)
+    model, tok = load_model(d)
+    if model.config.num_loops < 2:
+        raise UsageError(f"{d} has B = 1 loop: there is no early exit to fit a probe for")
+    if tok is not None and tokenizer_fingerprint(tok) != corpus.tokenizer:
+        raise UsageError(f"corpus {args.data} was tokenised with another tokenizer than {d}; build one with "
+                         f"`looplm data build --model {d}`")
+    train = corpus.splits["train"]
+    n = args.fit_rows + args.calib_rows
+    if len(train) < n:
+        raise UsageError(f"the corpus has {len(train)} training rows; lower --fit-rows/--calib-rows to at most that")
+    picks = np.linspace(0, len(train) - 1, n).round().astype(int)  # spread over every source, interleaved
+    rows = [train[i].astype(np.int64).tolist() for i in picks]
+    log = (lambda *a: print(*a, file=__import__("sys").stderr, flush=True)) if args.json else print
+    probe, report = fit_probe(model, rows[0::2][:args.fit_rows] + rows[1::2][args.calib_rows:],
+                              rows[1::2][:args.calib_rows], args.target_agreement, args.l2, log=log)
+    path = probe.save(d)
+    report = {"model": str(d), "data": args.data, "probe": str(path), **report}
+    (d / "eval").mkdir(exist_ok=True)
+    (d / "eval" / "exit_probe.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print_json(report)
+    else:
+        at = report["calib_at_threshold"]
+        print(f"wrote {path}: threshold {probe.threshold} (calibration rows: {at['early_exit_fraction']:.1%} of "
+              f"tokens leave early at {at['agreement']:.3f} agreement with the final loop); use it with "
+              f"--exit probe (or probe:THRESHOLD)")
+    return 0
 
 
 def cmd_generate(args) -> int:

@@ -98,7 +98,7 @@ class Engine:
         self.window = c.sliding_window_size
         self.has_sliding = "sliding" in self.kinds
         self.mixable = self.B == 1 or c.sharing == "cycle"  # loops share layer k at every step
-        self.policy = exit_policy or ExitPolicy()
+        self.policy = (exit_policy or ExitPolicy()).bind(model)
         self.kv_mode = kv_mode
         self.clock = clock or time.perf_counter
         self._arange = torch.arange(max_seq_len, device=self.device)
@@ -289,9 +289,10 @@ class Engine:
             rows_t = torch.tensor([r for _, r in inter], device=self.device)
             if policy.needs_logits:
                 logit_rows = logit_rows + [r for _, r in inter]
-            else:  # cosine: h after this loop vs h before it
+            else:  # cosine, probe: from h after this loop and h before it
                 h_prev = torch.cat([it.h[-1:] for it, _ in inter])  # it.h is still this loop's input
-                exit_mask = policy.decide(None, h_out.index_select(0, rows_t), h_prev)
+                loops = torch.tensor([it.loop for it, _ in inter], device=self.device)
+                exit_mask = policy.decide(None, h_out.index_select(0, rows_t), h_prev, loops, self.model)
                 logit_rows = logit_rows + [r for (_, r), e in zip(inter, exit_mask.tolist()) if e]
         logits = self.model.exit_logits(h_out.index_select(0, torch.tensor(logit_rows, device=self.device))) \
             if logit_rows else None

@@ -6,25 +6,30 @@ a loop.
 - ``entropy``: exit when the entropy (nats) of the exit distribution <= threshold
 - ``cosine``: hidden-state saturation, exit when cos(h after loop i, h before loop i) >= threshold
   (needs no logits unless the token exits)
+- ``probe``: a fitted logistic probe on the hidden state (probe.py) predicts that loop i's argmax is
+  already the final one with probability >= threshold (default: the threshold calibrated at fitting);
+  needs no logits unless the token exits
 - ``oracle``: analysis only; never exits early, records the first loop whose argmax equals the
   final one (the paper's oracle exit trajectory)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-POLICIES = ("none", "softmax", "margin", "entropy", "cosine", "oracle")
-DEFAULTS = {"softmax": 0.9, "margin": 0.8, "entropy": 0.5, "cosine": 0.99, "oracle": 0.0, "none": 0.0}
+POLICIES = ("none", "softmax", "margin", "entropy", "cosine", "probe", "oracle")
+DEFAULTS = {"softmax": 0.9, "margin": 0.8, "entropy": 0.5, "cosine": 0.99, "oracle": 0.0, "none": 0.0,
+            "probe": None}  # probe: the threshold saved with the fitted probe
 
 
 @dataclass
 class ExitPolicy:
     kind: str = "none"
     threshold: float | None = None
+    probe: object | None = field(default=None, repr=False)  # probe.ExitProbe, bound by the engine
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -37,13 +42,26 @@ class ExitPolicy:
         return self.kind not in ("none",)
 
     @property
-    def needs_logits(self) -> bool:
+    def needs_logits(self) -> bool:  # to decide; cosine and probe decide from hidden states
         return self.kind in ("softmax", "margin", "entropy", "oracle")
 
-    def decide(self, logits: torch.Tensor | None, h: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
-        """Bool [n]: which tokens leave now. logits [n, V] (None for cosine), h and h_prev [n, hidden]."""
+    def bind(self, model) -> "ExitPolicy":
+        """This policy ready for ``model``: the probe policy loads the probe saved with the model."""
+        if self.kind != "probe" or self.probe is not None:
+            return self
+        from .probe import load_probe
+        probe = load_probe(model)
+        return ExitPolicy("probe", probe.threshold if self.threshold is None else self.threshold, probe)
+
+    def decide(self, logits: torch.Tensor | None, h: torch.Tensor, h_prev: torch.Tensor,
+               loops: torch.Tensor | None = None, model=None) -> torch.Tensor:
+        """Bool [n]: which tokens leave now. logits [n, V] (None for cosine and probe), h and h_prev
+        [n, hidden]; the probe also needs each token's 0-based loop index and the model (its final norm)."""
         if self.kind == "cosine":
             return F.cosine_similarity(h.float(), h_prev.float(), dim=-1) >= self.threshold
+        if self.kind == "probe":
+            from .probe import probe_features
+            return self.probe.prob(probe_features(model, h, h_prev), loops) >= self.threshold
         if self.kind == "oracle" or self.kind == "none":
             return torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         probs = logits.float().softmax(-1)

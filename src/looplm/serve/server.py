@@ -735,8 +735,8 @@ def main(args) -> int:
                          max_queue=args.max_queue, max_seq_len=max_seq_len, exit_policy=parse_policy(args.exit_policy),
                          kv_mode=args.kv_mode, scheduler=args.scheduler, shutdown_timeout=args.shutdown_timeout)
     server = LoopServer(model, tok, opts)
-    print(f"looplm serve: {opts.model_name} (B={model.config.num_loops} loops, exit {opts.exit_policy.kind}:"
-          f"{opts.exit_policy.threshold}, {opts.scheduler} scheduler, {opts.max_concurrency} slots, queue "
+    print(f"looplm serve: {opts.model_name} (B={model.config.num_loops} loops, exit {server.engine.policy.kind}:"
+          f"{server.engine.policy.threshold}, {opts.scheduler} scheduler, {opts.max_concurrency} slots, queue "
           f"{opts.max_queue}, context {max_seq_len}) on http://{args.host}:{args.port}", flush=True)
     UvicornServer(server, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0

@@ -1,0 +1,86 @@
+"""Exit policies side by side on one engine, one trace, one process: the vanilla model under static and
+sequence-wise batching, and the looped model under depth-wise batching with each exit policy. Rounds
+are interleaved (every configuration once per round, median tokens/s over rounds), so the shared
+machine's load swings hit all of them alike. Agreement: generated tokens equal to the looped model's
+full-depth greedy choice given the same prefix (teacher-forced, as in `looplm bench serve`).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_exits.py --looped out/paper-b2/runs/rec-stepwise-exit/final \
+        --policies none,margin:0.03,probe:0.5,probe --rounds 2 --json > benchmarks/results/exits-smollm2-b2.json
+
+The trace is `bench serve`'s (held-out Milton text, seed 0); defaults are the trace of docs/BENCHMARKS.md
+"With an early-exit-trained model" (12 requests, prompts 16-64, outputs 8-40, 6 KV rows, all at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from looplm.models import load_model
+from looplm.serve.bench import agreement, heldout_text, make_trace, run_trace
+from looplm.serve.exits import parse_policy
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--looped", required=True, help="a saved looped model (with exit_probe.safetensors for probe)")
+    p.add_argument("--policies", default="none,margin:0.03,probe")
+    p.add_argument("--kv-mode", default="later", choices=["copy", "later"])
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--prompt-len", default="16:64")
+    p.add_argument("--output-len", default="8:40")
+    p.add_argument("--max-batch", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    rng = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
+    vanilla, tok = load_model(args.model)
+    looped, _ = load_model(args.looped)
+    ids = tok(heldout_text(), add_special_tokens=False)["input_ids"]
+    trace = make_trace(ids, args.requests, rng(args.prompt_len), rng(args.output_len), "all", seed=0)
+    max_seq_len = rng(args.prompt_len)[1] + rng(args.output_len)[1]
+    configs = [("vanilla static", vanilla, "static", None), ("vanilla sequence", vanilla, "sequence", None)]
+    configs += [(f"depth {pol}", looped, "depth", parse_policy(pol).bind(looped)) for pol in args.policies.split(",")]
+    runs = {name: [] for name, *_ in configs}
+    for r in range(args.rounds):
+        for name, model, sched, pol in configs:
+            fig, reqs, _ = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, args.kv_mode)
+            if model is looped:
+                fig["agreement"] = round(agreement(looped, reqs), 4)
+            runs[name].append(fig)
+            log(f"round {r + 1} {name:<22} {fig['tokens_per_s']:7.1f} tok/s  exits/loop {fig['exits_per_loop']}"
+                + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else ""))
+    base = {k: statistics.median(f["tokens_per_s"] for f in runs[f"vanilla {k}"]) for k in ("static", "sequence")}
+    table = []
+    for name, model, _, pol in configs:
+        tps = statistics.median(f["tokens_per_s"] for f in runs[name])
+        last = runs[name][-1]
+        table.append({"config": name, "threshold": None if pol is None else pol.threshold,
+                      "tokens_per_s": round(tps, 2), "per_round": [f["tokens_per_s"] for f in runs[name]],
+                      "vs_static": round(tps / base["static"], 3), "vs_sequence": round(tps / base["sequence"], 3),
+                      "exits_per_loop": last["exits_per_loop"], "agreement": last.get("agreement")})
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "looped": args.looped,
+           "kv_mode": args.kv_mode, "requests": args.requests, "max_batch": args.max_batch, "rounds": args.rounds,
+           "torch_threads": torch.get_num_threads(), "table": table}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print("| config | tok/s | vs vanilla static | vs vanilla sequence | exits per loop | agreement |")
+        print("|---|---:|---:|---:|---|---:|")
+        for t in table:
+            print(f"| {t['config']} | {t['tokens_per_s']} | {t['vs_static']}x | {t['vs_sequence']}x | "
+                  f"{t['exits_per_loop']} | {t['agreement'] if t['agreement'] is not None else '-'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The learned exit probe: the logistic fit, `looplm fit-exit-probe` on a tiny model and corpus, the
+`probe` policy in the engine (its decisions are the probe's, from the engine's own hidden states),
+and its errors."""
+
+import json
+
+import pytest
+import torch
+
+from looplm.cli import main
+from looplm.models import load_model
+from looplm.serve import Engine, ExitPolicy, Request, make_scheduler, replay
+from looplm.serve.bench import exit_tradeoff
+from looplm.serve.probe import PROBE_FILE, ExitProbe, ProbeError, fit_logistic, probe_features
+from test_train_fixtures import build_corpus, make_models
+
+
+def test_fit_logistic_learns_a_rule_on_unscaled_features():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 5, generator=g) * torch.tensor([100.0, 1.0, 0.01, 5.0, 1.0]) + 3.0
+    y = (x[:, 2] - 3.0) * 100 + (x[:, 1] - 3.0) > 0  # features at very different scales
+    w, b = fit_logistic(x[:3000], y[:3000])
+    pred = torch.sigmoid(x[3000:] @ w + b) >= 0.5
+    assert (pred == y[3000:]).float().mean() > 0.97
+    assert w[0].abs() * 100 < w[2].abs() * 0.01  # the irrelevant large feature gets a tiny weight
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe")
+    models = make_models(tmp)
+    corpus = build_corpus(tmp, models["recursive"])
+    rc = main(["fit-exit-probe", str(models["recursive"]), "--data", str(corpus), "--fit-rows", "12",
+               "--calib-rows", "6", "--target-agreement", "0.9", "--json"])
+    assert rc == 0
+    return models, corpus
+
+
+def test_fit_writes_probe_and_report(fitted, capsys):
+    models, _ = fitted
+    d = models["recursive"]
+    probe = ExitProbe.load(d / PROBE_FILE)
+    assert probe.weight.shape == (1, 64 + 1) and probe.bias.shape == (1,)
+    report = json.loads((d / "eval" / "exit_probe.json").read_text())
+    assert report["threshold"] == probe.threshold and 0 < probe.threshold < 1
+    assert report["fit_tokens"] == 12 * 32 and report["calib_tokens"] == 6 * 32
+    at = report["calib_at_threshold"]
+    # the calibrated threshold meets the target on the calibration rows, unless nothing does
+    assert at["agreement"] >= 0.9 or probe.threshold == 0.99
+
+
+def _serve(model, policy, prompts, n=6):
+    engine = Engine(model, max_batch=3, max_seq_len=64, exit_policy=policy)
+    reqs = [Request(p, n) for p in prompts]
+    replay(make_scheduler("depth", engine), reqs)
+    return engine, reqs
+
+
+def test_probe_policy_in_the_engine(fitted):
+    models, _ = fitted
+    model, _ = load_model(models["recursive"])
+    prompts = [[5, 80, 101, 32], [72, 101, 108, 108, 111], [33] * 9]
+    full = _serve(model, ExitPolicy("none"), prompts)[1]
+    # threshold 0: every decode token exits after loop 1, exactly like softmax:0 (which decides from logits)
+    e0, r0 = _serve(model, ExitPolicy("probe", 0.0), prompts)
+    s0 = _serve(model, ExitPolicy("softmax", 0.0), prompts)[1]
+    assert [r.output for r in r0] == [r.output for r in s0]
+    assert e0.stats["exits_per_loop"][0] == sum(len(r.output) - 1 for r in r0)
+    # above 1 nothing exits: full depth
+    assert [r.output for r in _serve(model, ExitPolicy("probe", 1.01), prompts)[1]] == [r.output for r in full]
+    # the default threshold is the calibrated one, and each exit is the probe's decision on that token's
+    # hidden states: checked teacher-forced up to a request's first early exit (until then its KV is exact)
+    engine, reqs = _serve(model, ExitPolicy("probe"), prompts, n=12)
+    probe, thr = engine.policy.probe, engine.policy.threshold
+    assert thr == probe.threshold
+    checked = 0
+    with torch.no_grad():
+        for p, r in zip(prompts, reqs):
+            ids = torch.tensor([p + r.output[:-1]])
+            _, states, _ = model.model(ids, output_loop_states=True)
+            pr = probe.prob(probe_features(model, states[0][0], model.model.embed(ids)[0]),
+                            torch.zeros(ids.shape[1], dtype=torch.long))
+            for k in range(1, len(r.output)):  # output k is decided at position len(p) + k - 1
+                q = float(pr[len(p) + k - 1])
+                if abs(q - thr) > 1e-4:
+                    assert (r.exit_loops[k] == 1) == (q >= thr), (k, q, thr)
+                    checked += 1
+                if r.exit_loops[k] == 1:
+                    break
+    assert checked >= len(prompts)
+    assert 0 < engine.stats["exits_per_loop"][0]
+
+
+def test_tradeoff_table_has_probe_rows(fitted):
+    models, _ = fitted
+    model, _ = load_model(models["recursive"])
+    trade = exit_tradeoff(model, list(range(40, 140)), n_tokens=64, seq_len=32)
+    rows = [r for r in trade["policies"] if r["policy"].startswith("probe:")]
+    assert len(rows) >= 3 and all(0 <= r["early_exit_fraction"] <= 1 for r in rows)
+
+
+def test_probe_errors(fitted, tmp_path, capsys):
+    models, corpus = fitted
+    student, _ = load_model(models["student"])  # no probe saved beside it
+    with pytest.raises(ProbeError, match="fit-exit-probe"):
+        Engine(student, exit_policy=ExitPolicy("probe"))
+    bad = ExitProbe(torch.zeros(2, 65), torch.zeros(2), 0.5, {})
+    with pytest.raises(ProbeError, match="another model"):
+        bad.check(student)
+    assert main(["fit-exit-probe", str(tmp_path), "--data", str(corpus)]) == 2
+    assert "not a saved looplm model" in capsys.readouterr().err
+    assert main(["fit-exit-probe", str(models["teacher"]), "--data", str(corpus)]) == 2
+    assert "B = 1" in capsys.readouterr().err
