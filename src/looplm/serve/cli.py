@@ -121,6 +121,7 @@ def cmd_serve(args) -> int:
 
 def cmd_fit_exit_probe(args) -> int:
     import json
+    import sys
     from pathlib import Path
 
     import numpy as np
@@ -149,11 +150,13 @@ def cmd_fit_exit_probe(args) -> int:
     n = args.fit_rows + args.calib_rows
     if len(train) < n:
         raise UsageError(f"the corpus has {len(train)} training rows; lower --fit-rows/--calib-rows to at most that")
-    picks = np.linspace(0, len(train) - 1, n).round().astype(int)  # spread over every source, interleaved
+    picks = np.linspace(0, len(train) - 1, n).round().astype(int)  # spread over every source
     rows = [train[i].astype(np.int64).tolist() for i in picks]
-    log = (lambda *a: print(*a, file=__import__("sys").stderr, flush=True)) if args.json else print
-    probe, report = fit_probe(model, rows[0::2][:args.fit_rows] + rows[1::2][args.calib_rows:],
-                              rows[1::2][:args.calib_rows], args.target_agreement, args.l2, log=log)
+    calib_at = set(np.linspace(0, n - 1, args.calib_rows).round().astype(int).tolist())  # interleaved with fit rows
+    fit_rows = [r for i, r in enumerate(rows) if i not in calib_at]
+    calib_rows = [r for i, r in enumerate(rows) if i in calib_at]
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    probe, report = fit_probe(model, fit_rows, calib_rows, args.target_agreement, args.l2, log=log)
     path = probe.save(d)
     report = {"model": str(d), "data": args.data, "probe": str(path), **report}
     (d / "eval").mkdir(exist_ok=True)
