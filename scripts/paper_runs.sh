@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
 DATA=${DATA:-out/corpus-smollm2-512}
 OUT=${OUT:-out/paper-b2}
-TOKENS=${TOKENS:-163840}           # 160 steps of 2 x 512: about an hour each on this 2-core CPU (fp32)
+TOKENS=${TOKENS:-163840}           # 160 steps of 2 x 512: 24-31 min each on this idle 2-core CPU (fp32); 409600 for an hour
 STUDENTS=${STUDENTS:-"rec-stepwise rec-average rel-svd64 rel-zero64 rec-random"}
 
 declare -A CONVERT=(

@@ -70,6 +70,22 @@ def test_static_exit_runs_fewer_loops():
         model(ids, num_loops=3)
 
 
+def test_lm_head_on_few_rows_equals_the_module():
+    """exit_logits computes a few rows' head as (W x^T)^T on CPU: the same logits as nn.Linear, and a
+    hooked head (a user's adapter, a profiler) still runs as a module."""
+    config = LoopLMConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4)
+    model = LoopLMForCausalLM(config).eval()
+    for shape in [(1, 32), (6, 32), (2, 3, 32), (70, 32)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(model._lm_head(x), model.lm_head(x), rtol=1e-5, atol=1e-6)
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    model._lm_head(torch.randn(4, 32))
+    handle.remove()
+    assert calls == [torch.Size([4, 300])]
+
+
 def test_unknown_family_is_a_clear_error():
     import transformers as T
     from looplm.models import config_from_hf

@@ -147,9 +147,21 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T. For a few rows on CPU (decode steps, exit decisions) it is computed as (W x^T)^T, the
+        same product: with SmolLM2's 49,152 x 576 head that ran 1.3-2.5x faster for 1-64 rows (MKL
+        streams the large matrix once instead of packing it; `benchmarks/bench_step_cost.py --head`).
+        Elsewhere (GPU, long sequences, a wrapped or hooked head) the module itself runs."""
+        head = self.lm_head
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if (x.device.type != "cpu" or not 0 < rows <= 64 or type(head) is not nn.Linear or head.bias is not None
+                or head._forward_hooks or head._forward_pre_hooks):
+            return head(x)
+        return (head.weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], -1)
+
     def exit_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The exit after any loop: final norm, LM head, and Gemma 2's logit soft-cap."""
-        logits = self.lm_head(self.model.norm(h))
+        logits = self._lm_head(self.model.norm(h))
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
