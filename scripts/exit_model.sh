@@ -15,7 +15,6 @@ LOOPLM=${LOOPLM:-.venv/bin/looplm}
 DATA=${DATA:-out/corpus-smollm2-512}
 OUT=${OUT:-out/paper-b2}
 EXIT_TOKENS=${EXIT_TOKENS:-40960}
-
 EXIT_MORE_TOKENS=${EXIT_MORE_TOKENS:-0}
 
 STUDENTS=rec-stepwise OUT="$OUT" DATA="$DATA" bash scripts/paper_runs.sh
