@@ -60,6 +60,11 @@ def main() -> int:
             log(f"round {r + 1} {name:<22} {fig['tokens_per_s']:7.1f} tok/s  exits/loop {fig['exits_per_loop']}"
                 + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else ""))
     base = {k: statistics.median(f["tokens_per_s"] for f in runs[f"vanilla {k}"]) for k in ("static", "sequence")}
+
+    def paired(name, k):  # median over rounds of this round's ratio: robust to load swings between rounds
+        return round(statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
+                                       for a, b in zip(runs[name], runs[f"vanilla {k}"])), 3)
+
     table = []
     for name, model, _, pol in configs:
         tps = statistics.median(f["tokens_per_s"] for f in runs[name])
@@ -67,6 +72,7 @@ def main() -> int:
         table.append({"config": name, "threshold": None if pol is None else pol.threshold,
                       "tokens_per_s": round(tps, 2), "per_round": [f["tokens_per_s"] for f in runs[name]],
                       "vs_static": round(tps / base["static"], 3), "vs_sequence": round(tps / base["sequence"], 3),
+                      "vs_static_paired": paired(name, "static"), "vs_sequence_paired": paired(name, "sequence"),
                       "exits_per_loop": last["exits_per_loop"], "agreement": last.get("agreement")})
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "looped": args.looped,
            "kv_mode": args.kv_mode, "requests": args.requests, "max_batch": args.max_batch, "rounds": args.rounds,
@@ -74,10 +80,12 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        print("| config | tok/s | vs vanilla static | vs vanilla sequence | exits per loop | agreement |")
-        print("|---|---:|---:|---:|---|---:|")
+        print("| config | tok/s | vs vanilla static (medians / paired) | vs vanilla sequence (medians / paired) "
+              "| exits per loop | agreement |")
+        print("|---|---:|---|---|---|---:|")
         for t in table:
-            print(f"| {t['config']} | {t['tokens_per_s']} | {t['vs_static']}x | {t['vs_sequence']}x | "
+            print(f"| {t['config']} | {t['tokens_per_s']} | {t['vs_static']}x / {t['vs_static_paired']}x | "
+                  f"{t['vs_sequence']}x / {t['vs_sequence_paired']}x | "
                   f"{t['exits_per_loop']} | {t['agreement'] if t['agreement'] is not None else '-'} |")
     return 0
 
