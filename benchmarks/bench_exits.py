@@ -7,6 +7,9 @@ full-depth greedy choice given the same prefix (teacher-forced, as in `looplm be
     PYTHONPATH=src .venv/bin/python benchmarks/bench_exits.py --looped out/paper-b2/runs/rec-stepwise-exit/final \
         --policies none,margin:0.03,probe:0.5,probe --rounds 2 --json > benchmarks/results/exits-smollm2-b2.json
 
+`--looped` takes several models, comma-separated (e.g. the B=2 and B=3 exit models side by side in one
+run); their configurations are then named by B, or by directory when two share a B.
+
 The trace is `bench serve`'s (held-out Milton text, seed 0); defaults are the trace of docs/BENCHMARKS.md
 "With an early-exit-trained model" (12 requests, prompts 16-64, outputs 8-40, 6 KV rows, all at once).
 """
@@ -29,7 +32,8 @@ from looplm.serve.exits import parse_policy
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--looped", required=True, help="a saved looped model (with exit_probe.safetensors for probe)")
+    p.add_argument("--looped", required=True, help="saved looped model(s), comma-separated (with "
+                   "exit_probe.safetensors for probe)")
     p.add_argument("--policies", default="none,margin:0.03,probe")
     p.add_argument("--kv-mode", default="later", choices=["copy", "later"])
     p.add_argument("--requests", type=int, default=12)
@@ -44,18 +48,23 @@ def main() -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     rng = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
     vanilla, tok = load_model(args.model)
-    looped, _ = load_model(args.looped)
+    paths = [x for x in args.looped.split(",") if x]
+    loopeds = [load_model(x)[0] for x in paths]
+    Bs = [m.config.num_loops for m in loopeds]
+    labels = [""] if len(paths) == 1 else [f"B={b} " if Bs.count(b) == 1 else f"{x} " for b, x in zip(Bs, paths)]
     ids = tok(heldout_text(), add_special_tokens=False)["input_ids"]
     trace = make_trace(ids, args.requests, rng(args.prompt_len), rng(args.output_len), "all", seed=0)
     max_seq_len = rng(args.prompt_len)[1] + rng(args.output_len)[1]
     configs = [("vanilla static", vanilla, "static", None), ("vanilla sequence", vanilla, "sequence", None)]
-    configs += [(f"depth {pol}", looped, "depth", parse_policy(pol).bind(looped)) for pol in args.policies.split(",")]
+    for label, looped in zip(labels, loopeds):
+        configs += [(f"{label}depth {pol}", looped, "depth", parse_policy(pol).bind(looped))
+                    for pol in args.policies.split(",")]
     runs = {name: [] for name, *_ in configs}
     for r in range(args.rounds):
         for name, model, sched, pol in configs:
             fig, reqs, _ = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, args.kv_mode)
-            if model is looped:
-                fig["agreement"] = round(agreement(looped, reqs), 4)
+            if model is not vanilla:
+                fig["agreement"] = round(agreement(model, reqs), 4)
             runs[name].append(fig)
             log(f"round {r + 1} {name:<22} {fig['tokens_per_s']:7.1f} tok/s  exits/loop {fig['exits_per_loop']}"
                 + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else ""))

@@ -5,22 +5,29 @@ Measured on the serving engine's own code paths, in one process, interleaved (ev
 round, median over rounds), for n single-token decode items at one position:
 
 - ``vanilla``: `Engine._forward` of the vanilla model (all L layers);
-- ``loop``: `Engine._forward` of the looped model at one loop (its K = L / B shared layers);
+- ``loop``: `Engine._forward` of the looped model at one loop (its K = L / B shared layers; `--loops`);
 - ``head``: `model.exit_logits` on n rows (final norm + LM head);
-- ``kv_copy``: the k/v projections of the skipped depths for n exited tokens (CALM's copy).
+- ``kv_copy``: the k/v projections of the depths after loop 1 for n exited tokens (CALM's copy).
 
-Steady state, decode only, M requests always busy, a fraction f of tokens leaving after loop 1 (B=2):
-a request emits a token every 2 - f steps, so a depth-wise step yields M / (2 - f) tokens where a
-vanilla step yields M. With KV copied the step runs M items; with KV computed later each token
-still runs both loops (its skipped loop as a KV-only item), so the step runs 2M / (2 - f) items.
+Steady state, decode only, M requests always busy, fractions f_1 .. f_{B-1} of tokens leaving after
+loops 1 .. B-1 and the rest running all B loops: a token takes E = sum_j j f_j loops (E = 2 - f at B=2
+with f after loop 1), so a request emits a token every E steps and a depth-wise step yields M / E tokens
+where a vanilla step yields M. With KV copied the step runs M items; with KV computed later each token
+still runs all B loops (its skipped loops as KV-only items), so the step runs B M / E items.
 The LM head runs on every row that finishes a loop under a logit policy (margin, softmax), and only on
 emitted tokens under a probe. Ceiling = (M / (2 - f)) / t_depth  /  (M / t_vanilla): no scheduling, no
 sampling, no prefill, so it is an upper bound on what the engine can measure.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_step_cost.py --json > benchmarks/results/step-cost-smollm2-b2.json
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_step_cost.py --loops 3 --sizes 6 \
+        --exit-fractions 0,0.127/0.601,0.296/0.497,0/1,1 --json > benchmarks/results/step-cost-smollm2-b3.json
 
 `--head` instead times the LM head alone, two ways, on the model's own weight: `F.linear(x, W)` (the
 `nn.Linear` path) against `(W @ x.T).T` (what `exit_logits` does on CPU for 1-64 rows without gradients).
+
+`--fusion` instead times every layer's input projections, matmuls only, on the model's own weights: q, k, v,
+gate and up as five `F.linear` calls (what the engine does) against two calls on concatenated weights
+(q|k|v and gate|up, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do).
 """
 
 from __future__ import annotations
@@ -73,12 +80,13 @@ def timed(fn, reps: int) -> float:
 
 @torch.no_grad()
 def measure(vanilla, looped, sizes: list[int], rounds: int, reps: int, log) -> dict[str, dict[int, float]]:
-    max_n = 2 * max(sizes)
+    B = looped.config.num_loops
+    max_n = B * max(sizes)
     ev = Engine(vanilla, max_batch=max_n, max_seq_len=POS + 1)
     el = Engine(looped, max_batch=max_n, max_seq_len=POS + 1)
     parts: dict[str, dict[int, list[float]]] = {k: {} for k in ("vanilla", "loop", "head", "kv_copy")}
-    # KV-later steps carry up to 2M items; the head and the KV copy also run on a few rows
-    needed = sorted(set(sizes) | {2 * n for n in sizes} | {1, 2, 4})
+    # KV-later steps carry up to B M items; the head and the KV copy also run on a few rows
+    needed = sorted({k * n for n in sizes for k in range(1, B + 1)} | {1, 2, 4})
     for r in range(rounds):
         for n in needed:
             iv, il = decode_items(ev, n, 0), decode_items(el, n, 0)
@@ -112,6 +120,36 @@ def head_layouts(model, sizes: list[int], rounds: int, reps: int, log) -> list[d
     return rows
 
 
+@torch.no_grad()
+def projection_fusion(model, sizes: list[int], rounds: int, reps: int, log) -> list[dict]:
+    """All layers' q, k, v, gate, up projections on n rows: five separate matmuls per layer against two
+    on concatenated weights (q|k|v, gate|up), interleaved, median ms. Matmuls only: the split of the
+    fused output into views costs nothing."""
+    if any(l.mlp.gate_proj is None for l in model.model.layers):
+        raise SystemExit("--fusion needs a GLU model (gate and up projections)")
+    sep = [[m.weight for m in (l.attn.q_proj, l.attn.k_proj, l.attn.v_proj, l.mlp.gate_proj, l.mlp.up_proj)]
+           for l in model.model.layers]
+    fused = [[torch.cat(ws[:3]), torch.cat(ws[3:])] for ws in sep]
+
+    def run(weights, x):
+        for ws in weights:
+            for w in ws:
+                F.linear(x, w)
+
+    rows = []
+    for n in sizes:
+        x = torch.randn(1, n, sep[0][0].shape[1], dtype=sep[0][0].dtype, device=sep[0][0].device)
+        a_t, b_t = [], []
+        for _ in range(rounds):
+            a_t.append(timed(lambda: run(sep, x), reps))
+            b_t.append(timed(lambda: run(fused, x), reps))
+        a, b = statistics.median(a_t), statistics.median(b_t)
+        rows.append({"rows": n, "separate_ms": round(a * 1e3, 2), "fused_ms": round(b * 1e3, 2),
+                     "speedup": round(a / b, 2)})
+        log(f"projections on {n} rows: 5 separate {a * 1e3:.2f} ms, 2 fused {b * 1e3:.2f} ms, {a / b:.2f}x")
+    return rows
+
+
 def interp(table: dict[int, float], x: float) -> float:
     """Linear interpolation of a measured cost at a fractional item count."""
     xs = sorted(table)
@@ -121,24 +159,37 @@ def interp(table: dict[int, float], x: float) -> float:
     return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
 
 
-def ceiling(t: dict[str, dict[int, float]], M: int, f: float, kv_mode: str, decide: str) -> float:
-    """Depth-wise (B=2, exit fraction f after loop 1) over vanilla sequence-wise tokens/s, M rows busy."""
+def ceiling(t: dict[str, dict[int, float]], M: int, fs: list[float], kv_mode: str, decide: str) -> float:
+    """Depth-wise over vanilla sequence-wise tokens/s, M rows busy; fs[j]: the fraction of tokens leaving
+    after loop j + 1 (j < B - 1), the rest run all B = len(fs) + 1 loops."""
+    B = len(fs) + 1
     t_vanilla = t["vanilla"][M] + t["head"][M]
-    tokens = M / (2 - f)
-    items = M if kv_mode == "copy" else 2 * M / (2 - f)
+    loops_per_token = sum((j + 1) * f for j, f in enumerate(fs)) + B * (1 - sum(fs))
+    tokens = M / loops_per_token
+    items = M if kv_mode == "copy" else B * M / loops_per_token
     head_rows = M if decide == "logits" else tokens
     t_depth = interp(t["loop"], items) + interp(t["head"], head_rows)
-    if kv_mode == "copy":
-        t_depth += interp(t["kv_copy"], max(1.0, f * tokens)) if f > 0 else 0.0
+    if kv_mode == "copy":  # kv_copy covers the B - 1 loops after loop 1; a later exit copies fewer
+        t_depth += sum(interp(t["kv_copy"], max(1.0, f * tokens)) * (B - 1 - j) / (B - 1)
+                       for j, f in enumerate(fs) if f > 0)
     return (tokens / t_depth) / (M / t_vanilla)
 
 
-def needed_f(t, M, target, kv_mode, decide) -> float | None:
-    """Smallest exit fraction whose ceiling reaches ``target`` (None: not even f = 1)."""
+def needed_f(t, M, target, kv_mode, decide, B: int = 2) -> float | None:
+    """Smallest fraction leaving after loop 1 (none after other loops) whose ceiling reaches ``target``
+    (None: not even 1)."""
     for i in range(101):
-        if ceiling(t, M, i / 100, kv_mode, decide) >= target:
+        if ceiling(t, M, [i / 100] + [0.0] * (B - 2), kv_mode, decide) >= target:
             return i / 100
     return None
+
+
+def parse_mix(text: str, B: int) -> list[float]:
+    """'0.5' (after loop 1) or '0.3/0.2' (after loops 1 and 2): B - 1 early-exit fractions."""
+    fs = [float(x) for x in text.split("/")]
+    if len(fs) > B - 1 or any(f < 0 for f in fs) or sum(fs) > 1 + 1e-9:
+        raise SystemExit(f"exit mix {text!r}: give at most B - 1 = {B - 1} fractions, each >= 0, summing to <= 1")
+    return fs + [0.0] * (B - 1 - len(fs))
 
 
 def main() -> int:
@@ -146,38 +197,48 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--sizes", default="6,12,32", help="busy rows M (KV rows) to evaluate")
     p.add_argument("--exit-fractions", default="0,0.525,0.78,1.0",
-                   help="f to tabulate (0.525: margin:0.05 measured; 0.78: the oracle, docs/BENCHMARKS.md)")
+                   help="exit mixes to tabulate: f after loop 1, or f1/f2/... after loops 1, 2, ... "
+                        "(0.525: margin:0.05 measured at B=2; 0.78: its oracle, docs/BENCHMARKS.md)")
+    p.add_argument("--loops", type=int, default=2, help="B of the looped model timed (K = L / B shared layers)")
     p.add_argument("--target", type=float, default=1.4, help="speed-up over vanilla sequence-wise to solve for")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--head", action="store_true", help="time only the LM head's two layouts")
+    p.add_argument("--fusion", action="store_true", help="time only separate against fused input projections")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     vanilla, _ = load_model(args.model)
     vanilla.eval()
-    if args.head:
-        rows = head_layouts(vanilla, [int(s) for s in args.sizes.split(",")], args.rounds, args.reps, log)
+    # single-part modes: (key in the JSON, timing function, the two timed columns of the markdown rows)
+    mode = {"head": ("head", head_layouts, ("linear_ms", "w_xT_ms")),
+            "fusion": ("projections", projection_fusion, ("separate_ms", "fused_ms"))}
+    chosen = "head" if args.head else "fusion" if args.fusion else None
+    if chosen:
+        key, fn, (a, b) = mode[chosen]
+        rows = fn(vanilla, [int(s) for s in args.sizes.split(",")], args.rounds, args.reps, log)
         out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
-               "torch_threads": torch.get_num_threads(), "head": rows}
+               "torch_threads": torch.get_num_threads(), key: rows}
         print(json.dumps(out, indent=1) if args.json else "\n".join(
-            f"| {r['rows']} | {r['linear_ms']} | {r['w_xT_ms']} | {r['speedup']}x |" for r in rows))
+            f"| {r['rows']} | {r[a]} | {r[b]} | {r['speedup']}x |" for r in rows))
         return 0
-    looped = convert(vanilla, loops=2, init="stepwise").eval()  # the exit model's architecture: B=2, rank 0
+    B = args.loops
+    looped = convert(vanilla, loops=B, init="stepwise").eval()  # the exit models' architecture: rank 0
     sizes = [int(s) for s in args.sizes.split(",")]
     t = measure(vanilla, looped, sizes, args.rounds, args.reps, log)
-    fs = [float(x) for x in args.exit_fractions.split(",")]
+    mixes = args.exit_fractions.split(",")
     rows = []
     for M in sizes:
         for kv in ("copy", "later"):
             for decide in ("logits", "probe"):
                 rows.append({"rows_busy": M, "kv_mode": kv, "decision": decide,
-                             "ceiling_vs_sequence": {str(f): round(ceiling(t, M, f, kv, decide), 3) for f in fs},
-                             f"exit_fraction_for_{args.target}x": needed_f(t, M, args.target, kv, decide)})
+                             "ceiling_vs_sequence": {m: round(ceiling(t, M, parse_mix(m, B), kv, decide), 3)
+                                                     for m in mixes},
+                             f"exit_fraction_for_{args.target}x": needed_f(t, M, args.target, kv, decide, B)})
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
-           "looped": "B=2 stepwise rank 0 (converted; timing does not depend on the weights)",
+           "looped": f"B={B} stepwise rank 0 (converted; timing does not depend on the weights)",
            "torch_threads": torch.get_num_threads(), "rounds": args.rounds, "reps": args.reps,
            "decode_position": POS,
            "step_parts_ms": {k: {str(n): round(v * 1e3, 2) for n, v in d.items()} for k, d in t.items()},
@@ -190,8 +251,8 @@ def main() -> int:
         for n in sorted(t["vanilla"]):
             print(f"| {'*' if n in sizes else ''} | {n} | {t['vanilla'][n] * 1e3:.1f} | {t['loop'][n] * 1e3:.1f} | "
                   f"{t['head'][n] * 1e3:.1f} | {t['kv_copy'][n] * 1e3:.1f} |")
-        print(f"\n| M | KV | decision | " + " | ".join(f"f={f}" for f in fs) + f" | f for {args.target}x |")
-        print("|---:|---|---|" + "---:|" * (len(fs) + 1))
+        print(f"\n| M | KV | decision | " + " | ".join(f"f={m}" for m in mixes) + f" | f for {args.target}x |")
+        print("|---:|---|---|" + "---:|" * (len(mixes) + 1))
         for r in rows:
             print(f"| {r['rows_busy']} | {r['kv_mode']} | {r['decision']} | "
                   + " | ".join(f"{v}x" for v in r["ceiling_vs_sequence"].values())

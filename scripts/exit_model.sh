@@ -7,8 +7,9 @@
 #      from stage 2's result with a fresh warmup and cosine schedule (the model the serving benchmarks of
 #      2026-11-23 afternoon use: EXIT_MORE_TOKENS=122880, 163,840 post-training tokens in all),
 #   4. the learned exit probe fitted on the corpus' training split (`looplm fit-exit-probe`).
-# Resumable and idempotent like paper_runs.sh. Environment: OUT, DATA (as in paper_runs.sh), EXIT_TOKENS,
-# EXIT_MORE_TOKENS. Prints the directory of the final exit model.
+# Resumable and idempotent like paper_runs.sh. Environment: OUT, DATA, LOOPS (as in paper_runs.sh), EXIT_TOKENS,
+# EXIT_MORE_TOKENS. Prints the directory of the final exit model. The B=3 model of 2026-11-23 evening:
+#   LOOPS=3 OUT=out/paper-b3 bash scripts/exit_model.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}

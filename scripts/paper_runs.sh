@@ -8,12 +8,14 @@
 #   rel-zero64     relaxed, Average + zero rank 64
 #   rec-random     recursive, random init           (paper: far worse than pretrained init)
 # Resumable and idempotent: rerun it to continue where a stopped run left off; finished runs are
-# skipped. Environment: TOKENS (budget per student), OUT, DATA, STUDENTS (subset, space separated).
+# skipped. Environment: TOKENS (budget per student), OUT, DATA, STUDENTS (subset, space separated),
+# LOOPS (B, default 2; e.g. LOOPS=3 OUT=out/paper-b3 for the B=3 students).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
 DATA=${DATA:-out/corpus-smollm2-512}
 OUT=${OUT:-out/paper-b2}
+LOOPS=${LOOPS:-2}
 TOKENS=${TOKENS:-163840}           # 160 steps of 2 x 512: 24-31 min each on this idle 2-core CPU (fp32); 409600 for an hour
 STUDENTS=${STUDENTS:-"rec-stepwise rec-average rel-svd64 rel-zero64 rec-random"}
 
@@ -29,7 +31,7 @@ declare -A CONVERT=(
 
 for s in $STUDENTS; do
   model="$OUT/models/$s" run="$OUT/runs/$s"
-  [ -f "$model/config.json" ] || $LOOPLM convert --model smollm2-135m --loops 2 ${CONVERT[$s]} \
+  [ -f "$model/config.json" ] || $LOOPLM convert --model smollm2-135m --loops "$LOOPS" ${CONVERT[$s]} \
                                    --out "$model" --ppl-tokens 0
   if [ -d "$run/final" ]; then echo "$s: done"; continue; fi
   resume=""; [ -f "$run/run.json" ] && resume="--resume"

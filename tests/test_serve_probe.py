@@ -71,15 +71,22 @@ def test_probe_policy_in_the_engine(fitted):
     # the default threshold is the calibrated one, and each exit is the probe's decision on that token's
     # hidden states: checked teacher-forced up to a request's first early exit (until then its KV is exact)
     engine, reqs = _serve(model, ExitPolicy("probe"), prompts, n=12)
-    probe, thr = engine.policy.probe, engine.policy.threshold
-    assert thr == probe.threshold
-    checked = 0
+    assert engine.policy.threshold == engine.policy.probe.threshold
+    _check_probe_decisions(model, engine, prompts, reqs,
+                           lambda states, h0: probe_features(model, states[0][0], h0))
+    assert 0 < engine.stats["exits_per_loop"][0]
+
+
+def _check_probe_decisions(model, engine, prompts, reqs, features):
+    """Each early exit the engine took is the probe's decision on that token's loop-1 features
+    (``features(loop states, embeddings)``), checked teacher-forced up to a request's first early exit
+    (until then its KV is exact)."""
+    probe, thr, checked = engine.policy.probe, engine.policy.threshold, 0
     with torch.no_grad():
         for p, r in zip(prompts, reqs):
             ids = torch.tensor([p + r.output[:-1]])
             _, states, _ = model.model(ids, output_loop_states=True)
-            pr = probe.prob(probe_features(model, states[0][0], model.model.embed(ids)[0]),
-                            torch.zeros(ids.shape[1], dtype=torch.long))
+            pr = probe.prob(features(states, model.model.embed(ids)[0]), torch.zeros(ids.shape[1], dtype=torch.long))
             for k in range(1, len(r.output)):  # output k is decided at position len(p) + k - 1
                 q = float(pr[len(p) + k - 1])
                 if abs(q - thr) > 1e-4:
@@ -88,7 +95,6 @@ def test_probe_policy_in_the_engine(fitted):
                 if r.exit_loops[k] == 1:
                     break
     assert checked >= len(prompts)
-    assert 0 < engine.stats["exits_per_loop"][0]
 
 
 def test_tradeoff_table_has_probe_rows(fitted):
@@ -111,3 +117,53 @@ def test_probe_errors(fitted, tmp_path, capsys):
     assert "not a saved looplm model" in capsys.readouterr().err
     assert main(["fit-exit-probe", str(models["teacher"]), "--data", str(corpus)]) == 2
     assert "B = 1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def fitted_confidence(fitted, tmp_path_factory):
+    """The same tiny model with a probe on the logits' confidence features (a copy: the hidden-state
+    probe of `fitted` stays where the other tests read it)."""
+    import shutil
+    models, corpus = fitted
+    d = tmp_path_factory.mktemp("probe_conf") / "recursive"
+    shutil.copytree(models["recursive"], d)
+    rc = main(["fit-exit-probe", str(d), "--data", str(corpus), "--fit-rows", "12", "--calib-rows", "6",
+               "--target-agreement", "0.9", "--features", "confidence", "--json"])
+    assert rc == 0
+    return d
+
+
+def test_confidence_probe_in_the_engine(fitted_confidence):
+    from looplm.serve.probe import confidence_features
+    d = fitted_confidence
+    probe = ExitProbe.load(d / PROBE_FILE)
+    assert probe.features == "confidence" and probe.weight.shape == (1, 9) and probe.needs_logits
+    assert json.loads((d / "eval" / "exit_probe.json").read_text())["features"] == "confidence"
+    model, _ = load_model(d)
+    assert ExitPolicy("probe").bind(model).needs_logits
+    prompts = [[5, 80, 101, 32], [72, 101, 108, 108, 111], [33] * 9]
+    e0, r0 = _serve(model, ExitPolicy("probe", 0.0), prompts)
+    assert [r.output for r in r0] == [r.output for r in _serve(model, ExitPolicy("softmax", 0.0), prompts)[1]]
+    # each decision is the probe's, on the loop-1 logits and states of that token
+    engine, reqs = _serve(model, ExitPolicy("probe"), prompts, n=12)
+    _check_probe_decisions(model, engine, prompts, reqs,
+                           lambda states, h0: confidence_features(model.exit_logits(states[0][0]), states[0][0], h0))
+
+
+def test_confidence_features_and_old_probe_files(tmp_path):
+    from safetensors.torch import save_file
+    from looplm.serve.probe import confidence_features
+    logits = torch.tensor([[4.0, 2.0, 0.0, -1.0, -2.0, -3.0], [0.0] * 6])
+    h, h_prev = torch.ones(2, 3), torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    f = confidence_features(logits, h, h_prev)
+    p = logits.softmax(-1)
+    assert f.shape == (2, 9)
+    assert torch.allclose(f[0, :5], p[0, :5]) and torch.allclose(f[0, 5], p[0, 0] - p[0, 1])
+    assert torch.allclose(f[1, 6], -torch.log(torch.tensor(6.0)))  # uniform: entropy log V
+    assert f[0, 7] == 2.0 and f[1, 7] == 0.0 and torch.allclose(f[:, 8], torch.tensor([1.0, -1.0]))
+    assert confidence_features(logits[:, :3], h, h_prev)[:, 3:5].abs().sum() == 0  # V < 5: padded
+    # a probe file from before the feature sets existed is a hidden-state probe
+    save_file({"weight": torch.zeros(1, 65), "bias": torch.zeros(1)}, str(tmp_path / PROBE_FILE),
+              metadata={"threshold": "0.7", "meta": "{}"})
+    old = ExitProbe.load(tmp_path / PROBE_FILE)
+    assert old.features == "hidden" and not old.needs_logits and old.threshold == 0.7

@@ -353,7 +353,7 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
     threshold, the fraction of tokens leaving before the last loop, agreement of their argmax with the
     final loop's, and the perplexity of the logits actually used (exit logits where a token exits).
     A model with a fitted exit probe also gets the probe policy's rows (its calibrated threshold too)."""
-    from .probe import ProbeError, load_probe, probe_features
+    from .probe import ProbeError, load_probe
     B = model.config.num_loops
     dev = next(model.parameters()).device
     ids = token_ids[:n_tokens + 1]
@@ -377,7 +377,7 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
         cos_prev.append(torch.stack([torch.nn.functional.cosine_similarity(a[0].float(), b[0].float(), dim=-1)
                                      for a, b in zip(states, prev)]))  # [B, t]
         if probe is not None:
-            probe_p.append(torch.stack([probe.prob(probe_features(model, states[i][0], prev[i][0]),
+            probe_p.append(torch.stack([probe.prob(probe.featurize(model, states[i][0], prev[i][0], lp[i]),
                                                    torch.full((x.shape[1],), i, device=dev)) for i in range(B - 1)]))
         targets.append(torch.tensor(w[1:], device=dev))
     logp, cosv, tgt = torch.cat(per_loop_logp, 1), torch.cat(cos_prev, 1), torch.cat(targets)

@@ -66,6 +66,10 @@ def register(sub) -> None:
     p.add_argument("--target-agreement", type=float, default=0.95, help="calibrate the threshold to this "
                    "teacher-forced agreement with the final loop")
     p.add_argument("--l2", type=float, default=1e-3, help="L2 penalty on the standardised weights")
+    p.add_argument("--features", choices=["hidden", "confidence"], default="hidden",
+                   help="hidden: final-normed hidden state + cosine, decides without the LM head; confidence: "
+                        "top-5 probabilities, margin, entropy, logit gap, cosine, needs the head on every row "
+                        "but ranks tokens better (docs/FINDINGS.md, serving findings 12-13)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fit_exit_probe)
@@ -156,7 +160,8 @@ def cmd_fit_exit_probe(args) -> int:
     fit_rows = [r for i, r in enumerate(rows) if i not in calib_at]
     calib_rows = [r for i, r in enumerate(rows) if i in calib_at]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    probe, report = fit_probe(model, fit_rows, calib_rows, args.target_agreement, args.l2, log=log)
+    probe, report = fit_probe(model, fit_rows, calib_rows, args.target_agreement, args.l2, log=log,
+                              features=args.features)
     path = probe.save(d)
     report = {"model": str(d), "data": args.data, "probe": str(path), **report}
     (d / "eval").mkdir(exist_ok=True)

@@ -287,11 +287,11 @@ class Engine:
         logit_rows = [r for _, r in emit]
         if inter:
             rows_t = torch.tensor([r for _, r in inter], device=self.device)
+            h_prev = torch.cat([it.h[-1:] for it, _ in inter])  # it.h is still this loop's input
+            loops = torch.tensor([it.loop for it, _ in inter], device=self.device)
             if policy.needs_logits:
                 logit_rows = logit_rows + [r for _, r in inter]
-            else:  # cosine, probe: from h after this loop and h before it
-                h_prev = torch.cat([it.h[-1:] for it, _ in inter])  # it.h is still this loop's input
-                loops = torch.tensor([it.loop for it, _ in inter], device=self.device)
+            else:  # cosine, hidden-state probe: from h after this loop and h before it
                 exit_mask = policy.decide(None, h_out.index_select(0, rows_t), h_prev, loops, self.model)
                 logit_rows = logit_rows + [r for (_, r), e in zip(inter, exit_mask.tolist()) if e]
         logits = self.model.exit_logits(h_out.index_select(0, torch.tensor(logit_rows, device=self.device))) \
@@ -299,7 +299,7 @@ class Engine:
         n_emit = len(emit)
         if inter and policy.needs_logits:
             inter_logits = logits[n_emit:]
-            exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), None)
+            exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), h_prev, loops, self.model)
             if policy.kind == "oracle":
                 for (it, _), a in zip(inter, inter_logits.argmax(-1).tolist()):
                     it.argmaxes.append(a)

@@ -6,9 +6,9 @@ a loop.
 - ``entropy``: exit when the entropy (nats) of the exit distribution <= threshold
 - ``cosine``: hidden-state saturation, exit when cos(h after loop i, h before loop i) >= threshold
   (needs no logits unless the token exits)
-- ``probe``: a fitted logistic probe on the hidden state (probe.py) predicts that loop i's argmax is
-  already the final one with probability >= threshold (default: the threshold calibrated at fitting);
-  needs no logits unless the token exits
+- ``probe``: a fitted logistic probe (probe.py) predicts that loop i's argmax is already the final one
+  with probability >= threshold (default: the threshold calibrated at fitting); a probe on the hidden
+  state needs no logits unless the token exits, one on the logits' confidence features needs them
 - ``oracle``: analysis only; never exits early, records the first loop whose argmax equals the
   final one (the paper's oracle exit trajectory)
 """
@@ -42,7 +42,9 @@ class ExitPolicy:
         return self.kind not in ("none",)
 
     @property
-    def needs_logits(self) -> bool:  # to decide; cosine and probe decide from hidden states
+    def needs_logits(self) -> bool:  # to decide; cosine and a hidden-state probe decide from hidden states
+        if self.kind == "probe":
+            return self.probe is not None and self.probe.needs_logits
         return self.kind in ("softmax", "margin", "entropy", "oracle")
 
     def bind(self, model) -> "ExitPolicy":
@@ -55,13 +57,12 @@ class ExitPolicy:
 
     def decide(self, logits: torch.Tensor | None, h: torch.Tensor, h_prev: torch.Tensor,
                loops: torch.Tensor | None = None, model=None) -> torch.Tensor:
-        """Bool [n]: which tokens leave now. logits [n, V] (None for cosine and probe), h and h_prev
+        """Bool [n]: which tokens leave now. logits [n, V] (None unless ``needs_logits``), h and h_prev
         [n, hidden]; the probe also needs each token's 0-based loop index and the model (its final norm)."""
         if self.kind == "cosine":
             return F.cosine_similarity(h.float(), h_prev.float(), dim=-1) >= self.threshold
         if self.kind == "probe":
-            from .probe import probe_features
-            return self.probe.prob(probe_features(model, h, h_prev), loops) >= self.threshold
+            return self.probe.prob(self.probe.featurize(model, h, h_prev, logits), loops) >= self.threshold
         if self.kind == "oracle" or self.kind == "none":
             return torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         probs = logits.float().softmax(-1)

@@ -1,10 +1,15 @@
-"""A learned exit probe: after loop i, predict from the token's hidden state alone whether loop i's
-argmax already equals the final loop's (CALM's "early-exit classifier", here a logistic regression).
+"""A learned exit probe: after loop i, predict whether loop i's argmax already equals the final loop's
+(CALM's "early-exit classifier", here a logistic regression per loop), from one of two feature sets:
 
-Why: the confidence policies (softmax, margin, entropy) must run the LM head (vocab x hidden, half
-a 15-layer loop of SmolLM2 per token) on every token that reaches an intermediate exit, just to
-decide. The probe costs one dot product of size hidden per token; only the tokens that exit pay for
-the head. Features: the final norm of h (what the head would read) and cos(h, h before the loop).
+- ``hidden``: the final norm of h (what the head would read) and cos(h, h before the loop). The
+  confidence policies (softmax, margin, entropy) must run the LM head on every token that reaches an
+  intermediate exit just to decide; this probe costs one dot product of size hidden per token, and only
+  the tokens that exit pay for the head.
+- ``confidence``: nine numbers read off the loop's exit logits (the five largest probabilities, the top-2
+  probability margin, negated entropy, the top-2 logit gap) and the cosine. It needs the head on every
+  row like the margin policy, and ranks tokens better: a probability per loop, calibrated by the fit,
+  where one margin threshold means different things after different loops (docs/FINDINGS.md, serving
+  finding 13).
 
 Fitted by `looplm fit-exit-probe MODEL --data CORPUS` on teacher-forced full-depth passes over the
 corpus' *training* split; its threshold is calibrated on a separate slice of the training split to a
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 PROBE_FILE = "exit_probe.safetensors"
+FEATURE_SETS = ("hidden", "confidence")
 
 
 class ProbeError(ValueError):
@@ -36,12 +42,42 @@ def probe_features(model, h: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor
     return torch.cat([z, cos[:, None]], -1)
 
 
+def confidence_features(logits: torch.Tensor, h: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
+    """[n, 9] float32: the five largest probabilities, top-1 minus top-2 probability, negated entropy,
+    top-1 minus top-2 logit, cos(h, h_prev). Log-probabilities give the same features as logits."""
+    z = logits.float()
+    p = z.softmax(-1)
+    top = p.topk(min(5, p.shape[-1]), dim=-1).values
+    top = F.pad(top, (0, 5 - top.shape[-1]))
+    gap = z.topk(min(2, z.shape[-1]), dim=-1).values
+    gap = gap[:, 0] - gap[:, -1]
+    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    cos = F.cosine_similarity(h.float(), h_prev.float(), dim=-1)
+    return torch.cat([top, torch.stack([top[:, 0] - top[:, 1], -ent, gap, cos], -1)], -1)
+
+
+def num_features(model, kind: str) -> int:
+    return model.config.hidden_size + 1 if kind == "hidden" else 9
+
+
 @dataclass
 class ExitProbe:
     weight: torch.Tensor   # [B - 1, features]: one probe per loop that can be exited after
     bias: torch.Tensor     # [B - 1]
     threshold: float       # calibrated default: exit when the predicted probability >= threshold
     meta: dict
+    features: str = "hidden"  # FEATURE_SETS
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.features == "confidence"
+
+    def featurize(self, model, h: torch.Tensor, h_prev: torch.Tensor, logits: torch.Tensor | None = None):
+        """This probe's features for rows h (after the loop), h_prev (before it) and, for the confidence
+        set, the loop's exit logits."""
+        if self.features == "hidden":
+            return probe_features(model, h, h_prev)
+        return confidence_features(logits, h, h_prev)
 
     def prob(self, features: torch.Tensor, loops: torch.Tensor) -> torch.Tensor:
         """P(loop argmax == final argmax) for each row; loops [n] are 0-based loop indices < B - 1."""
@@ -52,7 +88,8 @@ class ExitProbe:
         path = Path(directory) / PROBE_FILE
         tmp = path.with_name(f".{path.name}.tmp")
         save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(tmp),
-                  metadata={"threshold": repr(self.threshold), "meta": json.dumps(self.meta)})
+                  metadata={"threshold": repr(self.threshold), "meta": json.dumps(self.meta),
+                            "features": self.features})
         tmp.replace(path)
         return path
 
@@ -62,15 +99,19 @@ class ExitProbe:
         with safe_open(str(path), framework="pt") as f:
             md = f.metadata() or {}
         t = load_file(str(path))
-        return cls(t["weight"], t["bias"], float(md.get("threshold", 0.5)), json.loads(md.get("meta", "{}")))
+        features = md.get("features", "hidden")  # files written before the confidence set existed
+        if features not in FEATURE_SETS:
+            raise ProbeError(f"{path} has features {features!r}, not one of {FEATURE_SETS}; re-fit it with "
+                             f"`looplm fit-exit-probe`")
+        return cls(t["weight"], t["bias"], float(md.get("threshold", 0.5)), json.loads(md.get("meta", "{}")),
+                   features)
 
     def check(self, model) -> None:
-        c = model.config
-        want = (c.num_loops - 1, c.hidden_size + 1)
+        want = (model.config.num_loops - 1, num_features(model, self.features))
         if tuple(self.weight.shape) != want:
             raise ProbeError(f"the exit probe has shape {tuple(self.weight.shape)}, this model needs {want} "
-                             f"(B - 1 loops, hidden + 1 features): it was fitted on another model; re-fit it "
-                             f"with `looplm fit-exit-probe`")
+                             f"(B - 1 loops, {self.features} features): it was fitted on another model; re-fit "
+                             f"it with `looplm fit-exit-probe`")
 
 
 def load_probe(model) -> ExitProbe:
@@ -89,7 +130,7 @@ def load_probe(model) -> ExitProbe:
 # --- fitting -------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def collect(model, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collect(model, rows: list[list[int]], features: str = "hidden") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Teacher-forced full-depth passes over token rows: features [B-1, N, F], labels [B-1, N]
     (loop argmax == final argmax) and the per-loop argmaxes [B, N]."""
     B = model.config.num_loops
@@ -99,9 +140,13 @@ def collect(model, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, t
         x = torch.tensor([row], device=dev)
         h0 = model.model.embed(x)
         _, states, _ = model.model(x, output_loop_states=True)
-        arg = torch.stack([model.exit_logits(h[0]).argmax(-1) for h in states])  # [B, t]
+        logits = [model.exit_logits(h[0]) for h in states]
+        arg = torch.stack([z.argmax(-1) for z in logits])  # [B, t]
         prev = [h0] + states[:-1]
-        feats.append(torch.stack([probe_features(model, states[i][0], prev[i][0]) for i in range(B - 1)]))
+        if features == "hidden":
+            feats.append(torch.stack([probe_features(model, states[i][0], prev[i][0]) for i in range(B - 1)]))
+        else:
+            feats.append(torch.stack([confidence_features(logits[i], states[i][0], prev[i][0]) for i in range(B - 1)]))
         labels.append(arg[:-1] == arg[-1])
         args.append(arg)
     return torch.cat(feats, 1).cpu(), torch.cat(labels, 1).cpu(), torch.cat(args, 1).cpu()
@@ -140,31 +185,34 @@ def exit_curve(p: torch.Tensor, args: torch.Tensor, thresholds) -> list[dict]:
         chosen = args.gather(0, exit_loop[None])[0]
         rows.append({"threshold": round(float(thr), 4),
                      "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 4),
+                     "per_loop": [round(float((exit_loop == i).float().mean()), 4) for i in range(B - 1)],
                      "agreement": round(float((chosen == args[-1]).float().mean()), 4)})
     return rows
 
 
 def fit_probe(model, fit_rows, calib_rows, target_agreement: float = 0.95, l2: float = 1e-3,
-              log=None) -> tuple[ExitProbe, dict]:
+              log=None, features: str = "hidden") -> tuple[ExitProbe, dict]:
     """Fit one logistic probe per exitable loop on fit_rows; pick the lowest threshold whose
     agreement on calib_rows reaches target_agreement (teacher-forced)."""
     say = log or (lambda *a: None)
     B = model.config.num_loops
     if B < 2:
         raise ProbeError("a probe needs a looped model with B >= 2 (there is no early exit at B = 1)")
-    say(f"collecting features on {len(fit_rows)} fitting rows")
-    xf, yf, _ = collect(model, fit_rows)
-    say(f"collecting features on {len(calib_rows)} calibration rows")
-    xc, yc, argc = collect(model, calib_rows)
+    if features not in FEATURE_SETS:
+        raise ProbeError(f"unknown probe features {features!r}; use one of {FEATURE_SETS}")
+    say(f"collecting {features} features on {len(fit_rows)} fitting rows")
+    xf, yf, _ = collect(model, fit_rows, features)
+    say(f"collecting {features} features on {len(calib_rows)} calibration rows")
+    xc, yc, argc = collect(model, calib_rows, features)
     ws, bs = zip(*(fit_logistic(xf[i], yf[i], l2) for i in range(B - 1)))
-    probe = ExitProbe(torch.stack(ws), torch.stack(bs), 0.5, {})
+    probe = ExitProbe(torch.stack(ws), torch.stack(bs), 0.5, {}, features)
     pc = torch.stack([probe.prob(xc[i], torch.full((xc.shape[1],), i)) for i in range(B - 1)])
     grid = [i / 100 for i in range(1, 100)]
     curve = exit_curve(pc, argc, grid)
     ok = [r for r in curve if r["agreement"] >= target_agreement]
     best = min(ok, key=lambda r: r["threshold"]) if ok else curve[-1]
     probe.threshold = best["threshold"]
-    probe.meta = {"fit_tokens": int(xf.shape[1]), "calib_tokens": int(xc.shape[1]), "l2": l2,
+    probe.meta = {"features": features, "fit_tokens": int(xf.shape[1]), "calib_tokens": int(xc.shape[1]), "l2": l2,
                   "target_agreement": target_agreement, "positive_rate_fit": [round(float(v), 4) for v in yf.float().mean(1)],
                   "calib_at_threshold": best}
     report = {**probe.meta, "threshold": probe.threshold, "curve": curve[::5] + [best]}

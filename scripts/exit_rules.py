@@ -1,0 +1,205 @@
+"""How well does each exit rule rank tokens? Exit fraction at a target agreement, per rule, on held-out text.
+
+The 1.4x serving goal hangs on the fraction of tokens that leave after loop 1 at >= 95% agreement with
+full depth. The oracle says how many tokens *could* leave (their loop-1 argmax already equals the final
+one); an exit rule is a score plus a threshold, and how many of them it finds at 95% agreement depends only
+on how well its score ranks tokens. With a perfect ranking every oracle token exits, plus wrong ones up to
+the 5% agreement budget. This script measures each rule's ranking on teacher-forced held-out text:
+
+- confidence rules on the exit logits: ``softmax`` (max probability), ``margin`` (top-1 minus top-2
+  probability), ``entropy`` (negated), ``logit-gap`` (top-1 minus top-2 logit);
+- ``cosine``: cos(h after loop i, h before it);
+- ``probe``: the probe saved with the model (`looplm fit-exit-probe`), if there is one;
+- logistic regressions fitted here on the corpus' training split, one per loop: ``lr:hidden`` and
+  ``lr:confidence`` (the two feature sets of `looplm fit-exit-probe --features`), ``lr:all`` (both);
+- ``mlp:all``: a one-hidden-layer network on the same features as ``lr:all``.
+
+Every rule's threshold is swept over its scores on the held-out rows (a token leaves at the first loop
+whose score reaches the threshold), so the figures are each rule's best case; compare rules, not
+thresholds. Writes a JSON report and a PNG of exit fraction against agreement.
+
+    PYTHONPATH=src .venv/bin/python scripts/exit_rules.py out/paper-b2/runs/rec-stepwise-exit-more/final \
+        --data out/corpus-smollm2-512 --out docs/exits/rules-b2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from looplm.models import load_model
+from looplm.serve.probe import PROBE_FILE, ExitProbe, confidence_features, exit_curve, fit_logistic, probe_features
+from looplm.train.corpus import PackedCorpus
+
+
+@torch.no_grad()
+def collect(model, rows: list[list[int]], log) -> dict[str, torch.Tensor]:
+    """Teacher-forced full-depth passes: per exitable loop i < B - 1, both probe feature sets (probe.py:
+    ``hidden``, final-normed h and cosine; ``confidence``, p1..p5, margin, -entropy, logit gap, cosine);
+    the argmax of every loop."""
+    B = model.config.num_loops
+    dev = next(model.parameters()).device
+    hidden, conf, args = [], [], []
+    for n, row in enumerate(rows):
+        x = torch.tensor([row], device=dev)
+        h0 = model.model.embed(x)
+        _, states, _ = model.model(x, output_loop_states=True)
+        prev = [h0] + states[:-1]
+        h_l, c_l, a_l = [], [], []
+        for i in range(B):
+            logits = model.exit_logits(states[i][0]).float()
+            a_l.append(logits.argmax(-1))
+            if i == B - 1:
+                break
+            h_l.append(probe_features(model, states[i][0], prev[i][0]))
+            c_l.append(confidence_features(logits, states[i][0], prev[i][0]))
+        hidden.append(torch.stack(h_l))
+        conf.append(torch.stack(c_l))
+        args.append(torch.stack(a_l))
+        log(f"  row {n + 1}/{len(rows)}")
+    return {"hidden": torch.cat(hidden, 1).cpu(), "conf": torch.cat(conf, 1).cpu(), "args": torch.cat(args, 1).cpu()}
+
+
+def fit_mlp(x: torch.Tensor, y: torch.Tensor, width: int = 128, steps: int = 400, seed: int = 0):
+    """A small network predicting P(exit is right); standardised inputs, Adam, weight decay. Returns a scorer."""
+    g = torch.Generator().manual_seed(seed)
+    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], width), torch.nn.GELU(), torch.nn.Linear(width, 1))
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.02, generator=g) if p.dim() > 1 else torch.nn.init.zeros_(p)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.05)
+    xs, yf = (x - mu) / sd, y.float()
+    with torch.enable_grad():
+        for _ in range(steps):
+            opt.zero_grad()
+            F.binary_cross_entropy_with_logits(net(xs)[:, 0], yf).backward()
+            opt.step()
+    net.eval()
+    return lambda z: torch.sigmoid(net((z - mu) / sd)[:, 0]).detach()
+
+
+def rule_scores(model_dir: Path, fit: dict, ev: dict) -> dict[str, torch.Tensor]:
+    """Scores [B - 1, N] of every rule on the held-out rows (higher = exit)."""
+    loops = ev["conf"].shape[0]
+    scores = {"softmax": ev["conf"][..., 0], "margin": ev["conf"][..., 5], "entropy": ev["conf"][..., 6],
+              "logit-gap": ev["conf"][..., 7], "cosine": ev["conf"][..., 8]}
+    if (model_dir / PROBE_FILE).exists():
+        probe = ExitProbe.load(model_dir / PROBE_FILE)
+        scores["probe"] = torch.stack([probe.prob(ev["hidden"][i], torch.full((ev["hidden"].shape[1],), i))
+                                       for i in range(loops)])
+    sets = {"hidden": lambda d, i: d["hidden"][i], "confidence": lambda d, i: d["conf"][i],
+            "all": lambda d, i: torch.cat([d["hidden"][i], d["conf"][i][:, :8]], -1)}  # one cosine
+    for name, feats in sets.items():
+        out = []
+        for i in range(loops):
+            y = fit["args"][i] == fit["args"][-1]
+            w, b = fit_logistic(feats(fit, i), y)
+            out.append(torch.sigmoid(feats(ev, i) @ w + b))
+        scores[f"lr:{name}"] = torch.stack(out)
+    scores["mlp:all"] = torch.stack([fit_mlp(sets["all"](fit, i), fit["args"][i] == fit["args"][-1])(sets["all"](ev, i))
+                                     for i in range(loops)])
+    return scores
+
+
+def best_at(curve: list[dict], target: float, B: int) -> dict:
+    """The curve point leaving most tokens early at >= target agreement, with the mean loops a token runs."""
+    ok = [r for r in curve if r["agreement"] >= target]
+    best = dict(max(ok, key=lambda r: r["early_exit_fraction"])) if ok else \
+        {"early_exit_fraction": 0.0, "per_loop": [0.0] * (B - 1), "agreement": None}
+    fs = best["per_loop"]
+    best["loops_per_token"] = round(sum((i + 1) * f for i, f in enumerate(fs)) + B * (1 - sum(fs)), 3)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model", help="a saved looped model directory (B >= 2)")
+    p.add_argument("--data", required=True, help="a corpus from `looplm data build` with the model's tokenizer")
+    p.add_argument("--fit-rows", type=int, default=32, help="training-split rows to fit the learned rules on")
+    p.add_argument("--eval-rows", type=int, default=16, help="held-out rows to rank on")
+    p.add_argument("--target", type=float, default=0.95, help="agreement with full depth to report the exit fraction at")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.png")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    model_dir = Path(args.model)
+    model, _ = load_model(model_dir)
+    model.eval()
+    if model.config.num_loops < 2:
+        raise SystemExit(f"{model_dir} has B = 1: no early exit to rank")
+    corpus = PackedCorpus(args.data)
+    train, held = corpus.splits["train"], corpus.splits["heldout"]
+    if len(train) < args.fit_rows or len(held) < args.eval_rows:
+        raise SystemExit(f"the corpus has {len(train)} training and {len(held)} held-out rows; lower --fit-rows/--eval-rows")
+    pick = lambda split, n: [split[i].astype(np.int64).tolist() for i in np.linspace(0, len(split) - 1, n).round().astype(int)]  # noqa: E731
+    t0 = time.time()
+    log(f"collecting {args.fit_rows} training rows")
+    fit = collect(model, pick(train, args.fit_rows), log)
+    log(f"collecting {args.eval_rows} held-out rows")
+    ev = collect(model, pick(held, args.eval_rows), log)
+    scores = rule_scores(model_dir, fit, ev)
+    B, N = ev["args"].shape
+    oracle_loop = torch.full((N,), B - 1)
+    for i in range(B - 2, -1, -1):
+        oracle_loop = torch.where(ev["args"][i] == ev["args"][-1], torch.full_like(oracle_loop, i), oracle_loop)
+    oracle = float((oracle_loop < B - 1).float().mean())
+    rules = {}
+    for name, s in scores.items():
+        thresholds = torch.quantile(s.flatten().double(), torch.linspace(0, 1, 401, dtype=torch.float64)).tolist()
+        curve = exit_curve(s, ev["args"], thresholds + [float("inf")])
+        rules[name] = {"at_target": best_at(curve, args.target, B), "curve": curve}
+        log(f"{name:<14} {rules[name]['at_target']['early_exit_fraction']:.1%} exit at >= {args.target} agreement")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": str(model_dir), "data": args.data,
+              "fit_tokens": int(fit["args"].shape[1]), "eval_tokens": N, "target_agreement": args.target,
+              "oracle_early_fraction": round(oracle, 4),
+              "perfect_ranking_bound": round(min(1.0, oracle + (1 - args.target)), 4) if B == 2 else None,
+              "seconds": round(time.time() - t0, 1),
+              "rules": {k: v["at_target"] for k, v in rules.items()},
+              "curves": {k: v["curve"] for k, v in rules.items()}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    plot(rules, report, out.with_suffix(".png"))
+    print(f"| rule | exit fraction at >= {args.target} agreement | after loops 1..B-1 | loops per token (of {B}) "
+          "| agreement there |")
+    print("|---|---:|---|---:|---:|")
+    for name, r in sorted(report["rules"].items(), key=lambda kv: kv[1]["loops_per_token"]):
+        print(f"| {name} | {r['early_exit_fraction']:.1%} | {' / '.join(f'{f:.1%}' for f in r['per_loop'])} | "
+              f"{r['loops_per_token']} | {r['agreement'] if r['agreement'] is not None else '-'} |")
+    print(f"| oracle (exits only right tokens) | {oracle:.1%} | | | 1.0 |")
+    if report["perfect_ranking_bound"] is not None:
+        print(f"| perfect ranking (oracle + the {1 - args.target:.0%} budget) | {report['perfect_ranking_bound']:.1%} "
+              f"| | | {args.target} |")
+    log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def plot(rules: dict, report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for name, r in rules.items():
+        c = [p for p in r["curve"] if p["agreement"] >= 0.85]
+        ax.plot([p["early_exit_fraction"] for p in c], [p["agreement"] for p in c], label=name, lw=1.2)
+    ax.axhline(report["target_agreement"], color="grey", ls=":", lw=1)
+    ax.axvline(report["oracle_early_fraction"], color="black", ls="--", lw=1, label="oracle")
+    ax.set_xlabel("fraction of tokens leaving early")
+    ax.set_ylabel("agreement with full depth")
+    ax.set_title(f"Exit rules, teacher-forced held-out text ({report['eval_tokens']} tokens)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
