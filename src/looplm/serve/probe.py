@@ -5,7 +5,7 @@
   confidence policies (softmax, margin, entropy) must run the LM head on every token that reaches an
   intermediate exit just to decide; this probe costs one dot product of size hidden per token, and only
   the tokens that exit pay for the head.
-- ``confidence``: nine numbers read off the loop's exit logits (the five largest probabilities, the top-2
+- ``confidence``: eight numbers read off the loop's exit logits (the five largest probabilities, the top-2
   probability margin, negated entropy, the top-2 logit gap) and the cosine. It needs the head on every
   row like the margin policy, and ranks tokens better: a probability per loop, calibrated by the fit,
   where one margin threshold means different things after different loops (docs/FINDINGS.md, serving
