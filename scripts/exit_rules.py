@@ -73,7 +73,10 @@ def fit_mlp(x: torch.Tensor, y: torch.Tensor, width: int = 128, steps: int = 400
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], width), torch.nn.GELU(), torch.nn.Linear(width, 1))
     for p in net.parameters():
-        torch.nn.init.normal_(p, std=0.02, generator=g) if p.dim() > 1 else torch.nn.init.zeros_(p)
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02, generator=g)
+        else:
+            torch.nn.init.zeros_(p)
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.05)
     xs, yf = (x - mu) / sd, y.float()
     with torch.enable_grad():
@@ -106,6 +109,11 @@ def rule_scores(model_dir: Path, fit: dict, ev: dict) -> dict[str, torch.Tensor]
     scores["mlp:all"] = torch.stack([fit_mlp(sets["all"](fit, i), fit["args"][i] == fit["args"][-1])(sets["all"](ev, i))
                                      for i in range(loops)])
     return scores
+
+
+def thin(curve: list[dict], every: int = 4) -> list[dict]:
+    """Every few points of a 402-point curve, and its last: enough to redraw it, a quarter of the JSON."""
+    return curve[::every] + ([curve[-1]] if (len(curve) - 1) % every else [])
 
 
 def best_at(curve: list[dict], target: float, B: int) -> dict:
@@ -164,7 +172,7 @@ def main() -> int:
               "perfect_ranking_bound": round(min(1.0, oracle + (1 - args.target)), 4) if B == 2 else None,
               "seconds": round(time.time() - t0, 1),
               "rules": {k: v["at_target"] for k, v in rules.items()},
-              "curves": {k: v["curve"] for k, v in rules.items()}}
+              "curves": {k: thin(v["curve"]) for k, v in rules.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))

@@ -287,8 +287,10 @@ class Engine:
         logit_rows = [r for _, r in emit]
         if inter:
             rows_t = torch.tensor([r for _, r in inter], device=self.device)
-            h_prev = torch.cat([it.h[-1:] for it, _ in inter])  # it.h is still this loop's input
-            loops = torch.tensor([it.loop for it, _ in inter], device=self.device)
+            h_prev = loops = None
+            if policy.needs_hidden:
+                h_prev = torch.cat([it.h[-1:] for it, _ in inter])  # it.h is still this loop's input
+                loops = torch.tensor([it.loop for it, _ in inter], device=self.device)
             if policy.needs_logits:
                 logit_rows = logit_rows + [r for _, r in inter]
             else:  # cosine, hidden-state probe: from h after this loop and h before it

@@ -47,6 +47,10 @@ class ExitPolicy:
             return self.probe is not None and self.probe.needs_logits
         return self.kind in ("softmax", "margin", "entropy", "oracle")
 
+    @property
+    def needs_hidden(self) -> bool:  # h before the loop and loop indices, to decide
+        return self.kind in ("cosine", "probe")
+
     def bind(self, model) -> "ExitPolicy":
         """This policy ready for ``model``: the probe policy loads the probe saved with the model."""
         if self.kind != "probe" or self.probe is not None:
