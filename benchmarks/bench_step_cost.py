@@ -25,6 +25,9 @@ sampling, no prefill, so it is an upper bound on what the engine can measure.
 `--head` instead times the LM head alone, two ways, on the model's own weight: `F.linear(x, W)` (the
 `nn.Linear` path) against `(W @ x.T).T` (what `exit_logits` does on CPU for 1-64 rows without gradients).
 
+`--packed` instead times a vanilla decode step (`Engine._forward` over all layers, then the LM head) with the
+engine's MKL-packed weights (models/packed.py, the default on CPU) against plain `F.linear`, interleaved.
+
 `--fusion` instead times every layer's input projections, matmuls only, on the model's own weights: q, k, v,
 gate and up as five `F.linear` calls (what the engine does) against two calls on concatenated weights
 (q|k|v and gate|up, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do).
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 
 from looplm.convert import convert
 from looplm.models import load_model
+from looplm.models import packed as packing
 from looplm.serve.engine import Engine, Item, Request
 
 POS = 64  # decode position: a 64-token context, the middle of the trace's prompts
@@ -150,6 +154,31 @@ def projection_fusion(model, sizes: list[int], rounds: int, reps: int, log) -> l
     return rows
 
 
+@torch.no_grad()
+def packed_vs_plain(model, sizes: list[int], rounds: int, reps: int, log) -> list[dict]:
+    """A vanilla decode step (all layers + LM head) on n items, packed weights against F.linear,
+    interleaved, median ms."""
+    eng = Engine(model, max_batch=max(sizes), max_seq_len=POS + 1)  # packs the weights
+
+    def step(items):
+        model.exit_logits(eng._forward(items))
+
+    rows = []
+    for n in sizes:
+        items = decode_items(eng, n, 0)
+        t = {True: [], False: []}
+        for _ in range(rounds):
+            for on in (False, True):
+                packing.enabled = on
+                step(items)  # warm-up
+                t[on].append(timed(lambda: step(items), reps))
+        packing.enabled = True
+        a, b = statistics.median(t[False]), statistics.median(t[True])
+        rows.append({"rows": n, "plain_ms": round(a * 1e3, 2), "packed_ms": round(b * 1e3, 2), "speedup": round(a / b, 2)})
+        log(f"vanilla step on {n} items: F.linear {a * 1e3:.2f} ms, packed {b * 1e3:.2f} ms, {a / b:.2f}x")
+    return rows
+
+
 def interp(table: dict[int, float], x: float) -> float:
     """Linear interpolation of a measured cost at a fractional item count."""
     xs = sorted(table)
@@ -206,6 +235,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--head", action="store_true", help="time only the LM head's two layouts")
     p.add_argument("--fusion", action="store_true", help="time only separate against fused input projections")
+    p.add_argument("--packed", action="store_true", help="time only a vanilla step with packed weights against F.linear")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -214,8 +244,9 @@ def main() -> int:
     vanilla.eval()
     # single-part modes: (key in the JSON, timing function, the two timed columns of the markdown rows)
     mode = {"head": ("head", head_layouts, ("linear_ms", "w_xT_ms")),
-            "fusion": ("projections", projection_fusion, ("separate_ms", "fused_ms"))}
-    chosen = "head" if args.head else "fusion" if args.fusion else None
+            "fusion": ("projections", projection_fusion, ("separate_ms", "fused_ms")),
+            "packed": ("vanilla_step", packed_vs_plain, ("plain_ms", "packed_ms"))}
+    chosen = next((m for m in mode if getattr(args, m)), None)
     if chosen:
         key, fn, (a, b) = mode[chosen]
         rows = fn(vanilla, [int(s) for s in args.sizes.split(",")], args.rounds, args.reps, log)

@@ -134,6 +134,7 @@ class LoopLMModel(LoopLMPreTrainedModel):
 
 class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    head_packed = None  # an MKL-packed copy of the head for CPU inference (models/packed.py)
 
     def __init__(self, config: LoopLMConfig):
         super().__init__(config)
@@ -157,6 +158,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         if (x.device.type != "cpu" or not 0 < rows <= 64 or type(head) is not nn.Linear or head.bias is not None
                 or head._forward_hooks or head._forward_pre_hooks):
             return head(x)
+        if self.head_packed is not None and self.head_packed.usable(x, head.weight):
+            return self.head_packed.linear(x)
         return (head.weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], -1)
 
     def exit_logits(self, h: torch.Tensor) -> torch.Tensor:

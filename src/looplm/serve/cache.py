@@ -62,6 +62,11 @@ class KVCache:
         return (self.k[:, :, :length].index_select(0, flat_rows),
                 self.v[:, :, :length].index_select(0, flat_rows))
 
+    def depth_rows(self, depth: int, length: int):
+        """k, v [R, KV, length, d] of every row at one depth (a view, no copy)."""
+        a = depth * self.num_rows
+        return self.k[a:a + self.num_rows, :, :length], self.v[a:a + self.num_rows, :, :length]
+
     def segment(self, flat_row: int, length: int):
         """k, v [1, KV, length, d] of one flat row (a view, no copy)."""
         return self.k[flat_row:flat_row + 1, :, :length], self.v[flat_row:flat_row + 1, :, :length]

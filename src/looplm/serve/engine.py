@@ -22,6 +22,7 @@ import time
 import torch
 
 from ..models.config import ConfigError
+from ..models.packed import pack_for_cpu
 from .cache import KVCache
 from .exits import ExitPolicy
 from .sampling import RequestError, SamplingParams, sample
@@ -81,10 +82,12 @@ class Item:
 
 class Engine:
     def __init__(self, model, max_batch: int = 16, max_seq_len: int = 512, exit_policy: ExitPolicy | None = None,
-                 kv_mode: str = "copy", clock=None):
+                 kv_mode: str = "copy", clock=None, pack_weights: bool = True):
         if kv_mode not in KV_MODES:
             raise ValueError(f"unknown kv mode {kv_mode!r}; use one of {KV_MODES}")
         self.model = model.eval()
+        # float32 on CPU: MKL-packed weight copies stream faster at decode-step sizes (models/packed.py)
+        self.packed_bytes = pack_for_cpu(model) if pack_weights else 0
         c = self.config = model.config
         self.K, self.B, self.L = c.num_shared_layers, c.num_loops, c.num_hidden_layers
         p = next(model.parameters())
@@ -211,6 +214,7 @@ class Engine:
         ar = self._arange[:t_dec]
         base_mask = (ar[None] <= pos_dec[:, None]) if n_dec else None
         win_mask = ((pos_dec[:, None] - ar[None]) < self.window) if (n_dec and self.has_sliding) else None
+        in_place = self._in_place_groups(items[:n_dec], base_mask, win_mask) if n_dec else None
         seg_starts = list(itertools.accumulate([n_dec] + [it.length for it in segs]))[:-1]
         for k in range(K):
             if uniform:
@@ -235,11 +239,15 @@ class Engine:
                 self.cache.write(flat, pos, kk[0].transpose(0, 1), vv[0].transpose(0, 1))
                 outs = []
                 if n_dec:
-                    kd, vd = self.cache.gather(flat[:n_dec], t_dec)
-                    mask = base_mask
-                    if sliding_tok is not None:
-                        mask = mask & (win_mask | ~sliding_tok[:n_dec, None])
-                    o = attn.attend(q[0, :, :n_dec].transpose(0, 1).unsqueeze(2), kd, vd, mask[:, None, None, :])
+                    qd = q[0, :, :n_dec].transpose(0, 1).unsqueeze(2)  # [n_dec, H, 1, d]
+                    if in_place is not None:
+                        o = self._attend_in_place(attn, qd, in_place, k, t_dec)
+                    else:
+                        kd, vd = self.cache.gather(flat[:n_dec], t_dec)
+                        mask = base_mask
+                        if sliding_tok is not None:
+                            mask = mask & (win_mask | ~sliding_tok[:n_dec, None])
+                        o = attn.attend_one(qd, kd, vd, mask[:, None, None, :])
                     outs.append(o.squeeze(2).transpose(0, 1).unsqueeze(0))
                 for it, s in zip(segs, seg_starts):
                     t, p0 = it.length, it.pos
@@ -259,6 +267,48 @@ class Engine:
 
             h = layer.forward_attend(h, slot, cos, sin, attend)
         return h[0]
+
+    # --- decode attention read in place -----------------------------------------------------------
+    # Gathering each decode token's cache row copies every row's keys and values once per layer, which
+    # at 64 busy rows cost more than the attention itself. When at least this fraction of a depth's
+    # rows is in the step, attention instead runs over all rows of that depth where they lie (a view)
+    # and keeps the outputs of the rows present: idle rows cost a little arithmetic and no copy.
+    in_place_min_fraction = 0.5
+
+    def _in_place_groups(self, dec_items, base_mask, win_mask):
+        """Per loop present among the single-token items: their indices, cache rows and [R, 1, 1, t]
+        masks (full and sliding; idle rows see position 0 only, so no softmax row is empty); None
+        when some loop has too few rows for in-place reading to pay."""
+        R, dev = self.cache.num_rows, self.device
+        by_loop: dict[int, list[int]] = {}
+        for i, it in enumerate(dec_items):
+            by_loop.setdefault(it.loop, []).append(i)
+        if any(len(ix) < self.in_place_min_fraction * R for ix in by_loop.values()):
+            return None
+        groups = []
+        for loop, ix in by_loop.items():
+            sel = torch.tensor(ix, device=dev)
+            rows = torch.tensor([dec_items[i].req.row for i in ix], device=dev)
+            masks = {}
+            for kind, m in (("full", base_mask), ("sliding", None if win_mask is None else base_mask & win_mask)):
+                if m is not None:
+                    full = torch.zeros(R, m.shape[1], dtype=torch.bool, device=dev)
+                    full[:, 0] = True
+                    masks[kind] = full.index_copy_(0, rows, m.index_select(0, sel))[:, None, None, :]
+            groups.append((loop, sel, rows, masks))
+        return groups
+
+    def _attend_in_place(self, attn, qd, groups, k, t_dec):
+        """Decode attention for layer k of every group, reading each depth's cache rows in place."""
+        R = self.cache.num_rows
+        out = torch.empty_like(qd)
+        for loop, sel, rows, masks in groups:
+            d = loop * self.K + k
+            kf, vf = self.cache.depth_rows(d, t_dec)
+            qf = qd.new_zeros((R,) + qd.shape[1:]).index_copy_(0, rows, qd.index_select(0, sel))
+            o = attn.attend_one(qf, kf, vf, masks[self.kinds[d]])
+            out.index_copy_(0, sel, o.index_select(0, rows))
+        return out
 
     # --- after the loop: exits, tokens, KV of skipped loops --------------------------------------
     def _after_loop(self, items: list[Item], h_out: torch.Tensor):
