@@ -25,8 +25,10 @@ sampling, no prefill, so it is an upper bound on what the engine can measure.
 `--head` instead times the LM head alone, two ways, on the model's own weight: `F.linear(x, W)` (the
 `nn.Linear` path) against `(W @ x.T).T` (what `exit_logits` does on CPU for 1-64 rows without gradients).
 
-`--packed` instead times a vanilla decode step (`Engine._forward` over all layers, then the LM head) with the
-engine's MKL-packed weights (models/packed.py, the default on CPU) against plain `F.linear`, interleaved.
+`--packed` instead times a vanilla decode step (`Engine._forward` over all layers, then the LM head) on n items
+with every cache row busy, three ways: `F.linear` and attention over gathered cache rows; the engine's MKL-packed
+weights (models/packed.py) with gathered rows; packed weights with attention read from the cache in place (the
+engine's default on CPU).
 
 `--fusion` instead times every layer's input projections, matmuls only, on the model's own weights: q, k, v,
 gate and up as five `F.linear` calls (what the engine does) against two calls on concatenated weights
@@ -156,26 +158,26 @@ def projection_fusion(model, sizes: list[int], rounds: int, reps: int, log) -> l
 
 @torch.no_grad()
 def packed_vs_plain(model, sizes: list[int], rounds: int, reps: int, log) -> list[dict]:
-    """A vanilla decode step (all layers + LM head) on n items, packed weights against F.linear,
-    interleaved, median ms."""
-    eng = Engine(model, max_batch=max(sizes), max_seq_len=POS + 1)  # packs the weights
-
-    def step(items):
-        model.exit_logits(eng._forward(items))
-
+    """A vanilla decode step (all layers + LM head) on n items, every row busy, three ways, interleaved,
+    median ms: F.linear with gathered attention (``plain``), packed weights with gathered attention
+    (``packed_gather``), packed weights with attention read in place (``packed``, the engine's default)."""
+    ways = {"plain": (False, 2.0), "packed_gather": (True, 2.0), "packed": (True, Engine.in_place_min_fraction)}
     rows = []
     for n in sizes:
+        eng = Engine(model, max_batch=n, max_seq_len=POS + 1)  # packs the weights
         items = decode_items(eng, n, 0)
-        t = {True: [], False: []}
+        t = {w: [] for w in ways}
         for _ in range(rounds):
-            for on in (False, True):
-                packing.enabled = on
-                step(items)  # warm-up
-                t[on].append(timed(lambda: step(items), reps))
+            for w, (pack, frac) in ways.items():
+                packing.enabled, eng.in_place_min_fraction = pack, frac
+                step = lambda: model.exit_logits(eng._forward(items))
+                step()  # warm-up
+                t[w].append(timed(step, reps))
         packing.enabled = True
-        a, b = statistics.median(t[False]), statistics.median(t[True])
-        rows.append({"rows": n, "plain_ms": round(a * 1e3, 2), "packed_ms": round(b * 1e3, 2), "speedup": round(a / b, 2)})
-        log(f"vanilla step on {n} items: F.linear {a * 1e3:.2f} ms, packed {b * 1e3:.2f} ms, {a / b:.2f}x")
+        ms = {w: statistics.median(v) * 1e3 for w, v in t.items()}
+        rows.append({"rows": n, **{f"{w}_ms": round(v, 2) for w, v in ms.items()},
+                     "speedup": round(ms["plain"] / ms["packed"], 2)})
+        log(f"vanilla step on {n} items: " + ", ".join(f"{w} {v:.2f} ms" for w, v in ms.items()))
     return rows
 
 
@@ -222,6 +224,7 @@ def parse_mix(text: str, B: int) -> list[float]:
 
 
 def main() -> int:
+    global POS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--sizes", default="6,12,32", help="busy rows M (KV rows) to evaluate")
@@ -236,8 +239,10 @@ def main() -> int:
     p.add_argument("--head", action="store_true", help="time only the LM head's two layouts")
     p.add_argument("--fusion", action="store_true", help="time only separate against fused input projections")
     p.add_argument("--packed", action="store_true", help="time only a vanilla step with packed weights against F.linear")
+    p.add_argument("--pos", type=int, default=POS, help="decode position of every item (context length - 1)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    POS = args.pos
     torch.set_num_threads(args.threads)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     vanilla, _ = load_model(args.model)
@@ -245,15 +250,15 @@ def main() -> int:
     # single-part modes: (key in the JSON, timing function, the two timed columns of the markdown rows)
     mode = {"head": ("head", head_layouts, ("linear_ms", "w_xT_ms")),
             "fusion": ("projections", projection_fusion, ("separate_ms", "fused_ms")),
-            "packed": ("vanilla_step", packed_vs_plain, ("plain_ms", "packed_ms"))}
+            "packed": ("vanilla_step", packed_vs_plain, ("plain_ms", "packed_gather_ms", "packed_ms"))}
     chosen = next((m for m in mode if getattr(args, m)), None)
     if chosen:
-        key, fn, (a, b) = mode[chosen]
+        key, fn, cols = mode[chosen]
         rows = fn(vanilla, [int(s) for s in args.sizes.split(",")], args.rounds, args.reps, log)
         out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
-               "torch_threads": torch.get_num_threads(), key: rows}
+               "torch_threads": torch.get_num_threads(), "decode_position": POS, key: rows}
         print(json.dumps(out, indent=1) if args.json else "\n".join(
-            f"| {r['rows']} | {r[a]} | {r[b]} | {r['speedup']}x |" for r in rows))
+            f"| {r['rows']} | " + " | ".join(str(r[c]) for c in cols) + f" | {r['speedup']}x |" for r in rows))
         return 0
     B = args.loops
     looped = convert(vanilla, loops=B, init="stepwise").eval()  # the exit models' architecture: rank 0

@@ -75,3 +75,20 @@ def test_switch_off_sends_calls_through_f_linear():
         assert p.usable(x, w)
         assert not p.usable(x.double(), w)
         assert not p.usable(x, torch.randn(32, 16))  # another weight
+
+
+def test_a_packed_model_copies_and_pickles_without_its_packed_copies():
+    import copy
+    import io
+    model = _relaxed()
+    packing.pack_for_cpu(model)
+    twin = copy.deepcopy(model)
+    assert twin.model.layers[0].attn.q_proj.packed is None and twin.head_packed is None
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert back.model.layers[0].attn.q_proj.packed is None
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        assert torch.allclose(back(ids).logits, model(ids).logits, atol=1e-5)

@@ -158,7 +158,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         if (x.device.type != "cpu" or not 0 < rows <= 64 or type(head) is not nn.Linear or head.bias is not None
                 or head._forward_hooks or head._forward_pre_hooks):
             return head(x)
-        if self.head_packed is not None and self.head_packed.usable(x, head.weight):
+        if rows > 1 and self.head_packed is not None and self.head_packed.usable(x, head.weight):
             return self.head_packed.linear(x)
         return (head.weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], -1)
 

@@ -4,7 +4,8 @@ A decode step multiplies a handful of rows by every weight of the model, so on C
 how fast the matmul kernel streams weights. MKL's packed GEMM (``cblas_sgemm_pack`` +
 ``cblas_sgemm_compute``, the path torch.compile's freezing uses for fp32 linears) reorders a weight
 once into the kernel's own layout and then streams it faster than ``F.linear`` does: 1.2-1.3x on
-SmolLM2's layer shapes at 6-12 rows (``benchmarks/bench_step_cost.py --packed``). The product is
+SmolLM2's layer shapes at 6-64 rows (``benchmarks/bench_step_cost.py --packed``; at one row it
+was 0.95x, so one row keeps ``F.linear``). The product is
 the same to float32 rounding (about 1e-6, as far from float64 as ``F.linear`` is).
 
 Packing is an inference-time copy kept beside the weight, never saved: ``pack_for_cpu(model)``
@@ -32,6 +33,10 @@ def mkl_packing_available() -> bool:
             and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
 
 
+def _none():
+    return None
+
+
 class PackedWeight:
     """An MKL-packed copy of one [out, in] float32 CPU weight."""
 
@@ -40,6 +45,14 @@ class PackedWeight:
         self.weight = weight.detach()
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACK_ROWS)
         self.nbytes = self.weight.numel() * self.weight.element_size()
+
+    # MKL's packed tensor has no storage to copy or pickle: a copied or pickled model comes without its
+    # packed copies (an engine packs again)
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return _none, ()
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Gradients off, a float32 CPU input, and ``weight`` is the very tensor packed, unchanged since."""
@@ -54,7 +67,7 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None):
     """``F.linear(x, weight, bias)``, through the packed copy when it applies."""
-    if enabled and packed is not None and x.numel() and packed.usable(x, weight):
+    if packed is not None and x.numel() > x.shape[-1] and packed.usable(x, weight):  # 1 row: F.linear was as fast
         return packed.linear(x, bias)
     return F.linear(x, weight, bias)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from importlib import resources
 
@@ -203,47 +204,76 @@ def _looped_model(args, vanilla):
                          f"per-depth norms (not uptrained)"
 
 
+def hf_cache_config(requests: list[dict], max_new_tokens: int, page_size: int = 256, batch_tokens: int = 512):
+    """A ContinuousBatchingConfig sized for these requests: every request's pages fit at once (left to
+    itself, transformers sizes the cache from free memory, which on a shared CPU machine got the process
+    killed). batch_tokens bounds a step's tokens (prefill chunks): at 64 requests x 128 tokens 512 ran at
+    130 tok/s and 2048 at 121 (2026-11-23)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    pages = sum(-(-(len(r["prompt"]) + max_new_tokens) // page_size) for r in requests)
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=pages + 4, max_batch_tokens=batch_tokens)
+
+
 def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
-    """transformers generate (batch 1) and generate_batch vs our engine (vanilla model,
-    sequence-wise) on the same requests, all with one output length (generate_batch takes one)."""
+    """transformers generate (batch 1) and generate_batch against our engine (vanilla model,
+    sequence-wise, ``--max-batch`` rows) on the same requests, all with one output length
+    (generate_batch takes one): generate_batch on the first ``--hf`` requests, generate at batch 1 on
+    the first ``--hf-b1`` of them (default: all; requests one after another take long), each set
+    against our engine's run on that same set."""
     from transformers import GenerationConfig
     from ..models import load_hf_reference
     hf, _ = load_hf_reference(args.model)
     sub = trace[:args.hf]
     n_new = max(r["max_tokens"] for r in sub)
     sub = [{**r, "max_tokens": n_new, "arrival": 0.0} for r in sub]
-    out = {"requests": len(sub), "max_new_tokens": n_new}
+    sub_b1 = sub[:getattr(args, "hf_b1", 0) or len(sub)]
+    out = {"requests": len(sub), "requests_b1": len(sub_b1), "max_new_tokens": n_new, "engine_rows": args.max_batch}
     cfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     t, toks = time.perf_counter(), 0
     with torch.no_grad():
-        for r in sub:
+        for r in sub_b1:
             g = hf.generate(torch.tensor([r["prompt"]]), generation_config=cfg)
             toks += g.shape[1] - len(r["prompt"])
     out["hf_generate_b1_tokens_per_s"] = round(toks / (time.perf_counter() - t), 2)
     if log:
-        log(f"  transformers generate, batch 1: {out['hf_generate_b1_tokens_per_s']} tok/s")
-    try:
-        t = time.perf_counter()
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-        # sized explicitly: left to itself it sizes the cache from free memory, which on a shared CPU
-        # machine got the process killed
-        cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
-        res = hf.generate_batch([r["prompt"] for r in sub], generation_config=cfg, continuous_batching_config=cb,
-                                progress_bar=False)
-        toks = sum(len(v.generated_tokens) for v in res.values())
-        out["hf_generate_batch_tokens_per_s"] = round(toks / (time.perf_counter() - t), 2)
-    except Exception as e:  # report rather than abort the benchmark
-        out["hf_generate_batch_error"] = f"{type(e).__name__}: {e}"
-    if log:
-        log(f"  transformers generate_batch: {out.get('hf_generate_batch_tokens_per_s', out.get('hf_generate_batch_error'))}")
-    fig, _, _ = run_trace(vanilla, sub, "sequence", args.max_batch, max_seq_len)
-    out["engine_sequence_tokens_per_s"] = fig["tokens_per_s"]
-    out["vs_generate_b1"] = round(fig["tokens_per_s"] / out["hf_generate_b1_tokens_per_s"], 2)
+        log(f"  transformers generate, batch 1, {len(sub_b1)} requests: {out['hf_generate_b1_tokens_per_s']} tok/s")
+    # generate_batch and our engine in turn, --hf-rounds times: the host's speed drifts, so the ratio is
+    # taken round by round and its median reported beside the ratio of the medians
+    theirs, ours = [], []
+    for rnd in range(max(1, getattr(args, "hf_rounds", 1))):
+        try:
+            cb = hf_cache_config(sub, n_new)
+            t = time.perf_counter()
+            res = hf.generate_batch([r["prompt"] for r in sub], generation_config=cfg, continuous_batching_config=cb,
+                                    progress_bar=False)
+            toks = sum(len(v.generated_tokens) for v in res.values())
+            theirs.append(toks / (time.perf_counter() - t))
+            out["hf_generate_batch_config"] = {"page_size": cb.page_size, "num_blocks": cb.num_blocks,
+                                               "max_batch_tokens": cb.max_batch_tokens}
+        except Exception as e:  # report rather than abort the benchmark
+            out["hf_generate_batch_error"] = f"{type(e).__name__}: {e}"
+        fig, _, _ = run_trace(vanilla, sub, "sequence", args.max_batch, max_seq_len)
+        ours.append(fig["tokens_per_s"])
+        if log:
+            log(f"  round {rnd + 1}: transformers generate_batch, {len(sub)} requests: "
+                f"{round(theirs[-1], 2) if len(theirs) > rnd else out.get('hf_generate_batch_error')} tok/s; "
+                f"our engine {ours[-1]} tok/s")
+    if theirs:
+        out["hf_generate_batch_tokens_per_s"] = round(statistics.median(theirs), 2)
+        out["hf_generate_batch_rounds"] = [round(x, 2) for x in theirs]
+    out["engine_sequence_tokens_per_s"] = round(statistics.median(ours), 2)
+    out["engine_sequence_rounds"] = ours
+    if len(theirs) == len(ours) > 1:
+        out["vs_generate_batch_paired"] = round(statistics.median(o / h for o, h in zip(ours, theirs)), 2)
+    fig_b1 = fig if len(sub_b1) == len(sub) else run_trace(vanilla, sub_b1, "sequence", args.max_batch, max_seq_len)[0]
+    out["engine_sequence_b1_set_tokens_per_s"] = fig_b1["tokens_per_s"]
+    out["vs_generate_b1"] = round(fig_b1["tokens_per_s"] / out["hf_generate_b1_tokens_per_s"], 2)
     if "hf_generate_batch_tokens_per_s" in out:
-        out["vs_generate_batch"] = round(fig["tokens_per_s"] / out["hf_generate_batch_tokens_per_s"], 2)
+        out["vs_generate_batch"] = round(out["engine_sequence_tokens_per_s"] / out["hf_generate_batch_tokens_per_s"], 2)
     if log:
-        log(f"  our engine (vanilla, sequence-wise, batch {args.max_batch}): {fig['tokens_per_s']} tok/s")
+        log(f"  our engine (vanilla, sequence-wise, {args.max_batch} rows): {out['engine_sequence_tokens_per_s']} "
+            f"tok/s on {len(sub)} requests, {fig_b1['tokens_per_s']} on {len(sub_b1)}")
     del hf
     return out
 

@@ -50,6 +50,10 @@ def register(sub) -> None:
                    "batching without exits")
     p.add_argument("--hf", type=int, default=0, help="also time transformers generate (batch 1) and generate_batch "
                    "on the first N requests against our engine (vanilla, sequence-wise)")
+    p.add_argument("--hf-b1", type=int, default=0, help="time transformers generate at batch 1 on only the first "
+                   "N of the --hf requests (0: all of them)")
+    p.add_argument("--hf-rounds", type=int, default=1, help="run generate_batch and our engine in turn this many "
+                   "times (medians and the median of per-round ratios are reported)")
     p.add_argument("--tradeoff-tokens", type=int, default=1024, help="held-out tokens for the exit-policy table (0 = skip it)")
     p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
     p.add_argument("--threads", type=int, default=None)
