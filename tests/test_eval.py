@@ -94,6 +94,39 @@ def test_all_loops_pass_serves_every_exit_from_one_forward(recursive, tokenizer)
     assert [a[0] for a in final] == pytest.approx([b[0] for b in ref2], abs=2e-4)
 
 
+def test_exit_rule_scores_each_token_at_its_own_exit(recursive, tokenizer):
+    """Dynamic exit: a rule that always leaves after loop 1 gives loop 1's scores, one that never does
+    gives loop 2's, and a per-token rule mixes them token by token (checked against the plain forward)."""
+    def scores(rule):
+        lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, batch_size=3, exit_rule=rule)
+        lm.use_exit_rule = True
+        return lm, lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
+
+    ref = {loop: LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=loop).loglikelihood(
+        requests(None, PAIRS)) for loop in (1, 2)}
+    lm, always = scores(lambda logits, loop: torch.ones(len(logits), dtype=torch.bool))
+    assert [a[0] for a in always] == pytest.approx([b[0] for b in ref[1]], abs=2e-4)
+    n = lm.exit_stats["tokens"]
+    assert n > 0 and lm.exit_stats["exits_per_loop"] == [n, 0]
+    lm, never = scores(lambda logits, loop: torch.zeros(len(logits), dtype=torch.bool))
+    assert [a[0] for a in never] == pytest.approx([b[0] for b in ref[2]], abs=2e-4)
+    assert lm.exit_stats["exits_per_loop"] == [0, n] and lm.exit_stats["agree"] == n
+
+    # leave after loop 1 where loop 1's argmax is even: mixed, token by token
+    lm, mixed = scores(lambda logits, loop: logits.argmax(-1) % 2 == 0)
+    assert 0 < lm.exit_stats["exits_per_loop"][0] < n
+    for (c, x), (ll, _) in zip(PAIRS, mixed):
+        ctx, cont = lm._encode_pair(c, x) if c else ([lm.prefix_token_id], lm.tok_encode(x, add_special_tokens=False))
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logits = [recursive(ids, num_loops=k).logits[0].float() for k in (1, 2)]
+        pos = torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)
+        tgt = torch.tensor(cont)
+        lp = [torch.log_softmax(lg[pos], -1).gather(1, tgt[:, None])[:, 0] for lg in logits]
+        want = torch.where(logits[0][pos].argmax(-1) % 2 == 0, lp[0], lp[1]).sum()
+        assert ll == pytest.approx(float(want), abs=2e-4), (c, x)
+
+
 def test_shared_context_runs_once(recursive, tokenizer):
     lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, batch_size=16)
     pairs = PAIRS[:3]

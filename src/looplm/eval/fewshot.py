@@ -39,11 +39,16 @@ def model_summary(model) -> dict:
 
 def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, exit_loop: int | None = None,
                 all_loops: bool = False, batch_size: int = 16, num_fewshot: int | None = None,
-                log_samples: bool = False, progress: bool = True) -> dict:
+                log_samples: bool = False, progress: bool = True, exit_rule=None, exit_rule_name: str = "") -> dict:
     """Evaluate short task names (see looplm.eval.tasks.PAPER7) at one exit, or at every exit.
 
+    ``exit_rule(logits, loop index) -> bool`` (e.g. an exit policy's decision, see
+    scripts/exit_accuracy.py) also scores every task with each token taken at the loop the rule exits
+    it after (teacher-forced dynamic exit).
+
     Returns {"tasks": {name: {metric, value, stderr, n, metrics}}, "average", "exit_loop",
-    "per_loop": {loop: {"tasks": {name: value}, "average"}} (all_loops), "samples" (log_samples)}."""
+    "per_loop": {loop: {"tasks": {name: value}, "average"}} (all_loops), "samples" (log_samples),
+    "exit_rule": {"name", "tasks", "average", "exits_per_loop", "agreement", "mean_exit_loop"} (exit_rule)}."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
@@ -54,7 +59,7 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
     B = model.config.num_loops
     final = model.model.check_loops(exit_loop)
     lm = LoopLMEval(pretrained=model, tokenizer=tokenizer, exit_loop=final, batch_size=batch_size,
-                    all_loops=all_loops)
+                    all_loops=all_loops, exit_rule=exit_rule)
     tm = TaskManager(include_path=str(include_path()), include_defaults=False)
     names = [PAPER7[t][0] for t in tasks]
     started = time.perf_counter()
@@ -92,6 +97,15 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
             tr, a = summarise(evaluate(loop))
             per_loop[str(loop)] = {"tasks": {t: v["value"] for t, v in tr.items()}, "average": a}
         result["per_loop"] = dict(sorted(per_loop.items(), key=lambda kv: int(kv[0])))
+    if exit_rule is not None:
+        lm.use_exit_rule = True
+        tr, a = summarise(evaluate(final))  # served from the memo: every token was scored at its exit
+        st = lm.exit_stats
+        n = max(1, st["tokens"])
+        result["exit_rule"] = {"name": exit_rule_name, "tasks": {t: v["value"] for t, v in tr.items()}, "average": a,
+                               "exits_per_loop": st["exits_per_loop"], "scored_tokens": st["tokens"],
+                               "agreement": st["agree"] / n,
+                               "mean_exit_loop": sum((i + 1) * e for i, e in enumerate(st["exits_per_loop"])) / n}
     result["seconds"] = round(time.perf_counter() - started, 2)
     result["model"] = model_summary(model)
     return result

@@ -73,7 +73,8 @@ class LoopLMEval(TemplateLM):
     LoopLMForCausalLM (then pass ``tokenizer``). ``exit_loop``: static exit after loop i (default B)."""
 
     def __init__(self, pretrained="smollm2-135m", tokenizer=None, exit_loop=None, batch_size=16,
-                 max_length=None, all_loops=False, device="cpu", dtype="float32", max_gen_toks=256, **kwargs):
+                 max_length=None, all_loops=False, device="cpu", dtype="float32", max_gen_toks=256,
+                 exit_rule=None, **kwargs):
         super().__init__()
         from ..models import load_model
         if isinstance(pretrained, str):
@@ -100,6 +101,13 @@ class LoopLMEval(TemplateLM):
         self.add_bos_token = bool(getattr(model.config, "add_bos_token", False)) or None
         self._memo: dict[tuple, list[tuple[float, bool]]] = {}
         self.forward_tokens = 0  # tokens run through the model (for benchmarks)
+        # Dynamic exit (teacher-forced): exit_rule(logits [n, V], loop index 0..B-2) -> bool [n], "this
+        # token leaves after that loop". Every scored token is then also scored at its own exit loop (memo
+        # entry B); ``use_exit_rule = True`` makes results come from there. exit_stats counts exits per
+        # loop and tokens whose exit argmax equals the final loop's.
+        self.exit_rule = exit_rule
+        self.use_exit_rule = False
+        self.exit_stats = {"exits_per_loop": [0] * self.B, "agree": 0, "tokens": 0}
 
     # --- TemplateLM plumbing ---------------------------------------------------------------------
     @property
@@ -141,7 +149,8 @@ class LoopLMEval(TemplateLM):
 
     # --- loglikelihood ---------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        loops = self.B if self.all_loops else self.exit_loop
+        loops = self.B if (self.all_loops or self.exit_rule is not None) else self.exit_loop
+        entries = loops + (self.exit_rule is not None)  # memo entries a scored request gets
         keys = []
         todo: dict[tuple, list[int]] = defaultdict(list)  # context -> continuations still to score
         for _, ctx, cont in requests:
@@ -154,7 +163,7 @@ class LoopLMEval(TemplateLM):
             key = (ctx_t, tuple(cont))
             keys.append(key)
             memo = self._memo.get(key)
-            if memo is None or len(memo) < loops:
+            if memo is None or len(memo) < entries:
                 todo[ctx_t].append(key)
         # Dedupe continuations within a context, longest groups first.
         groups = sorted(((c, sorted(set(ks), key=lambda k: -len(k[1]))) for c, ks in todo.items()),
@@ -176,11 +185,11 @@ class LoopLMEval(TemplateLM):
         bar.close()
         out = []
         for (req_str, _, _), key in zip(requests, keys):
-            res = self._memo[key][self.exit_loop - 1]
+            res = self._memo[key][self.B if self.use_exit_rule else self.exit_loop - 1]
             out.append(res)
             if req_str is not None:
                 self.cache_hook.add_partial("loglikelihood", req_str, res)
-        if not self.all_loops:
+        if not self.all_loops and self.exit_rule is None:
             self._memo.clear()
         return out
 
@@ -248,18 +257,40 @@ class LoopLMEval(TemplateLM):
         g_idx, t_idx = torch.tensor(src1_g).to(dev), torch.tensor(src1_t).to(dev)
         tgt = torch.tensor([t for _, c in conts for t in c]).to(dev)
         results = [[] for _ in conts]
-        for li in range(loops):
-            h = states1[li][g_idx, t_idx]
-            if cont_h is not None:
-                h = torch.cat([h, cont_h[li]], dim=0)
-            logp = F.log_softmax(self.model.exit_logits(h[index]).float(), dim=-1)
-            ll = logp.gather(1, tgt[:, None])[:, 0].double().cpu()
-            greedy = (logp.argmax(-1) == tgt).cpu()
+
+        def add(ll, greedy):
             start = 0
             for r, (_, c) in enumerate(conts):
                 n = len(c)
                 results[r].append((float(ll[start:start + n].sum()), bool(greedy[start:start + n].all())))
                 start += n
+
+        rule = self.exit_rule is not None and loops == self.B
+        if rule:  # each token's log-prob, greedy hit and argmax at the loop it leaves after
+            left = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
+            dyn_ll = torch.zeros(len(tgt), dtype=torch.float64, device=dev)
+            dyn_hit = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
+            dyn_arg = torch.zeros(len(tgt), dtype=torch.long, device=dev)
+        for li in range(loops):
+            h = states1[li][g_idx, t_idx]
+            if cont_h is not None:
+                h = torch.cat([h, cont_h[li]], dim=0)
+            logits = self.model.exit_logits(h[index]).float()
+            logp = F.log_softmax(logits, dim=-1)
+            ll = logp.gather(1, tgt[:, None])[:, 0].double()
+            arg = logp.argmax(-1)
+            add(ll.cpu(), (arg == tgt).cpu())
+            if rule:
+                now = ~left if li == loops - 1 else (self.exit_rule(logits, li).to(dev) & ~left)
+                dyn_ll = torch.where(now, ll, dyn_ll)
+                dyn_hit = torch.where(now, arg == tgt, dyn_hit)
+                dyn_arg = torch.where(now, arg, dyn_arg)
+                left |= now
+                self.exit_stats["exits_per_loop"][li] += int(now.sum())
+        if rule:
+            add(dyn_ll.cpu(), dyn_hit.cpu())
+            self.exit_stats["agree"] += int((dyn_arg == arg).sum())
+            self.exit_stats["tokens"] += len(tgt)
         for key, res in zip(keys, results):
             self._memo[key] = res
 

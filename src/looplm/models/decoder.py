@@ -152,7 +152,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         """x W^T. For a few rows on CPU (decode steps, exit decisions) it is computed as (W x^T)^T, the
         same product: with SmolLM2's 49,152 x 576 head that ran 1.2-2.7x faster for 2-64 rows and as fast
         at 1 (measured, `benchmarks/bench_step_cost.py --head`; layer-sized matmuls show no difference).
-        Elsewhere (GPU, long sequences, a wrapped or hooked head) the module itself runs."""
+        A serving engine's MKL-packed copy of the head (models/packed.py), where present, serves 2-64 rows
+        instead. Elsewhere (GPU, long sequences, a wrapped or hooked head) the module itself runs."""
         head = self.lm_head
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if (x.device.type != "cpu" or not 0 < rows <= 64 or type(head) is not nn.Linear or head.bias is not None

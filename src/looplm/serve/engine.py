@@ -5,7 +5,8 @@ items) an early-exited token finishing the loops it skipped, only to fill its KV
 ``Engine.step`` runs one loop (the K shared layers) over every item given: all tokens are flattened
 into one [1, N, hidden] batch, so norms, projections, per-depth LoRA (grouped by slot when loops are
 mixed) and the MLP are single calls; attention reads each token's own cache row at its own depth
-(one gather for all single-token items, one SDPA per prompt segment).
+(single-token items: one call per loop present over that depth's rows in place, or one gather when
+few rows are busy; one SDPA per prompt segment). On CPU the weights are MKL-packed copies.
 
 After the loop, items at their last loop emit a token; the others either continue or, under an
 exit policy, leave early. The KV entries of loops an exited token skips are filled either by
