@@ -30,6 +30,9 @@ with every cache row busy, three ways: `F.linear` and attention over gathered ca
 weights (models/packed.py) with gathered rows; packed weights with attention read from the cache in place (the
 engine's default on CPU).
 
+`--attention` instead times single-token attention over every layer's cache rows read in place: SDPA (`attend`)
+against the grouped-query matmuls the engine uses on CPU (`attend_one`).
+
 `--fusion` instead times every layer's input projections, matmuls only, on the model's own weights: q, k, v,
 gate and up as five `F.linear` calls (what the engine does) against two calls on concatenated weights
 (q|k|v and gate|up, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do).
@@ -181,6 +184,31 @@ def packed_vs_plain(model, sizes: list[int], rounds: int, reps: int, log) -> lis
     return rows
 
 
+@torch.no_grad()
+def attention_kernels(model, sizes: list[int], rounds: int, reps: int, log) -> list[dict]:
+    """Single-token attention of every layer over n cache rows read in place, SDPA (``attend``) against
+    grouped-query matmuls (``attend_one``), interleaved, median ms."""
+    eng = Engine(model, max_batch=max(sizes), max_seq_len=POS + 1)
+    c = model.config
+    rows = []
+    for n in sizes:
+        q = torch.randn(n, c.num_attention_heads, 1, c.head_dim)
+        mask = torch.ones(n, 1, 1, POS + 1, dtype=torch.bool)
+        views = [tuple(x[:n] for x in eng.cache.depth_rows(d, POS + 1)) for d in range(eng.L)]
+        attn = [eng.layers[eng.layer_map[d]].attn for d in range(eng.L)]
+        run = {"sdpa": lambda: [a.attend(q, k, v, mask) for a, (k, v) in zip(attn, views)],
+               "grouped": lambda: [a.attend_one(q, k, v, mask) for a, (k, v) in zip(attn, views)]}
+        t = {w: [] for w in run}
+        for _ in range(rounds):
+            for w, fn in run.items():
+                fn()
+                t[w].append(timed(fn, reps))
+        a, b = (statistics.median(t[w]) * 1e3 for w in run)
+        rows.append({"rows": n, "sdpa_ms": round(a, 2), "grouped_ms": round(b, 2), "speedup": round(a / b, 2)})
+        log(f"attention of {eng.L} layers on {n} rows: SDPA {a:.2f} ms, grouped {b:.2f} ms, {a / b:.2f}x")
+    return rows
+
+
 def interp(table: dict[int, float], x: float) -> float:
     """Linear interpolation of a measured cost at a fractional item count."""
     xs = sorted(table)
@@ -238,6 +266,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--head", action="store_true", help="time only the LM head's two layouts")
     p.add_argument("--fusion", action="store_true", help="time only separate against fused input projections")
+    p.add_argument("--attention", action="store_true", help="time only single-token attention: SDPA against "
+                   "grouped-query matmuls")
     p.add_argument("--packed", action="store_true", help="time only a vanilla step with packed weights against F.linear")
     p.add_argument("--pos", type=int, default=POS, help="decode position of every item (context length - 1)")
     p.add_argument("--json", action="store_true")
@@ -250,7 +280,8 @@ def main() -> int:
     # single-part modes: (key in the JSON, timing function, the two timed columns of the markdown rows)
     mode = {"head": ("head", head_layouts, ("linear_ms", "w_xT_ms")),
             "fusion": ("projections", projection_fusion, ("separate_ms", "fused_ms")),
-            "packed": ("vanilla_step", packed_vs_plain, ("plain_ms", "packed_gather_ms", "packed_ms"))}
+            "packed": ("vanilla_step", packed_vs_plain, ("plain_ms", "packed_gather_ms", "packed_ms")),
+            "attention": ("attention", attention_kernels, ("sdpa_ms", "grouped_ms"))}
     chosen = next((m for m in mode if getattr(args, m)), None)
     if chosen:
         key, fn, cols = mode[chosen]

@@ -244,13 +244,12 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
-
     def attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of one query per sequence (a decode step): q [b, H, 1, d], k, v [b, KV, t, d] (views
-        into a cache are fine), mask a bool [b, 1, 1, t]. On CPU the query heads that share a KV head
-        are one matmul against it, which ran 1.2x faster than SDPA at 64 rows (bench_step_cost.py
-        --attention); elsewhere it is ``attend``."""
-        if q.device.type != "cpu":
+        into a cache are fine), mask a bool [b, 1, 1, t]. On CPU, for two or more sequences, the query
+        heads that share a KV head are one matmul against it: 1.2-1.3x faster than SDPA at 6-64 rows
+        on SmolLM2, 0.64x at one (`benchmarks/bench_step_cost.py --attention`); otherwise ``attend``."""
+        if q.device.type != "cpu" or q.shape[0] == 1:
             return self.attend(q, k, v, mask)
         b, H, _, d = q.shape
         kv = k.shape[1]
