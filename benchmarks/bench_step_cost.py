@@ -173,9 +173,8 @@ def packed_vs_plain(model, sizes: list[int], rounds: int, reps: int, log) -> lis
         for _ in range(rounds):
             for w, (pack, frac) in ways.items():
                 packing.enabled, eng.in_place_min_fraction = pack, frac
-                step = lambda: model.exit_logits(eng._forward(items))
-                step()  # warm-up
-                t[w].append(timed(step, reps))
+                model.exit_logits(eng._forward(items))  # warm-up
+                t[w].append(timed(lambda: model.exit_logits(eng._forward(items)), reps))
         packing.enabled = True
         ms = {w: statistics.median(v) * 1e3 for w, v in t.items()}
         rows.append({"rows": n, **{f"{w}_ms": round(v, 2) for w, v in ms.items()},
@@ -277,7 +276,7 @@ def main() -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     vanilla, _ = load_model(args.model)
     vanilla.eval()
-    # single-part modes: (key in the JSON, timing function, the two timed columns of the markdown rows)
+    # single-part modes: (key in the JSON, timing function, the timed columns of the markdown rows)
     mode = {"head": ("head", head_layouts, ("linear_ms", "w_xT_ms")),
             "fusion": ("projections", projection_fusion, ("separate_ms", "fused_ms")),
             "packed": ("vanilla_step", packed_vs_plain, ("plain_ms", "packed_gather_ms", "packed_ms")),

@@ -87,23 +87,21 @@ def test_exits_off_equals_full_depth_greedy(models, name, scheduler):
 
 
 @pytest.mark.parametrize("name", ["relaxed", "relaxed4", "gemma_relaxed"])
-@pytest.mark.parametrize("in_place", [0.0, 2.0])
-def test_decode_attention_in_place_and_gathered_agree(models, name, in_place, monkeypatch):
-    """Decode attention reads the cache in place (every step, fraction 0) or through a gather (never in
-    place, fraction 2): both equal full-depth greedy decoding, exits off and with early exits (KV later)."""
-    monkeypatch.setattr(Engine, "in_place_min_fraction", in_place)
+def test_decode_attention_in_place_and_gathered_agree(models, name, monkeypatch):
+    """Decode attention reads the cache in place (every step: fraction 0) or through a gather (never in
+    place: fraction 2): with exits off both equal full-depth greedy decoding, and with every token exiting
+    after loop 1 (threshold-0 margin, KV computed later) both give the same tokens."""
     model, ps = models[name], prompts()
     lens = [7, 3, 10, 5, 9, 6]
     want = [full_depth_greedy(model, p, n) for p, n in zip(ps, lens)]
-    engine, reqs = run(model, ps, lens, "depth")
-    assert [r.output for r in reqs] == want and engine.stats["mixed_stages"] > 0
-    # threshold-0 margin exits every token after loop 1; with KV later its cache stays exact
-    outs = {}
+    exited = {}
     for frac in (0.0, 2.0):
         monkeypatch.setattr(Engine, "in_place_min_fraction", frac)
+        engine, reqs = run(model, ps, lens, "depth")
+        assert [r.output for r in reqs] == want and engine.stats["mixed_stages"] > 0
         _, reqs = run(model, ps, lens, "depth", exit_policy=ExitPolicy("margin", 0.0), kv_mode="later")
-        outs[frac] = [r.output for r in reqs]
-    assert outs[0.0] == outs[2.0]
+        exited[frac] = [r.output for r in reqs]
+    assert exited[0.0] == exited[2.0]
 
 
 def test_depth_batches_mix_loops_and_lora_slots(models):
