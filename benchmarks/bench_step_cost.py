@@ -30,6 +30,10 @@ with every cache row busy, three ways: `F.linear` and attention over gathered ca
 weights (models/packed.py) with gathered rows; packed weights with attention read from the cache in place (the
 engine's default on CPU).
 
+`--pack-rows N` packs for N rows instead of 64 (with `--packed`: what the packing row count does).
+`--profile` instead prints the torch profiler's top operators for a vanilla step on each n items, the `plain` and
+`packed` ways of `--packed` (self CPU time share, 3 steps).
+
 `--attention` instead times single-token attention over every layer's cache rows read in place: SDPA (`attend`)
 against the grouped-query matmuls the engine uses on CPU (`attend_one`).
 
@@ -208,6 +212,31 @@ def attention_kernels(model, sizes: list[int], rounds: int, reps: int, log) -> l
     return rows
 
 
+@torch.no_grad()
+def profile_step(model, sizes: list[int], rounds: int, reps: int, log, top: int = 8) -> list[dict]:
+    """The torch profiler's top operators (share of self CPU time) in a vanilla step on n items, F.linear with
+    gathered attention against the engine's default (packed weights, attention in place)."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = []
+    for n in sizes:
+        eng = Engine(model, max_batch=n, max_seq_len=POS + 1)
+        items = decode_items(eng, n, 0)
+        for way, pack, frac in (("plain", False, 2.0), ("packed", True, Engine.in_place_min_fraction)):
+            packing.enabled, eng.in_place_min_fraction = pack, frac
+            model.exit_logits(eng._forward(items))  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    model.exit_logits(eng._forward(items))
+            ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            total = sum(e.self_cpu_time_total for e in ev)
+            ops = {e.key: round(e.self_cpu_time_total / total, 3) for e in ev[:top]}
+            rows.append({"rows": n, "way": way, "step_ms": round(total / 3e3, 2), "top_ops": ops})
+            log(f"{way} step on {n} items, {total / 3e3:.1f} ms of operators: "
+                + ", ".join(f"{k} {v:.0%}" for k, v in ops.items()))
+        packing.enabled = True
+    return rows
+
+
 def interp(table: dict[int, float], x: float) -> float:
     """Linear interpolation of a measured cost at a fractional item count."""
     xs = sorted(table)
@@ -268,10 +297,13 @@ def main() -> int:
     p.add_argument("--attention", action="store_true", help="time only single-token attention: SDPA against "
                    "grouped-query matmuls")
     p.add_argument("--packed", action="store_true", help="time only a vanilla step with packed weights against F.linear")
+    p.add_argument("--profile", action="store_true", help="profile a vanilla step, plain and packed")
+    p.add_argument("--pack-rows", type=int, default=packing.PACK_ROWS, help="the row count weights are packed for")
     p.add_argument("--pos", type=int, default=POS, help="decode position of every item (context length - 1)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     POS = args.pos
+    packing.PACK_ROWS = args.pack_rows
     torch.set_num_threads(args.threads)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     vanilla, _ = load_model(args.model)
@@ -281,6 +313,12 @@ def main() -> int:
             "fusion": ("projections", projection_fusion, ("separate_ms", "fused_ms")),
             "packed": ("vanilla_step", packed_vs_plain, ("plain_ms", "packed_gather_ms", "packed_ms")),
             "attention": ("attention", attention_kernels, ("sdpa_ms", "grouped_ms"))}
+    if args.profile:
+        rows = profile_step(vanilla, [int(s) for s in args.sizes.split(",")], args.rounds, args.reps,
+                            lambda *a: print(*a, file=sys.stderr, flush=True))  # stdout: the JSON
+        print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
+                          "torch_threads": torch.get_num_threads(), "decode_position": POS, "profile": rows}, indent=1))
+        return 0
     chosen = next((m for m in mode if getattr(args, m)), None)
     if chosen:
         key, fn, cols = mode[chosen]

@@ -4,7 +4,7 @@ leave after (teacher-forced, as `looplm bench serve`'s held-out perplexity table
 markdown table; `--json` also writes the numbers.
 
     PYTHONPATH=src .venv/bin/python scripts/exit_accuracy.py out/paper-b2/runs/rec-stepwise-exit/final \
-        --policy margin:0.05 --limit 50 --json docs/exits/accuracy-b2-margin0.05.json
+        --policy margin:0.05 --limit 200 --json docs/exits/accuracy-b2-margin0.05.json
 
 Only policies that decide from the exit logits (softmax, margin, entropy) apply: scoring runs every
 loop in one pass and hands each loop's logits to the policy's own `decide`.

@@ -265,7 +265,7 @@ class LoopLMEval(TemplateLM):
                 results[r].append((float(ll[start:start + n].sum()), bool(greedy[start:start + n].all())))
                 start += n
 
-        rule = self.exit_rule is not None and loops == self.B
+        rule = self.exit_rule is not None  # then loops == B
         if rule:  # each token's log-prob, greedy hit and argmax at the loop it leaves after
             left = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
             dyn_ll = torch.zeros(len(tgt), dtype=torch.float64, device=dev)

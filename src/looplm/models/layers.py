@@ -247,7 +247,7 @@ class Attention(nn.Module):
     def attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of one query per sequence (a decode step): q [b, H, 1, d], k, v [b, KV, t, d] (views
         into a cache are fine), mask a bool [b, 1, 1, t]. On CPU, for four or more sequences, the query
-        heads that share a KV head are one matmul against it: 1.2-1.3x faster than SDPA at 6-64 rows on
+        heads that share a KV head are one matmul against it: 1.16-1.33x faster than SDPA at 6-64 rows on
         SmolLM2, slower at 1-3 (`benchmarks/bench_step_cost.py --attention`); otherwise ``attend``."""
         if q.device.type != "cpu" or q.shape[0] < 4:
             return self.attend(q, k, v, mask)

@@ -3,10 +3,10 @@
 A decode step multiplies a handful of rows by every weight of the model, so on CPU it is bound by
 how fast the matmul kernel streams weights. MKL's packed GEMM (``cblas_sgemm_pack`` +
 ``cblas_sgemm_compute``, the path torch.compile's freezing uses for fp32 linears) reorders a weight
-once into the kernel's own layout and then streams it faster than ``F.linear`` does: 1.2-1.3x on
-SmolLM2's layer shapes at 6-64 rows (``benchmarks/bench_step_cost.py --packed``; at one row it
-was 0.95x, so one row keeps ``F.linear``). The product is
-the same to float32 rounding (about 1e-6, as far from float64 as ``F.linear`` is).
+once into the kernel's own layout and then streams it faster than ``F.linear`` does: a whole SmolLM2
+decode step ran 1.14-1.19x faster at 6-64 rows (``benchmarks/bench_step_cost.py --packed``). One row
+keeps ``F.linear``, which was as fast there. The product is the same to float32 rounding (about 1e-6,
+as far from float64 as ``F.linear`` is).
 
 Packing is an inference-time copy kept beside the weight, never saved: ``pack_for_cpu(model)``
 attaches one to every packable linear and returns the bytes it took; a packed copy is used only when
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# MKL chooses the packed layout from the row count it is told at packing time; a layout packed for
-# 64 rows served 1-64 rows as fast as one packed for the exact count (packing for 1 row was slower
-# than F.linear at 2-12), so one copy per weight serves every step size.
+# MKL chooses the packed layout from the row count it is told at packing time. One copy packed for 64
+# rows serves every step size; a layout packed for 1 row was slower than F.linear at 6-12 rows
+# (`bench_step_cost.py --packed --pack-rows 1`, docs/BENCHMARKS.md).
 PACK_ROWS = 64
 enabled = True  # a switch for benchmarks and debugging: False sends every call through F.linear
 
@@ -54,10 +54,14 @@ class PackedWeight:
     def __reduce__(self):
         return _none, ()
 
+    def matches(self, weight: torch.Tensor) -> bool:
+        """``weight`` is the very tensor packed, unchanged since (its version counter)."""
+        return weight is self.source and weight._version == self.version
+
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Gradients off, a float32 CPU input, and ``weight`` is the very tensor packed, unchanged since."""
+        """Gradients off, a float32 CPU input, and ``weight`` matches."""
         return (enabled and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-                and weight is self.source and weight._version == self.version)
+                and self.matches(weight))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -70,10 +74,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is not None and x.numel() > x.shape[-1] and packed.usable(x, weight):  # 1 row: F.linear was as fast
         return packed.linear(x, bias)
     return F.linear(x, weight, bias)
-
-
-def _fresh(packed: PackedWeight | None, weight: torch.Tensor) -> bool:
-    return packed is not None and packed.source is weight and packed.version == weight._version
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -90,12 +90,12 @@ def pack_for_cpu(model: nn.Module) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, LoopLinear) and _packable(m.weight):
-            if not _fresh(m.packed, m.weight):
+            if m.packed is None or not m.packed.matches(m.weight):
                 m.packed = PackedWeight(m.weight)
             total += m.packed.nbytes
     head = getattr(model, "lm_head", None)
     if hasattr(model, "head_packed") and type(head) is nn.Linear and head.bias is None and _packable(head.weight):
-        if not _fresh(model.head_packed, head.weight):
+        if model.head_packed is None or not model.head_packed.matches(head.weight):
             model.head_packed = PackedWeight(head.weight)
         total += model.head_packed.nbytes
     return total

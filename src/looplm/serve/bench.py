@@ -71,7 +71,7 @@ def run_trace(model, trace, scheduler: str, max_batch: int, max_seq_len: int, po
         "ttft_p50": _r(percentile(ttft, 0.5)), "ttft_p99": _r(percentile(ttft, 0.99)),
         "tpot_p50": _r(percentile(tpot, 0.5)), "tpot_p99": _r(percentile(tpot, 0.99)),
         "peak_rss_mb": round(res["peak_rss_mb"], 1), "rss_growth_mb": round(res["peak_rss_mb"] - rss0, 1),
-        "kv_cache_mb": round(engine.cache.nbytes / 2 ** 20, 1),
+        "kv_cache_mb": round(engine.cache.nbytes / 2 ** 20, 1), "packed_weights_mb": round(engine.packed_bytes / 2 ** 20, 1),
         "exits_per_loop": list(stats["exits_per_loop"]), "steps": stats["stages"],
         "mixed_steps": stats["mixed_stages"], "mean_items_per_step": round(stats["stage_items"] / max(1, stats["stages"]), 2),
         "kv_copy_tokens": stats["kv_copy_tokens"], "kv_later_items": stats["kv_later_items"],
@@ -207,8 +207,8 @@ def _looped_model(args, vanilla):
 def hf_cache_config(requests: list[dict], max_new_tokens: int, page_size: int = 256, batch_tokens: int = 512):
     """A ContinuousBatchingConfig sized for these requests: every request's pages fit at once (left to
     itself, transformers sizes the cache from free memory, which on a shared CPU machine got the process
-    killed). batch_tokens bounds a step's tokens (prefill chunks): at 64 requests x 128 tokens 512 ran at
-    130 tok/s and 2048 at 121 (2026-11-23)."""
+    killed). batch_tokens bounds a step's tokens (prefill chunks); 512 and 2048 ran alike on 64 requests x
+    128 tokens (`bench serve --hf-batch-tokens`, docs/BENCHMARKS.md)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     pages = sum(-(-(len(r["prompt"]) + max_new_tokens) // page_size) for r in requests)
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=pages + 4, max_batch_tokens=batch_tokens)
@@ -243,7 +243,7 @@ def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
     theirs, ours = [], []
     for rnd in range(max(1, getattr(args, "hf_rounds", 1))):
         try:
-            cb = hf_cache_config(sub, n_new)
+            cb = hf_cache_config(sub, n_new, batch_tokens=getattr(args, "hf_batch_tokens", 512))
             t = time.perf_counter()
             res = hf.generate_batch([r["prompt"] for r in sub], generation_config=cfg, continuous_batching_config=cb,
                                     progress_bar=False)

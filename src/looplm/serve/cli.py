@@ -54,6 +54,8 @@ def register(sub) -> None:
                    "N of the --hf requests (0: all of them)")
     p.add_argument("--hf-rounds", type=int, default=1, help="run generate_batch and our engine in turn this many "
                    "times (medians and the median of per-round ratios are reported)")
+    p.add_argument("--hf-batch-tokens", type=int, default=512, help="generate_batch's max_batch_tokens (tokens "
+                   "per step, prefill chunks)")
     p.add_argument("--tradeoff-tokens", type=int, default=1024, help="held-out tokens for the exit-policy table (0 = skip it)")
     p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
     p.add_argument("--threads", type=int, default=None)
