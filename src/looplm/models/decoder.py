@@ -100,10 +100,13 @@ class LoopLMModel(LoopLMPreTrainedModel):
         return num_loops
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, num_loops: int | None = None, output_loop_states: bool = False, **kwargs):
+                inputs_embeds=None, num_loops: int | None = None, output_loop_states: bool = False,
+                output_depth_states: bool = False, **kwargs):
         """Returns (hidden after the last depth run, [hidden after each loop] or None, cache).
 
-        num_loops < B is a static exit: every token leaves after that many loops."""
+        num_loops < B is a static exit: every token leaves after that many loops. With
+        ``output_depth_states`` the second item holds the hidden state after every depth instead
+        (healing matches each one against the original model's)."""
         c = self.config
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = h.shape[:2]
@@ -115,7 +118,7 @@ class LoopLMModel(LoopLMPreTrainedModel):
                                 c.sliding_window_size, h.device)
         loops = self.check_loops(num_loops)
         K = c.num_shared_layers
-        loop_states = [] if output_loop_states else None
+        loop_states = [] if output_loop_states or output_depth_states else None
         for d in range(loops * K):
             kind = c.depth_attention[d]
             cos, sin = tables[kind]
@@ -124,7 +127,7 @@ class LoopLMModel(LoopLMPreTrainedModel):
                 h = checkpoint(layer, h, slot, cos, sin, masks[kind], past_key_values, d, use_reentrant=False)
             else:
                 h = layer(h, slot, cos, sin, masks[kind], past_key_values, d)
-            if loop_states is not None and (d + 1) % K == 0:
+            if loop_states is not None and (output_depth_states or (d + 1) % K == 0):
                 loop_states.append(h)
         return h, loop_states, past_key_values
 

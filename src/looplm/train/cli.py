@@ -1,4 +1,4 @@
-"""Training subcommands: `looplm data build`, `looplm train`, `looplm plot`."""
+"""Training subcommands: `looplm data build`, `looplm train`, `looplm heal`, `looplm plot`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ def register(sub) -> None:
     b.add_argument("--refresh", action="store_true", help="fetch sources again even if cached")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=cmd_data_build)
+
+    x = dsub.add_parser("text", help="decode rows of a built corpus's training split into a .txt file (calibration "
+                                     "text for `looplm convert --calib-data`; never held-out rows)")
+    x.add_argument("corpus", help="corpus dir from `looplm data build`")
+    x.add_argument("--out", required=True, help="directory to write train.txt into")
+    x.add_argument("--rows", type=int, default=32, help="training rows to decode (x the corpus's seq-len tokens)")
+    x.add_argument("--seed", type=int, default=1234, help="which rows: a seeded random choice")
+    x.set_defaults(func=cmd_data_text)
 
     t = sub.add_parser("train", help="uptrain / early-exit train a (relaxed) recursive model")
     t.add_argument("--model", default=None, help="student: embedded name, looplm/HF dir or .gguf "
@@ -64,6 +72,33 @@ def register(sub) -> None:
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
 
+    h = sub.add_parser("heal", help="heal a converted model: layer-local then end-to-end distillation from the "
+                                    "original (docs/TRAINING.md)")
+    h.add_argument("model", help="the converted model (looplm directory from `looplm convert`)")
+    h.add_argument("--teacher", required=True, help="the original model it was converted from")
+    h.add_argument("--data", required=True, help="corpus dir from `looplm data build` (training split is read)")
+    h.add_argument("--out", required=True, help="run directory (final/ holds the healed model)")
+    budget = h.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-minutes", type=float, help="wall time of the whole run (evaluations not counted)")
+    budget.add_argument("--tokens", type=int, help="instead: tokens per shared layer (local) plus end to end")
+    h.add_argument("--local-share", type=float, default=0.5, help="share of the budget for layer-local distillation")
+    h.add_argument("--local-mode", default="sequential", help="sequential (student inputs) | parallel (teacher inputs)")
+    h.add_argument("--cache", default=None, help="teacher cache directory (default OUT/cache; reused if it matches)")
+    h.add_argument("--cache-rows", type=int, default=128, help="training rows of the corpus cached (x --seq-len tokens)")
+    h.add_argument("--seq-len", type=int, default=512)
+    h.add_argument("--local-batch", type=int, default=4, help="rows per tied depth per local step")
+    h.add_argument("--local-lr", type=float, default=3e-4)
+    h.add_argument("--e2e-batch", type=int, default=2)
+    h.add_argument("--e2e-lr", type=float, default=1e-4)
+    h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
+    h.add_argument("--exit-weight", type=float, default=0.5, help="weight of each intermediate loop exit's KD term")
+    h.add_argument("--eval-rows", type=int, default=16, help="held-out rows scored at each evaluation")
+    h.add_argument("--eval-every-seconds", type=float, default=300.0)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    h.add_argument("--no-progress", action="store_true")
+    h.set_defaults(func=cmd_heal)
+
     pl = sub.add_parser("plot", help="loss and perplexity curves of one or more runs as PNG")
     pl.add_argument("runs", nargs="+")
     pl.add_argument("--out", default=None, help="directory for the PNGs (default: the first run)")
@@ -80,6 +115,26 @@ def cmd_data_build(args) -> int:
     return 0
 
 
+def cmd_data_text(args) -> int:
+    import numpy as np
+    from ..cli import UsageError
+    from .corpus import PackedCorpus, load_tokenizer
+    corpus = PackedCorpus(args.corpus)
+    train = corpus.splits["train"]
+    if not 0 < args.rows <= len(train):
+        raise UsageError(f"--rows {args.rows} must be between 1 and the corpus's {len(train)} training rows")
+    tok = load_tokenizer(corpus.meta["model"])
+    picks = np.sort(np.random.default_rng(args.seed).choice(len(train), size=args.rows, replace=False))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = "\n\n".join(tok.decode(np.asarray(train[i]).tolist(), skip_special_tokens=True) for i in picks)
+    tmp = out / ".train.txt.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out / "train.txt")
+    print(f"wrote {out / 'train.txt'}: {args.rows} training rows of {args.corpus} ({len(text):,} characters)")
+    return 0
+
+
 def cmd_train(args) -> int:
     from .loop import TrainConfig, train
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__})
@@ -87,6 +142,19 @@ def cmd_train(args) -> int:
     result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result))
+    return 0
+
+
+def cmd_heal(args) -> int:
+    from .heal import HealConfig, heal
+    cfg = HealConfig(**{k: v for k, v in vars(args).items() if k in HealConfig.__dataclass_fields__})
+    cfg.progress = not args.no_progress
+    r = heal(cfg)
+    conv = r["converted"]["ppl"] if r["converted"] else float("nan")
+    print(f"held-out perplexity ({r['healed']['eval_tokens']} tokens): original {r['teacher']['ppl']:.2f}, "
+          f"converted {conv:,.2f}, healed {r['healed']['ppl']:.2f} "
+          f"(loop exits: {', '.join(f'{p:,.2f}' for p in r['healed']['ppl_per_loop'])})")
+    print(f"healed in {r['minutes']:.1f} min; wrote {r['final']} and {Path(r['out']) / 'heal.png'}")
     return 0
 
 

@@ -1,0 +1,608 @@
+"""Healing: bring a converted (looped) model close to the original on a small budget.
+
+Two stages, both reading the original model's hidden states from a teacher cache (teacher_cache.py):
+
+1. **Layer-local distillation** (block reconstruction, as BRECQ and OmniQuant do for quantisation).
+   Each shared layer k is trained, alone, to map the input of every depth d tied to it onto the
+   original model's output at d: loss = mean over tied depths and tokens of
+   ||block_k(x_d, slot_d) - y_d||^2 / ||y_d||^2 (per-token relative error: the next layer's norm
+   removes each token's scale, so this is the error the rest of the network sees). Trained: the
+   shared weights, the per-depth LoRAs and the norms. Inputs x_d are
+   - ``parallel``: the original model's inputs at d (layers are independent), or
+   - ``sequential``: the student's own inputs at d, produced by its already-healed earlier depths
+     (GPTQ's order), so that each depth also learns to correct the error that reaches it. A shared
+     layer is visited once per depth it serves; a depth it serves later still uses the teacher's
+     input until it is reached, one it served earlier the student input computed then.
+2. **End to end**: logit distillation (forward KL) from the original model's final state, plus
+   ``hidden_weight`` x the mean per-depth relative hidden-state error, plus ``exit_weight`` x
+   forward KL of every intermediate loop exit against the original model, so that the exit after
+   loop 1 is trained for itself (early exiting reads it).
+
+Both stages read the teacher from the cache, never run it: a step costs the student alone. The
+embeddings, final norm and LM head stay the original model's (frozen), so the original's logits
+are its final state through the student's own head.
+
+Budget: ``budget_minutes`` (wall time of cache, local and end-to-end work; evaluations not
+counted) or ``tokens``; ``local_share`` of it goes to the local stage. A time budget is turned into
+step counts once, after measuring a few steps, and stored in run.json: a resumed run follows the
+same plan. Run directory::
+
+    run.json          settings and the step plan (checked on --resume)
+    metrics.jsonl     one JSON object per logged step and evaluation (time, tokens, losses, perplexity)
+    latest            name of the newest complete checkpoint (replaced atomically)
+    checkpoints/NAME  looplm model dir + state.json (+ optimizer.pt in the end-to-end stage)
+    final/            the healed model (looplm dir: `looplm eval`, `serve` and `generate` read it)
+    heal.png          held-out perplexity against wall time and against tokens
+    cache/            the teacher cache (unless --cache puts it elsewhere)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..cli import UsageError
+from ..convert.recursive import tied_depths
+from ..models.decoder import attention_masks
+from .corpus import PackedCorpus
+from .losses import kd_loss
+from .teacher_cache import TeacherCache, build_cache
+
+LOCAL_MODES = ("sequential", "parallel")
+
+
+@dataclass
+class HealConfig:
+    model: str = ""                  # the converted student (looplm directory)
+    teacher: str = ""                # the original model it was converted from
+    data: str = ""                   # corpus directory (looplm data build)
+    out: str = ""
+    budget_minutes: float | None = None
+    tokens: int | None = None        # instead of a time budget: tokens per layer (local) + end to end
+    local_share: float = 0.5         # share of the budget for layer-local distillation
+    local_mode: str = "sequential"
+    cache: str | None = None         # teacher cache directory (default OUT/cache)
+    cache_rows: int = 128            # training rows cached (x seq_len tokens)
+    seq_len: int = 512
+    local_batch: int = 4             # rows per tied depth per local step
+    local_lr: float = 3e-4
+    e2e_batch: int = 2
+    e2e_lr: float = 1e-4
+    hidden_weight: float = 1.0
+    exit_weight: float = 0.5
+    grad_clip: float = 1.0
+    eval_rows: int = 16
+    eval_every_seconds: float = 300.0
+    save_every_seconds: float = 180.0
+    seed: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
+             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed")
+
+
+def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of ||pred - target||^2 / ||target||^2 (float32)."""
+    err = (pred.float() - target).pow(2).sum(-1)
+    return (err / target.pow(2).sum(-1).clamp_min(1e-6)).mean()
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Healer:
+    def __init__(self, cfg: HealConfig, log=print):
+        self.cfg, self.log = cfg, log
+
+    # ----- everything that can be wrong is found before the run directory is touched
+    def prepare(self) -> None:
+        from ..models import load_model
+        from ..models.loading import tokenizer_fingerprint
+
+        c = self.cfg
+        if not c.out:
+            raise UsageError("give the run directory with --out DIR")
+        if (c.budget_minutes is None) == (c.tokens is None):
+            raise UsageError("give one budget: --budget-minutes N or --tokens N")
+        if (c.budget_minutes is not None and c.budget_minutes <= 0) or (c.tokens is not None and c.tokens <= 0):
+            raise UsageError("the budget must be positive: --budget-minutes N or --tokens N with N > 0")
+        if c.local_mode not in LOCAL_MODES:
+            raise UsageError(f"unknown --local-mode {c.local_mode!r}; use one of {', '.join(LOCAL_MODES)}")
+        if not 0 <= c.local_share <= 1:
+            raise UsageError(f"--local-share {c.local_share} must be a fraction in [0, 1]")
+        if c.cache_rows < max(c.local_batch, c.e2e_batch) or c.seq_len < 2:
+            raise UsageError("--cache-rows must be at least the batch size and --seq-len at least 2")
+        out = Path(c.out)
+        self.prev = None
+        if (out / "run.json").exists():
+            self.prev = json.loads((out / "run.json").read_text())
+            if not c.resume:
+                raise UsageError(f"{out} already holds a healing run; add --resume to continue it or choose a new --out")
+            changed = [k for k in HealConfig.FIXED if self.prev["config"].get(k) != getattr(c, k)]
+            if changed:
+                was = self.prev["config"]
+                raise UsageError("--resume with different settings (" + ", ".join(
+                    f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed) + "); use the run's settings")
+            c.model = c.model or self.prev["config"]["model"]
+        elif c.resume and out.exists() and any(out.iterdir()):
+            raise UsageError(f"{out} is not a healing run (no run.json); drop --resume and choose an empty --out")
+
+        self.corpus = PackedCorpus(c.data)
+        if c.seq_len > self.corpus.seq_len:
+            raise UsageError(f"--seq-len {c.seq_len} is longer than the corpus's {self.corpus.seq_len}-token rows")
+        train = self.corpus.splits["train"]
+        if c.cache_rows > len(train):
+            raise UsageError(f"--cache-rows {c.cache_rows} is more than the corpus's {len(train)} training rows")
+        rng = np.random.default_rng(c.seed)
+        self.rows = np.sort(rng.choice(len(train), size=c.cache_rows, replace=False))
+        self._check_not_heldout()
+
+        student, tok = load_model(c.model)
+        teacher, ttok = load_model(c.teacher)
+        if tok is None or ttok is None:
+            raise UsageError("the student and the teacher need their tokenizer files (looplm convert saves them)")
+        fp = tokenizer_fingerprint(tok)
+        if tokenizer_fingerprint(ttok) != fp or teacher.config.vocab_size != student.config.vocab_size:
+            raise UsageError(f"teacher {c.teacher} and student {c.model} use different tokenizers or vocabularies; "
+                             f"heal with the model the student was converted from as --teacher")
+        if fp != self.corpus.tokenizer:
+            raise UsageError(f"the corpus {c.data} was tokenised with another tokenizer than {c.model}'s; rebuild "
+                             f"it with `looplm data build --model {c.teacher}`")
+        if teacher.config.num_loops != 1:
+            raise UsageError(f"--teacher {c.teacher} is itself looped; give the original (vanilla) model")
+        if teacher.config.num_hidden_layers != student.config.num_hidden_layers or \
+                teacher.config.hidden_size != student.config.hidden_size:
+            raise UsageError(f"student {c.model} ({student.config.num_hidden_layers} depths) was not converted "
+                             f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)")
+        self.student, self.teacher, self.tok = student, teacher.eval().requires_grad_(False), tok
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def _check_not_heldout(self) -> None:
+        """The training slice must not contain held-out text: no cached row may equal a held-out row."""
+        held = self.corpus.splits["heldout"]
+        held_rows = {bytes(np.asarray(r)) for r in held}
+        train = self.corpus.splits["train"]
+        if any(bytes(np.asarray(train[r])) in held_rows for r in self.rows):
+            raise UsageError(f"the training slice of {self.cfg.data} contains held-out rows; rebuild the corpus "
+                             f"(`looplm data build`) so that its splits are disjoint")
+
+    # ----- the run
+    def run(self) -> dict:
+        self.prepare()
+        c, out = self.cfg, Path(self.cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "checkpoints").mkdir(exist_ok=True)
+        for stale in (out / "checkpoints").glob(".*tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        torch.manual_seed(c.seed)
+        dev = self.device
+        self.student.to(dev)
+        self.teacher.to(dev)
+        self.state = {"stage": "cache", "visit": 0, "step": 0, "time": 0.0, "tokens": 0, "local_tokens": 0}
+        latest = (out / "latest").read_text().strip() if (out / "latest").exists() else None
+        if latest:
+            self._load(out / "checkpoints" / latest)
+            self.log(f"resumed {out} at stage {self.state['stage']} ({self.state['time'] / 60:.1f} min done)")
+        self._truncate_metrics(out / "metrics.jsonl")
+
+        started = time.perf_counter() - self.state["time"]
+        cache_dir = Path(c.cache) if c.cache else out / "cache"
+        self.cache = build_cache(self.teacher, self.corpus, cache_dir, self.rows, c.seq_len, progress=c.progress,
+                                 log=self.log)
+        self.clock = lambda: time.perf_counter() - started - self.eval_seconds
+        self.eval_seconds = 0.0
+        if self.state["stage"] == "cache":
+            self.state["time"] = self.clock()
+        if self.prev is None:
+            self.plan = self._plan()
+            teacher_eval = self.evaluate(self.teacher)
+            _write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
+                                                  "plan": self.plan, "teacher_eval": teacher_eval,
+                                                  "cache": str(cache_dir), "rows": len(self.rows)})
+            self.prev = json.loads((out / "run.json").read_text())
+            self._log_eval(tag="converted")
+        self.plan = self.prev["plan"]
+        if self.state["stage"] == "cache":
+            self.state["stage"] = "local"
+        if self.state["stage"] == "local":
+            self.local_stage()
+            self.state.update(stage="e2e", step=0)
+            self._save(None)
+            self._log_eval(tag="local")
+        if self.state["stage"] == "e2e":
+            self.e2e_stage()
+            self.state["stage"] = "done"
+            self._save(None)
+        final = self._log_eval(tag="final")
+        from ..models import save_model
+        save_model(self.student.cpu(), self.tok, out / "final")
+        self.plot()
+        summary = {"out": str(out), "final": str(out / "final"), "minutes": round(self.state["time"] / 60, 2),
+                   "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"],
+                   "teacher": self.prev["teacher_eval"], "healed": final,
+                   "converted": self._first_eval("converted")}
+        _write_json_atomic(out / "heal.json", summary)
+        return summary
+
+    # ----- planning: a time budget becomes step counts once
+    def _plan(self) -> dict:
+        c = self.cfg
+        K, B = self.student.config.num_shared_layers, self.student.config.num_loops
+        per_local = c.local_batch * c.seq_len
+        per_e2e = c.e2e_batch * c.seq_len
+        if c.tokens is not None:
+            local_steps = round(c.local_share * c.tokens / per_local)
+            e2e_steps = round((1 - c.local_share) * c.tokens / per_e2e)
+        else:
+            left = c.budget_minutes * 60 - self.clock()
+            if left <= 0:
+                raise UsageError(f"building the teacher cache used the whole --budget-minutes {c.budget_minutes}; "
+                                 f"raise the budget or lower --cache-rows")
+            t_local, t_e2e = self._time_steps()
+            # a sequential run also propagates the student's states once per depth: about one
+            # forward pass of the model over the cache, ~1/3 of a local step per row and layer
+            propagate = (self.plan_propagation_seconds(t_local) if c.local_mode == "sequential" else 0.0)
+            local_steps = int(max(0.0, c.local_share * left - propagate) / t_local / K) if c.local_share else 0
+            e2e_steps = int((1 - c.local_share) * left / t_e2e)
+        visits = self.student.config.num_hidden_layers if c.local_mode == "sequential" else K
+        per_visit = math.ceil(local_steps / (visits // K)) if local_steps else 0
+        plan = {"local_steps_per_layer": local_steps, "local_steps_per_visit": per_visit, "visits": visits,
+                "e2e_steps": e2e_steps, "local_tokens_per_layer": local_steps * per_local,
+                "e2e_tokens": e2e_steps * per_e2e, "loops": B, "shared_layers": K}
+        self.log(f"plan: {visits} local visits x {per_visit} steps ({local_steps * per_local:,} tokens per shared layer), "
+                 f"{e2e_steps} end-to-end steps ({e2e_steps * per_e2e:,} tokens)")
+        return plan
+
+    def plan_propagation_seconds(self, t_local: float) -> float:
+        rows_per_step = self.cfg.local_batch * self.student.config.num_loops
+        return t_local / 3 * self.cfg.cache_rows / rows_per_step * self.student.config.num_hidden_layers
+
+    def _time_steps(self) -> tuple[float, float]:
+        """Seconds of one local step (one shared layer) and one end-to-end step, measured on copies."""
+        import copy
+        probe = copy.deepcopy(self.student)
+        layer = 0
+        opt = torch.optim.AdamW(probe.model.layers[layer].parameters(), lr=0.0)
+        idx = np.arange(self.cfg.local_batch)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self._local_step(probe, layer, idx, opt, inputs={}, lr=0.0)
+            times.append(time.perf_counter() - t0)
+        t_local = min(times[1:])
+        opt = torch.optim.AdamW(self._trainable(probe), lr=0.0)
+        times = []
+        for s in range(3):
+            t0 = time.perf_counter()
+            self._e2e_step(probe, s, opt, lr=0.0)
+            times.append(time.perf_counter() - t0)
+        t_e2e = min(times[1:])
+        self.log(f"measured: local step {t_local:.2f} s, end-to-end step {t_e2e:.2f} s")
+        return t_local, t_e2e
+
+    # ----- stage 1: layer-local distillation
+    def _tables(self, model, rows: int):
+        cfg = model.config
+        pos = torch.arange(self.cfg.seq_len, device=self.device)[None].expand(rows, -1)
+        tables = model.model.rotary(pos, torch.float32)
+        masks = attention_masks(set(cfg.depth_attention), rows, self.cfg.seq_len, 0, None,
+                                cfg.sliding_window_size, self.device)
+        return tables, masks
+
+    def _run_depth(self, model, d: int, h: torch.Tensor) -> torch.Tensor:
+        cfg = model.config
+        tables, masks = self._tables(model, h.shape[0])
+        kind = cfg.depth_attention[d]
+        cos, sin = tables[kind]
+        return model.model.layers[cfg.layer_map[d]](h, cfg.slot_map[d], cos, sin, masks[kind], None, d)
+
+    def _local_step(self, model, layer: int, idx, opt, inputs: dict, lr: float) -> float:
+        """One step of shared layer ``layer`` on cache rows ``idx`` at every depth tied to it.
+        ``inputs[d]`` holds the student's inputs of a depth already reached (sequential mode)."""
+        depths = tied_depths(model.config)[layer]
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = 0.0
+        for d in depths:
+            x = inputs[d][idx].float() if d in inputs else self.cache.inputs(d, idx)
+            y = self.cache.outputs(d, idx).to(self.device)
+            loss = loss + relative_error(self._run_depth(model, d, x.to(self.device)), y) / len(depths)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.model.layers[layer].parameters(), self.cfg.grad_clip)
+        opt.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def _propagate(self, model, d: int, h: torch.Tensor) -> torch.Tensor:
+        """The student's states after depth d for every cached row (in chunks), bfloat16 on the host."""
+        out = torch.empty_like(h)
+        for s in range(0, h.shape[0], 8):
+            out[s:s + 8] = self._run_depth(model, d, h[s:s + 8].float().to(self.device)).to(torch.bfloat16).cpu()
+        return out
+
+    def local_stage(self) -> None:
+        from tqdm import tqdm
+        c, p, model = self.cfg, self.plan, self.student
+        cfg = model.config
+        K, L = cfg.num_shared_layers, cfg.num_hidden_layers
+        per_visit = p["local_steps_per_visit"]
+        if per_visit == 0:
+            return
+        order = list(range(L)) if c.local_mode == "sequential" else list(range(K))
+        inputs: dict[int, torch.Tensor] = {}
+        if c.local_mode == "sequential" and self.state["visit"] > 0:
+            # resume: recompute the student's inputs of the depths already reached
+            h = self.cache.boundary(0, np.arange(len(self.rows))).to(torch.bfloat16)
+            for d in range(self.state["visit"]):
+                inputs[d] = h
+                h = self._propagate(model, d, h)
+            inputs[self.state["visit"]] = h
+        model.requires_grad_(False)
+        bar = tqdm(total=len(order) * per_visit, initial=self.state["visit"] * per_visit, desc="heal: local",
+                   unit="step", disable=not c.progress)
+        rng = np.random.default_rng(c.seed + 1)
+        try:
+            for v in range(self.state["visit"], len(order)):
+                d = order[v]
+                layer = cfg.layer_map[d] if c.local_mode == "sequential" else d
+                if c.local_mode == "sequential":
+                    if d == 0:
+                        inputs[0] = self.cache.boundary(0, np.arange(len(self.rows))).to(torch.bfloat16)
+                    elif d not in inputs:
+                        inputs[d] = self._propagate(model, d - 1, inputs[d - 1])
+                block = model.model.layers[layer]
+                block.requires_grad_(True)
+                opt = torch.optim.AdamW(block.parameters(), lr=c.local_lr, weight_decay=0.0)
+                first = last = None
+                for s in range(per_visit):
+                    idx = rng.choice(len(self.rows), size=c.local_batch, replace=False)
+                    lr = c.local_lr * _cosine(s, per_visit, max(1, per_visit // 20))
+                    loss = self._local_step(model, layer, idx, opt, inputs, lr)
+                    first = loss if first is None else first
+                    last = loss
+                    self.state["local_tokens"] += c.local_batch * c.seq_len
+                    bar.update(1)
+                    bar.set_postfix(depth=d, layer=layer, err=f"{loss:.4f}")
+                block.requires_grad_(False)
+                self.state["visit"] = v + 1
+                self.state["time"] = self.clock()
+                self._append({"stage": "local", "visit": v + 1, "depth": d, "layer": layer, "err_first": first,
+                              "err_last": last, "time": round(self.state["time"], 2),
+                              "local_tokens": self.state["local_tokens"], "tokens": self.state["tokens"]})
+                self._save(None)
+                if self._eval_due():
+                    self._log_eval(tag="local")
+        finally:
+            bar.close()
+        model.requires_grad_(False)
+
+    # ----- stage 2: end to end
+    def _trainable(self, model) -> list[torch.nn.Parameter]:
+        model.requires_grad_(False)
+        model.model.layers.requires_grad_(True)
+        return [p for p in model.model.layers.parameters()]
+
+    def _e2e_step(self, model, step: int, opt, lr: float) -> dict:
+        c = self.cfg
+        g = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
+        idx = torch.randperm(len(self.rows), generator=g)[:c.e2e_batch].numpy()
+        ids = self.cache.tokens(self.corpus, idx).to(self.device)
+        cfg = model.config
+        L, K = cfg.num_hidden_layers, cfg.num_shared_layers
+        with torch.no_grad():
+            teacher_logits = self.teacher.exit_logits(self.cache.boundary(L, idx).to(self.device))
+        _, depth_states, _ = model.model(ids, output_depth_states=True)
+        parts = {"kd": kd_loss(model.exit_logits(depth_states[-1]), teacher_logits)}
+        loss = parts["kd"]
+        if c.hidden_weight:
+            hid = sum(relative_error(h, self.cache.outputs(d, idx).to(self.device))
+                      for d, h in enumerate(depth_states)) / L
+            parts["hidden"] = hid
+            loss = loss + c.hidden_weight * hid
+        if c.exit_weight and cfg.num_loops > 1:
+            for i in range(1, cfg.num_loops):
+                parts[f"kd_exit{i}"] = kd_loss(model.exit_logits(depth_states[i * K - 1]), teacher_logits)
+                loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.grad_clip)
+        opt.step()
+        return {"loss": float(loss), **{k: float(v) for k, v in parts.items()}}
+
+    def e2e_stage(self) -> None:
+        from tqdm import tqdm
+        c, total, model = self.cfg, self.plan["e2e_steps"], self.student
+        if total == 0:
+            return
+        opt = torch.optim.AdamW(self._trainable(model), lr=c.e2e_lr, weight_decay=0.0)
+        if self.state["step"] > 0:
+            opt.load_state_dict(torch.load(self._latest_dir() / "optimizer.pt", map_location=self.device))
+        model.train()
+        bar = tqdm(total=total, initial=self.state["step"], desc="heal: end to end", unit="step",
+                   disable=not c.progress)
+        last_save = time.perf_counter()
+        try:
+            while self.state["step"] < total:
+                s = self.state["step"]
+                lr = c.e2e_lr * _cosine(s, total, max(1, total // 20))
+                rec = self._e2e_step(model, s, opt, lr)
+                self.state["step"] = s + 1
+                self.state["tokens"] += c.e2e_batch * c.seq_len
+                self.state["time"] = self.clock()
+                bar.update(1)
+                bar.set_postfix(kd=f"{rec['kd']:.3f}")
+                self._append({"stage": "e2e", "step": s + 1, "lr": lr, **rec, "time": round(self.state["time"], 2),
+                              "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
+                if time.perf_counter() - last_save > c.save_every_seconds and self.state["step"] < total:
+                    self._save(opt)
+                    last_save = time.perf_counter()
+                if self._eval_due() and self.state["step"] < total:
+                    model.eval()
+                    self._log_eval(tag="e2e")
+                    model.train()
+        finally:
+            bar.close()
+        model.eval()
+        self._save(opt)
+
+    # ----- evaluation: held-out perplexity at every loop exit
+    @torch.no_grad()
+    def evaluate(self, model) -> dict:
+        t0 = time.perf_counter()
+        held = self.corpus.splits["heldout"]
+        n = min(len(held), self.cfg.eval_rows)
+        if n == 0:
+            raise UsageError(f"the corpus {self.cfg.data} has no held-out rows to evaluate on")
+        model.eval()
+        loops = model.config.num_loops
+        nll, count = torch.zeros(loops, dtype=torch.float64), 0
+        for i in range(n):
+            ids = torch.from_numpy(np.asarray(held[i:i + 1, :self.cfg.seq_len], dtype=np.int64)).to(self.device)
+            _, states, _ = model.model(ids, output_loop_states=True)
+            for j, h in enumerate(states):
+                logits = model.exit_logits(h[0, :-1]).float()
+                nll[j] += F.cross_entropy(logits, ids[0, 1:], reduction="sum").double().cpu()
+            count += ids.shape[1] - 1
+        self.eval_seconds = getattr(self, "eval_seconds", 0.0) + time.perf_counter() - t0
+        self._last_eval = time.perf_counter()
+        ppl = [math.exp(min(float(x) / count, 50.0)) for x in nll]
+        return {"ppl": ppl[-1], "ppl_per_loop": ppl, "eval_tokens": count}
+
+    def _eval_due(self) -> bool:
+        return time.perf_counter() - getattr(self, "_last_eval", 0.0) > self.cfg.eval_every_seconds
+
+    def _log_eval(self, tag: str) -> dict:
+        ev = self.evaluate(self.student)
+        self._append({"eval": True, "tag": tag, **ev, "time": round(self.state["time"], 2),
+                      "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
+        self.log(f"held-out perplexity ({tag}, {self.state['time'] / 60:.1f} min): "
+                 + ", ".join(f"loop {i + 1} {p:,.2f}" for i, p in enumerate(ev["ppl_per_loop"]))
+                 + f" (original {self.prev['teacher_eval']['ppl']:.2f})")
+        return ev
+
+    def _first_eval(self, tag: str) -> dict | None:
+        for rec in self._records():
+            if rec.get("eval") and rec.get("tag") == tag:
+                return rec
+        return None
+
+    # ----- logs, checkpoints, plot
+    def _records(self) -> list[dict]:
+        path = Path(self.cfg.out) / "metrics.jsonl"
+        recs = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+        return recs
+
+    def _append(self, rec: dict) -> None:
+        with open(Path(self.cfg.out) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def _truncate_metrics(self, path: Path) -> None:
+        """Drop records written after the checkpoint a resumed run starts from."""
+        if not path.exists():
+            return
+        keep = [r for r in self._records() if r.get("time", 0.0) <= self.state["time"] + 1e-6]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, path)
+
+    def _latest_dir(self) -> Path:
+        out = Path(self.cfg.out)
+        return out / "checkpoints" / (out / "latest").read_text().strip()
+
+    def _save(self, opt) -> None:
+        from ..models.checkpoint import save_checkpoint
+        out = Path(self.cfg.out)
+        name = f"{self.state['stage']}-{self.state['visit']:03d}-{self.state['step']:06d}"
+        tmp = out / "checkpoints" / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(self.student, tmp)
+        self.tok.save_pretrained(str(tmp))
+        if opt is not None:
+            torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        _write_json_atomic(tmp / "state.json", self.state)
+        final = out / "checkpoints" / name
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        self._write_latest(out, name)
+        for old in sorted((out / "checkpoints").iterdir(), key=lambda p: p.stat().st_mtime)[:-2]:
+            if old.name != name and not old.name.startswith("."):
+                shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def _write_latest(out: Path, name: str) -> None:
+        tmp = out / f".latest.tmp-{os.getpid()}"
+        tmp.write_text(name + "\n")
+        os.replace(tmp, out / "latest")
+
+    def _load(self, ck: Path) -> None:
+        from ..models.checkpoint import load_checkpoint
+        if not (ck / "state.json").exists():
+            raise UsageError(f"checkpoint {ck} is incomplete; delete {Path(self.cfg.out) / 'latest'} to start over")
+        loaded = load_checkpoint(ck)
+        self.student.load_state_dict(loaded.state_dict())
+        self.state = json.loads((ck / "state.json").read_text())
+
+    def plot(self) -> Path | None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        evals = [r for r in self._records() if r.get("eval")]
+        if not evals:
+            return None
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        teacher = self.prev["teacher_eval"]["ppl"]
+        loops = len(evals[0]["ppl_per_loop"])
+        for ax, key, label in ((axes[0], "time", "wall time (min)"), (axes[1], "tokens", "training tokens")):
+            for i in range(loops):
+                xs = [r[key] / (60 if key == "time" else 1) for r in evals]
+                ax.plot(xs, [r["ppl_per_loop"][i] for r in evals], marker="o",
+                        label=f"exit after loop {i + 1}" if i + 1 < loops else "final")
+            ax.axhline(teacher, color="k", ls="--", label=f"original ({teacher:.1f})")
+            ax.set_yscale("log")
+            ax.set_xlabel(label)
+            ax.set_ylabel("held-out perplexity")
+            ax.grid(alpha=0.3)
+        axes[1].set_xlabel("end-to-end training tokens (local stage before 0)")
+        axes[0].legend()
+        fig.suptitle(f"healing {Path(self.cfg.model).name} ({self.cfg.local_mode} local, then end to end)")
+        fig.tight_layout()
+        path = Path(self.cfg.out) / "heal.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def heal(cfg: HealConfig, log=print) -> dict:
+    return Healer(cfg, log).run()
+
+
+__all__ = ["HealConfig", "Healer", "heal", "relative_error"]

@@ -1,0 +1,149 @@
+"""The original model's hidden states at every layer boundary, over a fixed slice of training rows,
+cached on disk for healing (train/heal.py).
+
+Layer-local distillation trains each shared layer to map the input of a depth onto the original
+model's output at that depth. Both come from one forward pass of the original model, run once and
+kept here: boundary 0 is the embedding output, boundary d + 1 the output of layer d, boundary L the
+last layer's output (before the final norm), so the pair of depth d is (states[d], states[d + 1]).
+
+Layout of a cache directory::
+
+    states.bin   [L + 1, rows, seq_len, hidden] bfloat16, memory-mapped (as raw 16-bit words)
+    meta.json    written last (atomically): the commit marker, with the teacher's and the corpus's
+                 fingerprints, the training rows used, the shape and the sha256 of states.bin
+
+bfloat16 keeps the range of the residual stream of any model (Gemma's activations reach the
+thousands) at a relative rounding error of 2^-9, far below the layer errors healing removes.
+A cache whose meta.json matches the teacher, corpus and rows asked for is reused as it is; one of
+another teacher or corpus, a truncated states.bin or one that fails its checksum is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..cli import UsageError
+from .corpus import PackedCorpus, sha256_file
+
+FORMAT = 1
+
+
+def model_fingerprint(model) -> str:
+    """sha256 (16 hex digits) of a model's architecture and every parameter's bytes."""
+    h = hashlib.sha256()
+    cfg = model.config.to_dict()
+    for key in ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype"):
+        cfg.pop(key, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+class TeacherCache:
+    """A finished cache: ``inputs(d, idx)`` and ``outputs(d, idx)`` give float32 [len(idx), seq, hidden]."""
+
+    def __init__(self, directory: str | Path, verify: bool = True):
+        d = Path(directory)
+        meta_path = d / "meta.json"
+        if not meta_path.exists():
+            raise UsageError(f"{d} holds no finished teacher cache (no meta.json); delete it and re-run to rebuild")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{meta_path} is corrupt ({e}); delete {d} and re-run to rebuild the cache") from None
+        self.dir = d
+        L1, n, t, hdim = self.meta["shape"]
+        path = d / "states.bin"
+        if not path.exists() or path.stat().st_size != L1 * n * t * hdim * 2:
+            raise UsageError(f"{path} is missing or truncated; delete {d} and re-run to rebuild the cache")
+        if verify and sha256_file(path) != self.meta["sha256"]:
+            raise UsageError(f"{path} fails its checksum (corrupt); delete {d} and re-run to rebuild the cache")
+        self.states = np.memmap(path, dtype=np.int16, mode="r", shape=(L1, n, t, hdim))
+        self.rows = np.asarray(self.meta["rows"], dtype=np.int64)
+        self.num_layers, self.num_rows, self.seq_len, self.hidden = L1 - 1, n, t, hdim
+
+    def boundary(self, b: int, idx) -> torch.Tensor:
+        """States at boundary ``b`` (0 = embeddings, L = last layer's output) of cache rows ``idx``, float32."""
+        words = np.ascontiguousarray(self.states[b, np.asarray(idx)])
+        return torch.from_numpy(words).view(torch.bfloat16).float()
+
+    def inputs(self, depth: int, idx) -> torch.Tensor:
+        return self.boundary(depth, idx)
+
+    def outputs(self, depth: int, idx) -> torch.Tensor:
+        return self.boundary(depth + 1, idx)
+
+    def tokens(self, corpus: PackedCorpus, idx) -> torch.Tensor:
+        rows = self.rows[np.asarray(idx)]
+        return torch.from_numpy(np.asarray(corpus.splits["train"][rows][:, :self.seq_len], dtype=np.int64))
+
+
+def cache_key(teacher_fp: str, corpus: PackedCorpus, rows: np.ndarray, seq_len: int) -> dict:
+    return {"format": FORMAT, "teacher": teacher_fp, "corpus_train_sha256": corpus.meta["splits"]["train"]["sha256"],
+            "tokenizer": corpus.tokenizer, "rows": [int(r) for r in rows], "seq_len": int(seq_len)}
+
+
+@torch.no_grad()
+def build_cache(teacher, corpus: PackedCorpus, directory: str | Path, rows: np.ndarray, seq_len: int,
+                batch_size: int = 4, progress: bool = True, log=print) -> TeacherCache:
+    """Run ``teacher`` over training rows ``rows`` of ``corpus`` and store every layer boundary in
+    ``directory``; reuse the cache already there if it was built from the same teacher, corpus and rows."""
+    from tqdm import tqdm
+
+    d = Path(directory)
+    key = cache_key(model_fingerprint(teacher), corpus, rows, seq_len)
+    if (d / "meta.json").exists():
+        cache = TeacherCache(d)
+        mine = {k: cache.meta.get(k) for k in key}
+        if mine != key:
+            what = [k for k in key if mine[k] != key[k]]
+            raise UsageError(f"{d} holds a teacher cache of another {'/'.join(what)}; delete it or give another "
+                             f"cache directory")
+        log(f"teacher cache: reusing {d} ({cache.num_rows} rows x {cache.seq_len} tokens)")
+        return cache
+    c = teacher.config
+    if teacher.config.num_loops != 1:
+        raise UsageError("the teacher must be the original (vanilla, one-loop) model")
+    d.mkdir(parents=True, exist_ok=True)
+    for stale in d.glob(".*tmp*"):
+        stale.unlink()
+    shape = (c.num_hidden_layers + 1, len(rows), seq_len, c.hidden_size)
+    tmp = d / f".states.bin.tmp-{os.getpid()}"
+    states = np.memmap(tmp, dtype=np.int16, mode="w+", shape=shape)
+    device = next(teacher.parameters()).device
+    teacher.eval()
+    captured: list[torch.Tensor] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: captured.append(args[0].detach()))
+             for layer in teacher.model.layers]
+    try:
+        for start in tqdm(range(0, len(rows), batch_size), desc="teacher cache", unit="batch",
+                          disable=not progress):
+            sel = rows[start:start + batch_size]
+            ids = torch.from_numpy(np.asarray(corpus.splits["train"][sel][:, :seq_len], dtype=np.int64)).to(device)
+            captured.clear()
+            h, _, _ = teacher.model(ids)
+            for b, s in enumerate(captured + [h]):
+                states[b, start:start + len(sel)] = s.to(torch.bfloat16).view(torch.int16).cpu().numpy()
+    finally:
+        for hk in hooks:
+            hk.remove()
+    states.flush()
+    del states
+    os.replace(tmp, d / "states.bin")
+    _write_json_atomic(d / "meta.json", {**key, "shape": list(shape), "dtype": "bfloat16",
+                                         "sha256": sha256_file(d / "states.bin")})
+    return TeacherCache(d, verify=False)

@@ -1,0 +1,183 @@
+"""Healing (train/heal.py, train/teacher_cache.py) on a tiny converted model and a small real-text corpus:
+the cache holds the original model's states at every layer boundary and refuses a corrupt or foreign
+one; an exact conversion has no local error; both local modes lower each layer's error; the whole
+run brings the student closer to the original; kill -9 resumes; bad input is refused in one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_train_fixtures import SRC, build_corpus, byte_tokenizer, make_models, run_cli, tiny_vanilla
+
+from looplm.cli import UsageError
+from looplm.convert import convert
+from looplm.models import load_model, save_model
+from looplm.train.corpus import PackedCorpus
+from looplm.train.heal import HealConfig, Healer, heal, relative_error
+from looplm.train.teacher_cache import TeacherCache, build_cache
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, one_torch_thread):
+    tmp = tmp_path_factory.mktemp("heal")
+    models = make_models(tmp)
+    return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
+
+
+def heal_args(models, corpus, out, *extra):
+    return ["heal", models["student"], "--teacher", models["teacher"], "--data", corpus, "--out", out,
+            "--seq-len", 32, "--cache-rows", 16, "--local-batch", 2, "--e2e-batch", 2, "--eval-rows", 4,
+            "--no-progress", *extra]
+
+
+def test_relative_error_is_per_token():
+    target = torch.tensor([[[3.0, 4.0], [300.0, 400.0]]])
+    pred = target.clone()
+    pred[0, 0, 0] += 5.0  # a 100% error on the small token, none on the large one
+    assert relative_error(pred, target).item() == pytest.approx(0.5)
+
+
+def test_cache_holds_every_boundary_and_refuses_a_foreign_or_corrupt_one(setup):
+    tmp, models, corpus_dir = setup
+    teacher, _ = load_model(models["teacher"])
+    corpus = PackedCorpus(corpus_dir)
+    rows = np.array([0, 3, 5])
+    cache = build_cache(teacher, corpus, tmp / "cache", rows, 32, progress=False, log=lambda *a: None)
+    ids = cache.tokens(corpus, [0, 1, 2])
+    assert torch.equal(ids, torch.from_numpy(np.asarray(corpus.splits["train"][rows], dtype=np.int64)))
+    with torch.no_grad():
+        h = teacher.model.embed(ids)
+        assert torch.allclose(cache.boundary(0, [0, 1, 2]), h, rtol=1e-2, atol=1e-2)
+        final, _, _ = teacher.model(ids)
+        assert torch.allclose(cache.boundary(teacher.config.num_hidden_layers, [0, 1, 2]), final, rtol=1e-2, atol=1e-2)
+        # every pair (input, output) of depth d is layer d's map, to bfloat16 rounding
+        tables = teacher.model.rotary(torch.arange(32)[None].expand(3, -1), torch.float32)
+        for d, layer in enumerate(teacher.model.layers):
+            y = layer(cache.inputs(d, [0, 1, 2]), 0, *tables["full"], None)
+            assert relative_error(y, cache.outputs(d, [0, 1, 2])).item() < 1e-4
+    # reused as it is
+    stamp = (tmp / "cache" / "states.bin").stat().st_mtime_ns
+    build_cache(teacher, corpus, tmp / "cache", rows, 32, progress=False, log=lambda *a: None)
+    assert (tmp / "cache" / "states.bin").stat().st_mtime_ns == stamp
+    # another teacher, other rows: refused, not overwritten
+    with pytest.raises(UsageError, match="another teacher"):
+        build_cache(tiny_vanilla(seed=1), corpus, tmp / "cache", rows, 32, progress=False, log=lambda *a: None)
+    with pytest.raises(UsageError, match="another rows"):
+        build_cache(teacher, corpus, tmp / "cache", np.array([1, 2, 3]), 32, progress=False, log=lambda *a: None)
+    # a flipped byte fails the checksum; a truncated file is refused before reading
+    data = bytearray((tmp / "cache" / "states.bin").read_bytes())
+    data[100] ^= 0xFF
+    (tmp / "cache" / "states.bin").write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="checksum"):
+        TeacherCache(tmp / "cache")
+    (tmp / "cache" / "states.bin").write_bytes(bytes(data[:-10]))
+    with pytest.raises(UsageError, match="truncated"):
+        TeacherCache(tmp / "cache")
+
+
+def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
+    """Full-rank LoRA with per-depth norms is the original model: every depth's local error is bfloat16
+    rounding, which checks that the cache pairs (input, output) with the right depth, slot and layer."""
+    _, models, corpus = setup
+    teacher, tok = load_model(models["teacher"])
+    exact = convert(teacher.double(), loops=2, init="average", norms="per-depth", lora_ranks="full",
+                    lora_init="svd").float()
+    student = save_model(exact, tok, tmp_path / "exact")
+    healer = Healer(HealConfig(model=str(student), teacher=models["teacher"], data=str(corpus),
+                               out=str(tmp_path / "run"), tokens=64, seq_len=32, cache_rows=4, local_batch=2))
+    healer.prepare()
+    healer.cache = build_cache(healer.teacher, healer.corpus, tmp_path / "cache", healer.rows, 32, progress=False,
+                               log=lambda *a: None)
+    m = healer.student
+    for layer in range(m.config.num_shared_layers):
+        opt = torch.optim.SGD(m.model.layers[layer].parameters(), lr=0.0)
+        assert healer._local_step(m, layer, np.array([0, 1]), opt, {}, lr=0.0) < 1e-4
+
+
+def _student_gap(models, model_dir, corpus_dir):
+    """Mean KL(original || student) over the corpus's held-out rows, and the mean per-depth relative error."""
+    teacher, _ = load_model(models["teacher"])
+    student, _ = load_model(model_dir)
+    held = torch.from_numpy(np.asarray(PackedCorpus(corpus_dir).splits["heldout"][:8], dtype=np.int64))
+    with torch.no_grad():
+        t = F.log_softmax(teacher(held).logits, -1)
+        s = F.log_softmax(student(held).logits, -1)
+    return float((t.exp() * (t - s)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel"])
+def test_local_stage_lowers_every_layers_error(setup, mode):
+    tmp, models, corpus = setup
+    out = tmp / f"local-{mode}"
+    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
+                     tokens=64 * 40, local_share=1.0, local_mode=mode, seq_len=32, cache_rows=16, local_batch=2,
+                     local_lr=3e-3, eval_rows=4, progress=False, cache=str(tmp / f"cache-{mode}"))
+    r = heal(cfg, log=lambda *a: None)
+    visits = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    visits = [v for v in visits if v.get("stage") == "local"]
+    assert len(visits) == (4 if mode == "sequential" else 2)
+    assert all(v["err_last"] < v["err_first"] for v in visits)
+    # a random tiny original is near-uniform (perplexity ~ its vocabulary), so closeness is measured as KL
+    assert r["healed"]["eval_tokens"] > 0 and r["converted"]["eval_tokens"] > 0
+    assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
+    assert (out / "heal.png").stat().st_size > 0
+
+
+def test_kill9_resumes_and_heals(setup):
+    tmp, models, corpus = setup
+    out = tmp / "killed"
+    args = heal_args(models, corpus, out, "--tokens", 64 * 60, "--local-lr", 3e-3, "--e2e-lr", 1e-3)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", *map(str, args)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 200
+    while time.time() < deadline and not (out / "latest").exists():
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+    stamp = (out / "cache" / "states.bin").stat().st_mtime_ns
+    r = run_cli(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resumed" in r.stdout and "healed" in r.stdout
+    assert (out / "cache" / "states.bin").stat().st_mtime_ns == stamp  # the cache was reused, not rebuilt
+    summary = json.loads((out / "heal.json").read_text())
+    assert summary["tokens"] == 30 * 2 * 32 and summary["local_tokens"] == 30 * 2 * 32 * 2
+    assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
+    # the healed model is a looplm model the other commands read
+    model, _ = load_model(out / "final")
+    assert model.config.num_loops == 2
+    # only two complete checkpoints kept, none half-written
+    assert len([p for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")]) <= 2
+
+
+def test_bad_input_is_refused_in_one_line(setup, tmp_path):
+    tmp, models, corpus = setup
+    cases = [
+        (["--budget-minutes", 0], "budget must be positive"),
+        (["--tokens", -5], "budget must be positive"),
+        (["--tokens", 100, "--local-mode", "diagonal"], "unknown --local-mode"),
+    ]
+    for extra, message in cases:
+        r = run_cli(*heal_args(models, corpus, tmp_path / "bad", *extra))
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # a teacher with another vocabulary
+    other = save_model(tiny_vanilla(vocab=262), byte_tokenizer("<a> <b>"), tmp_path / "other")
+    args = heal_args(models, corpus, tmp_path / "bad2", "--tokens", 100)
+    args[3] = other
+    r = run_cli(*args)
+    assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr
+    # a corrupt cache given with --cache
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "meta.json").write_text("{not json")
+    r = run_cli(*heal_args(models, corpus, tmp_path / "bad3", "--tokens", 100, "--cache", tmp_path / "cache"))
+    assert r.returncode == 2 and "corrupt" in r.stderr, r.stderr
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
