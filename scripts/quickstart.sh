@@ -31,4 +31,5 @@ $LOOPLM data text "$CORPUS" --rows 16 --out "$OUT/calib"
 # 3. Healing: layer-local distillation, then end to end, from the original model.
 RESUME=""
 [ -f "$HEAL/run.json" ] && RESUME=--resume
-$LOOPLM heal "$STUDENT" --teacher "$MODEL" --data "$CORPUS" --out "$HEAL" --budget-minutes "$HEAL_MINUTES" $RESUME
+$LOOPLM heal "$STUDENT" --teacher "$MODEL" --data "$CORPUS" --out "$HEAL" --budget-minutes "$HEAL_MINUTES" \
+  --cache-rows 64 $RESUME

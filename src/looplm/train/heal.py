@@ -14,7 +14,8 @@ Two stages, both reading the original model's hidden states from a teacher cache
      layer is visited once per depth it serves; a depth it serves later still uses the teacher's
      input until it is reached, one it served earlier the student input computed then.
 2. **End to end**: logit distillation (forward KL) from the original model's final state, plus
-   ``hidden_weight`` x the mean per-depth relative hidden-state error, plus ``exit_weight`` x
+   ``hidden_weight`` x the mean per-depth relative hidden-state error (every depth but those that end an
+   intermediate loop, which are exits and may differ from the original's mid-network state), plus ``exit_weight`` x
    forward KL of every intermediate loop exit against the original model, so that the exit after
    loop 1 is trained for itself (early exiting reads it).
 
@@ -24,8 +25,9 @@ are its final state through the student's own head.
 
 Budget: ``budget_minutes`` (wall time of cache, local and end-to-end work; evaluations not
 counted) or ``tokens``; ``local_share`` of it goes to the local stage. A time budget is turned into
-step counts once, after measuring a few steps, and stored in run.json: a resumed run follows the
-same plan. Run directory::
+step counts after measuring a few steps, and stored in run.json: a resumed run follows the same plan.
+The end-to-end count is fixed again after its first steps are timed (the load of a shared machine
+changes in between), so that the run fills its budget. Run directory::
 
     run.json          settings and the step plan (checked on --resume)
     metrics.jsonl     one JSON object per logged step and evaluation (time, tokens, losses, perplexity)
@@ -57,7 +59,8 @@ from .corpus import PackedCorpus
 from .losses import kd_loss
 from .teacher_cache import TeacherCache, build_cache
 
-LOCAL_MODES = ("sequential", "parallel")
+LOCAL_MODES = ("parallel", "sequential")
+REPLAN_AFTER = 3  # end-to-end steps timed before a time budget's step count is fixed
 
 
 @dataclass
@@ -69,16 +72,16 @@ class HealConfig:
     budget_minutes: float | None = None
     tokens: int | None = None        # instead of a time budget: tokens per layer (local) + end to end
     local_share: float = 0.5         # share of the budget for layer-local distillation
-    local_mode: str = "sequential"
+    local_mode: str = "parallel"
     cache: str | None = None         # teacher cache directory (default OUT/cache)
     cache_rows: int = 128            # training rows cached (x seq_len tokens)
     seq_len: int = 512
     local_batch: int = 4             # rows per tied depth per local step
-    local_lr: float = 3e-4
+    local_lr: float = 2e-3
     e2e_batch: int = 2
     e2e_lr: float = 1e-4
     hidden_weight: float = 1.0
-    exit_weight: float = 0.5
+    exit_weight: float = 0.2
     grad_clip: float = 1.0
     eval_rows: int = 16
     eval_every_seconds: float = 300.0
@@ -205,21 +208,22 @@ class Healer:
             self.log(f"resumed {out} at stage {self.state['stage']} ({self.state['time'] / 60:.1f} min done)")
         self._truncate_metrics(out / "metrics.jsonl")
 
-        started = time.perf_counter() - self.state["time"]
         cache_dir = Path(c.cache) if c.cache else out / "cache"
+        if self.prev is None:  # written first, so that a run killed while caching resumes with --resume
+            self.prev = {"config": {f.name: getattr(c, f.name) for f in fields(c)}, "cache": str(cache_dir),
+                         "rows": len(self.rows)}
+            _write_json_atomic(out / "run.json", self.prev)
+        started = time.perf_counter() - self.state["time"]
+        self.eval_seconds = 0.0
+        self.clock = lambda: time.perf_counter() - started - self.eval_seconds
         self.cache = build_cache(self.teacher, self.corpus, cache_dir, self.rows, c.seq_len, progress=c.progress,
                                  log=self.log)
-        self.clock = lambda: time.perf_counter() - started - self.eval_seconds
-        self.eval_seconds = 0.0
         if self.state["stage"] == "cache":
             self.state["time"] = self.clock()
-        if self.prev is None:
-            self.plan = self._plan()
-            teacher_eval = self.evaluate(self.teacher)
-            _write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
-                                                  "plan": self.plan, "teacher_eval": teacher_eval,
-                                                  "cache": str(cache_dir), "rows": len(self.rows)})
-            self.prev = json.loads((out / "run.json").read_text())
+        if "plan" not in self.prev:
+            self.prev.update(plan=self._plan(), teacher_eval=self.evaluate(self.teacher))
+            _write_json_atomic(out / "run.json", self.prev)
+        if not self._evals("converted"):
             self._log_eval(tag="converted")
         self.plan = self.prev["plan"]
         if self.state["stage"] == "cache":
@@ -233,14 +237,15 @@ class Healer:
             self.e2e_stage()
             self.state["stage"] = "done"
             self._save(None)
-        final = self._log_eval(tag="final")
+        after_local = self._evals("local")
+        final = after_local[-1] if after_local and not self.plan["e2e_steps"] else self._log_eval(tag="final")
         from ..models import save_model
         save_model(self.student.cpu(), self.tok, out / "final")
         self.plot()
         summary = {"out": str(out), "final": str(out / "final"), "minutes": round(self.state["time"] / 60, 2),
                    "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"],
                    "teacher": self.prev["teacher_eval"], "healed": final,
-                   "converted": self._first_eval("converted")}
+                   "converted": (self._evals("converted") or [None])[0]}
         _write_json_atomic(out / "heal.json", summary)
         return summary
 
@@ -285,18 +290,18 @@ class Healer:
         opt = torch.optim.AdamW(probe.model.layers[layer].parameters(), lr=0.0)
         idx = np.arange(self.cfg.local_batch)
         times = []
-        for _ in range(3):
+        for _ in range(3):  # the first step warms up; the faster of the next two counts
             t0 = time.perf_counter()
             self._local_step(probe, layer, idx, opt, inputs={}, lr=0.0)
             times.append(time.perf_counter() - t0)
         t_local = min(times[1:])
         opt = torch.optim.AdamW(self._trainable(probe), lr=0.0)
         times = []
-        for s in range(3):
+        for s in range(2):  # end-to-end steps are long: the second counts
             t0 = time.perf_counter()
             self._e2e_step(probe, s, opt, lr=0.0)
             times.append(time.perf_counter() - t0)
-        t_e2e = min(times[1:])
+        t_e2e = times[-1]
         self.log(f"measured: local step {t_local:.2f} s, end-to-end step {t_e2e:.2f} s")
         return t_local, t_e2e
 
@@ -416,8 +421,11 @@ class Healer:
         parts = {"kd": kd_loss(model.exit_logits(depth_states[-1]), teacher_logits)}
         loss = parts["kd"]
         if c.hidden_weight:
-            hid = sum(relative_error(h, self.cache.outputs(d, idx).to(self.device))
-                      for d, h in enumerate(depth_states)) / L
+            # The state after an intermediate loop is an exit too: with an exit term it is left free to
+            # become predictive instead of copying the original's mid-network state.
+            matched = [d for d in range(L) if not (c.exit_weight and (d + 1) % K == 0 and d < L - 1)]
+            hid = sum(relative_error(depth_states[d], self.cache.outputs(d, idx).to(self.device))
+                      for d in matched) / len(matched)
             parts["hidden"] = hid
             loss = loss + c.hidden_weight * hid
         if c.exit_weight and cfg.num_loops > 1:
@@ -430,7 +438,7 @@ class Healer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.grad_clip)
         opt.step()
-        return {"loss": float(loss), **{k: float(v) for k, v in parts.items()}}
+        return {"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in parts.items()}}
 
     def e2e_stage(self) -> None:
         from tqdm import tqdm
@@ -444,9 +452,13 @@ class Healer:
         bar = tqdm(total=total, initial=self.state["step"], desc="heal: end to end", unit="step",
                    disable=not c.progress)
         last_save = time.perf_counter()
+        stage_start = (self.state["step"], self.clock())
         try:
             while self.state["step"] < total:
                 s = self.state["step"]
+                if s - stage_start[0] == REPLAN_AFTER and c.budget_minutes and not self.plan.get("e2e_replanned"):
+                    total = self._replan_e2e(s, (self.clock() - stage_start[1]) / REPLAN_AFTER)
+                    bar.total = total
                 lr = c.e2e_lr * _cosine(s, total, max(1, total // 20))
                 rec = self._e2e_step(model, s, opt, lr)
                 self.state["step"] = s + 1
@@ -467,6 +479,18 @@ class Healer:
             bar.close()
         model.eval()
         self._save(opt)
+
+    def _replan_e2e(self, step: int, seconds_per_step: float) -> int:
+        """The end-to-end step count that fills what is left of the time budget, from the steps just
+        timed: the load of a shared machine changes between planning and this stage. Stored in run.json."""
+        left = self.cfg.budget_minutes * 60 - self.clock()
+        total = max(step + 1, step + int(left / seconds_per_step))
+        self.log(f"end-to-end: {seconds_per_step:.1f} s per step, {total} steps fill the budget "
+                 f"(planned {self.plan['e2e_steps']})")
+        self.plan.update(e2e_steps=total, e2e_replanned=True, e2e_tokens=total * self.cfg.e2e_batch * self.cfg.seq_len)
+        self.prev["plan"] = self.plan
+        _write_json_atomic(Path(self.cfg.out) / "run.json", self.prev)
+        return total
 
     # ----- evaluation: held-out perplexity at every loop exit
     @torch.no_grad()
@@ -503,11 +527,8 @@ class Healer:
                  + f" (original {self.prev['teacher_eval']['ppl']:.2f})")
         return ev
 
-    def _first_eval(self, tag: str) -> dict | None:
-        for rec in self._records():
-            if rec.get("eval") and rec.get("tag") == tag:
-                return rec
-        return None
+    def _evals(self, tag: str) -> list[dict]:
+        return [r for r in self._records() if r.get("eval") and r.get("tag") == tag]
 
     # ----- logs, checkpoints, plot
     def _records(self) -> list[dict]:

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 18's measurements: healing against the paper's recipe on this machine, one hour each.
+#   heal-<name>   data-aware conversion (average + aware-svd), then `looplm heal --budget-minutes 60`
+#   paper-r64     the paper's recipe at the same hour: average + plain SVD rank 64, then end-to-end
+#                 0.5 CE + 0.5 forward KL from the online teacher (409,600 tokens = an hour on the idle
+#                 2-core machine, docs/FINDINGS.md issue 3)
+# Runs (RUNS, space separated; default all, in this order):
+#   b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64
+# Resumable: rerun to continue a killed run; finished runs are skipped. Environment: OUT, MINUTES, RUNS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LOOPLM=${LOOPLM:-.venv/bin/looplm}
+OUT=${OUT:-out/heal}
+MINUTES=${MINUTES:-60}
+RUNS=${RUNS:-"b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64"}
+PAPER_TOKENS=${PAPER_TOKENS:-409600}
+
+corpus() {  # corpus for a model: SmolLM2 and Gemma tokenise differently
+  local model=$1 dir="$OUT/corpus-$1-512"
+  [ -f "$dir/meta.json" ] || $LOOPLM data build --model "$model" --seq-len 512 --out "$dir" --no-progress >&2
+  [ -f "$OUT/calib-$model/train.txt" ] || $LOOPLM data text "$dir" --rows 16 --out "$OUT/calib-$model" >&2
+  echo "$dir"
+}
+
+for r in $RUNS; do
+  case $r in
+    b2-r64)  model=smollm2-135m loops=2 rank=64 ;;
+    b2-r128) model=smollm2-135m loops=2 rank=128 ;;
+    b2-r0)   model=smollm2-135m loops=2 rank=0 ;;
+    b3-r64)  model=smollm2-135m loops=3 rank=64 ;;
+    paper-r64) model=smollm2-135m loops=2 rank=64 ;;
+    gemma-b3-r64) model=gemma3-270m loops=3 rank=64 ;;
+    *) echo "unknown run $r" >&2; exit 2 ;;
+  esac
+  data=$(corpus $model)
+  student="$OUT/models/$r" run="$OUT/runs/$r"
+  if [ "$r" = paper-r64 ]; then
+    [ -f "$student/config.json" ] || $LOOPLM convert --model $model --loops $loops --lora-rank $rank \
+        --init average --lora-init svd --ppl-tokens 0 --out "$student"
+    if [ -d "$run/final" ]; then echo "$r: done"; continue; fi
+    resume=""; [ -f "$run/run.json" ] && resume="--resume"
+    $LOOPLM train --model "$student" --teacher $model --kd fkl --data "$data" --out "$run" --batch-size 2 \
+        --seq-len 512 --max-tokens "$PAPER_TOKENS" --eval-every 40 --eval-seqs 16 --save-every 20 --keep 2 \
+        --no-progress $resume
+    continue
+  fi
+  norms=""
+  [ $model = gemma3-270m ] && norms="--norms per-depth"   # Gemma's post-norms do not fold (docs/AWARE.md)
+  init="--init average --lora-init aware-svd"
+  [ $rank = 0 ] && init="--init aware"                    # rank 0: the data-aware shared weight alone
+  [ -f "$student/config.json" ] || $LOOPLM convert --model $model --loops $loops --lora-rank $rank $init $norms \
+      --calib-data "$OUT/calib-$model" --calib-tokens 8192 --ppl-tokens 0 --out "$student"
+  if [ -f "$run/heal.json" ]; then echo "$r: done"; continue; fi
+  resume=""; [ -f "$run/run.json" ] && resume="--resume"
+  $LOOPLM heal "$student" --teacher $model --data "$data" --out "$run" --budget-minutes "$MINUTES" \
+      --no-progress $resume
+done
