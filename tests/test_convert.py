@@ -50,6 +50,18 @@ def test_selecting_inits_copy_one_layer(vanilla, init, sources):
         assert torch.equal(_layer(rec, k).mlp_norm.weight, _layer(vanilla, src).mlp_norm.weight)
 
 
+@pytest.mark.parametrize("init,sources", [("stepwise", [0, 3]), ("stepwise-start", [0, 2]), ("lower", [0, 1])])
+def test_selecting_inits_copy_the_norms_of_their_layer_by_default(vanilla, init, sources):
+    """Shared layer k holds layer src's linears, so by default its norms are layer src's too, not an
+    average over the tied depths (the paper selects layers)."""
+    rec = convert(vanilla, loops=2, init=init, lora_ranks=0)
+    assert rec.config.conversion["norms"] == "tied-choice"
+    for k, src in enumerate(sources):
+        assert torch.equal(_layer(rec, k).attn_norm.weight, _layer(vanilla, src).attn_norm.weight)
+        assert torch.equal(_layer(rec, k).mlp_norm.weight, _layer(vanilla, src).mlp_norm.weight)
+    assert convert(vanilla, loops=2, init="average", lora_ranks=0).config.conversion["norms"] == "tied-avg"
+
+
 def test_norm_options(vanilla):
     zero = convert(vanilla, loops=2, norms="tied-zero", lora_ranks=0)
     assert not _layer(zero, 0).attn_norm.weight.any()
@@ -60,9 +72,21 @@ def test_norm_options(vanilla):
     assert torch.equal(w[1], _layer(vanilla, 3).attn_norm.weight[0])
 
 
-def test_random_init_differs_from_pretrained(vanilla):
-    rnd = convert(vanilla, loops=2, init="random", lora_ranks=0)
-    assert not torch.allclose(_layer(rnd, 0).attn.q_proj.weight, _layer(vanilla, 0).attn.q_proj.weight)
+@pytest.mark.parametrize("norms", [None, "per-depth"])
+def test_random_init_uses_no_pretrained_weight(norms):
+    """Appendix E: the Random baseline leverages no pretrained weight: layers, biases, norms, embeddings,
+    final norm and head are all fresh."""
+    vanilla = from_hf_model(make_hf_model("llama-untied"))  # untied head, attention biases
+    rnd = convert(vanilla, loops=2, init="random", norms=norms, lora_ranks=4)
+    fresh = {n: p for n, p in rnd.state_dict().items() if "lora_" not in n}
+    pretrained = vanilla.state_dict()
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(fresh)
+    for name, p in fresh.items():
+        src = pretrained[name] if name in pretrained else None
+        if src is not None and src.shape == p.shape:
+            assert not torch.allclose(p, src), name
+    biases = _layer(rnd, 0).attn.q_proj.bias
+    assert not biases.any()  # fresh biases are zero, not the pretrained ones
 
 
 def test_rank_zero_lora_is_exactly_the_recursive_model(vanilla):

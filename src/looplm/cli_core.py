@@ -23,7 +23,9 @@ def register(sub) -> None:
     p.add_argument("--strategy", default="cycle", choices=["cycle", "sequence", "cycle-rev"])
     p.add_argument("--init", default="average",
                    help="stepwise | stepwise-start | average | lower | random | aware (needs --calib-text/-data)")
-    p.add_argument("--norms", default="tied-avg", help="tied-avg | tied-choice | tied-zero | per-depth")
+    p.add_argument("--norms", default=None,
+                   help="tied-avg | tied-choice | tied-zero | per-depth (default: follows --init: tied-choice "
+                        "for stepwise/lower, which copy one layer, tied-avg for average/aware)")
     p.add_argument("--lora-rank", default="64", help="rank of every per-depth LoRA (0 = plain recursive, 'full')")
     p.add_argument("--lora-ranks", default=None, help="per-group ranks, e.g. q=128,kv=64,out=128,ffn=256")
     p.add_argument("--lora-init", default="svd", help="svd | zero | aware-svd (needs --calib-text/--calib-data)")
@@ -87,7 +89,8 @@ def cmd_convert(args) -> int:
     if args.json:
         print_json(result)
         return 0
-    print(f"converted {args.model}: B={args.loops} {args.strategy}, init {args.init}, norms {args.norms}, "
+    print(f"converted {args.model}: B={args.loops} {args.strategy}, init {args.init}, "
+          f"norms {model.config.conversion['norms']}, "
           f"LoRA {model.config.lora_ranks} ({args.lora_init if model.config.is_relaxed else 'none'})")
     print(f"N-emb   {before['n_emb']:>13,} -> {after['n_emb']:>13,} ({after['n_emb'] / before['n_emb']:.1%})")
     print(f"total   {before['total']:>13,} -> {after['total']:>13,}")

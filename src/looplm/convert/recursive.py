@@ -3,7 +3,9 @@
 ``convert`` builds a model of K = L / B shared layers from a vanilla (B = 1) looplm model:
 1. choose, per shared layer k, the pretrained depths tied to it (the sharing strategy);
 2. initialise the shared weights from them (Stepwise, Average, Lower or Random);
-3. initialise norm weights (tied: avg, choice, zero; or kept per depth);
+3. initialise norm weights (tied: avg, choice, zero; or kept per depth); by default they follow the
+   init: a selecting init (Stepwise, Lower) copies the norms of the layer it copies, Average and aware
+   average them, Random keeps fresh ones (it uses no pretrained weight at all, paper appendix E);
 4. optionally add a LoRA per depth, initialised by truncated SVD of W_d - W'_k (or zero init).
 """
 
@@ -19,6 +21,7 @@ from ..models.layers import DepthNorm, LoopLinear
 
 INITS = ("stepwise", "stepwise-start", "average", "lower", "random", "aware")
 NORMS = ("tied-avg", "tied-choice", "tied-zero", "per-depth")
+SELECTING_INITS = ("stepwise", "stepwise-start", "lower")
 LORA_INITS = ("svd", "zero", "aware-svd")
 # Which linears each LoRA rank group covers (paper appendix F: Q, KV, Out, FFN).
 GROUP_OF = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "out",
@@ -34,6 +37,13 @@ def stepwise_layers(num_layers: int, num_shared: int, fixed_ends: bool = True) -
         return [round(k * (num_layers - 1) / (num_shared - 1)) for k in range(num_shared)]
     step = num_layers // num_shared
     return [k * step for k in range(num_shared)]
+
+
+def default_norms(init: str) -> str:
+    """The norm rule that matches the init: norms come from where the linears come from. The paper
+    selects layers for Stepwise and Lower (so their norms too) and averages for Average. Random's norms
+    are fresh whatever the rule; tied is its shape."""
+    return "tied-choice" if init in SELECTING_INITS else "tied-avg"
 
 
 def parse_lora_ranks(text: str | None, rank: int | str | None) -> dict:
@@ -122,17 +132,18 @@ def _derived_config(config: LoopLMConfig, **changes) -> LoopLMConfig:
 
 @torch.no_grad()
 def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle", init: str = "average",
-            norms: str = "tied-avg", lora_ranks: dict | int | str = 0, lora_init: str = "svd",
+            norms: str | None = None, lora_ranks: dict | int | str = 0, lora_init: str = "svd",
             seed: int = 0, calibration=None) -> LoopLMForCausalLM:
     """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model.
 
-    ``calibration`` (an ``aware.Calibration`` of the vanilla model) is needed by init "aware" and
-    lora_init "aware-svd" (convert/aware.py)."""
+    ``norms`` None follows the init (``default_norms``). ``calibration`` (an ``aware.Calibration`` of
+    the vanilla model) is needed by init "aware" and lora_init "aware-svd" (convert/aware.py)."""
     src_cfg = vanilla.config
     if src_cfg.num_loops != 1:
         raise ConfigError("convert takes a vanilla model (num_loops = 1); this one is already recursive")
     if init not in INITS:
         raise ConfigError(f"unknown --init {init!r}; use one of {', '.join(INITS)}")
+    norms = norms or default_norms(init)
     if norms not in NORMS:
         raise ConfigError(f"unknown --norms {norms!r}; use one of {', '.join(NORMS)}")
     if lora_init not in LORA_INITS:
@@ -152,14 +163,20 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
         "lora_ranks": dict(config.lora_ranks), "lora_init": lora_init if config.is_relaxed else None,
     }
     model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
-    model.model.embed_tokens.weight.copy_(vanilla.model.embed_tokens.weight)
-    model.model.norm.weight.copy_(vanilla.model.norm.weight)
-    if model.model.norm.bias is not None:
-        model.model.norm.bias.copy_(vanilla.model.norm.bias)
-    if not config.tie_word_embeddings:
-        model.lm_head.weight.copy_(vanilla.lm_head.weight)
+    if init != "random":  # the paper's Random baseline uses no pretrained weight at all, embeddings included
+        _copy_outer(vanilla, model)
+        _init_layers(vanilla, model, init, norms, lora_init, calibration)
+    model.config.conversion["seconds"] = round(time.perf_counter() - started, 3)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
 
-    L, K = src_cfg.num_hidden_layers, config.num_shared_layers
+
+def _init_layers(vanilla, model, init: str, norms: str, lora_init: str, calibration) -> None:
+    """Shared weights, biases, norms and LoRAs of every shared layer from the pretrained layers."""
+    from . import aware
+    config = model.config
+    L, K = vanilla.config.num_hidden_layers, config.num_shared_layers
     chosen = {"stepwise": stepwise_layers(L, K, True), "stepwise-start": stepwise_layers(L, K, False),
               "lower": list(range(K))}.get(init)
     src_layers = vanilla.model.layers
@@ -187,8 +204,6 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
                     lin.bias.copy_(_linears(src_layers[pick])[name].bias)
             if lin.rank:
                 _init_lora(lin, stack, lora_init, problem)
-        if init == "random":
-            continue  # norms keep their fresh init too
         src_norm = [_norms(src_layers[d]) for d in depths]
         for name, norm in _norms(block).items():
             for param in ("weight", "bias"):
@@ -204,10 +219,16 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
                     dst.copy_(getattr(_norms(src_layers[pick])[name], param))
                 else:  # tied-zero, the paper's Norm-zero
                     dst.zero_()
-    model.config.conversion["seconds"] = round(time.perf_counter() - started, 3)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+
+
+def _copy_outer(vanilla: LoopLMForCausalLM, model: LoopLMForCausalLM) -> None:
+    """Embeddings, final norm and (untied) LM head: the parts outside the looped layers."""
+    model.model.embed_tokens.weight.copy_(vanilla.model.embed_tokens.weight)
+    model.model.norm.weight.copy_(vanilla.model.norm.weight)
+    if model.model.norm.bias is not None:
+        model.model.norm.bias.copy_(vanilla.model.norm.bias)
+    if not model.config.tie_word_embeddings:
+        model.lm_head.weight.copy_(vanilla.lm_head.weight)
 
 
 def _init_lora(lin: LoopLinear, pretrained: torch.Tensor, how: str, problem=None) -> None:
