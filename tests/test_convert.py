@@ -11,7 +11,10 @@ from conftest import FAMILIES, make_hf_model
 def test_layer_maps():
     assert layer_map(6, 2, "cycle") == [0, 1, 2, 0, 1, 2]
     assert layer_map(6, 2, "sequence") == [0, 0, 1, 1, 2, 2]
-    assert layer_map(6, 3, "cycle-rev") == [0, 1, 1, 0, 0, 1]
+    assert layer_map(6, 2, "cycle-rev") == [0, 1, 2, 2, 1, 0]
+    # B >= 3: cycle up to L - K, then only the last block reversed (Takase & Kasai, paper appendix B)
+    assert layer_map(6, 3, "cycle-rev") == [0, 1, 0, 1, 1, 0]
+    assert layer_map(9, 3, "cycle-rev") == [0, 1, 2, 0, 1, 2, 2, 1, 0]
     assert slot_map(layer_map(6, 2, "cycle")) == [0, 0, 0, 1, 1, 1]
     assert slot_map(layer_map(6, 2, "sequence")) == [0, 1, 0, 1, 0, 1]
     with pytest.raises(ConfigError, match="does not divide"):

@@ -30,8 +30,8 @@ def layer_map(num_layers: int, num_loops: int, sharing: str = "cycle") -> list[i
         return [d % k for d in range(num_layers)]
     if sharing == "sequence":
         return [d // num_loops for d in range(num_layers)]
-    if sharing == "cycle-rev":
-        return [(d % k) if (d // k) % 2 == 0 else k - 1 - (d % k) for d in range(num_layers)]
+    if sharing == "cycle-rev":  # Takase & Kasai: cycle, then only the last block in reverse order
+        return [d % k if d < num_layers - k else k - 1 - d % k for d in range(num_layers)]
     raise ConfigError(f"unknown sharing strategy {sharing!r}; use one of {', '.join(SHARING_STRATEGIES)}")
 
 
