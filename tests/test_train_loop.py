@@ -135,6 +135,20 @@ def test_schedule_and_data_order():
     assert batch_indices(5, 3, 10, 7).tolist() == batch_indices(5, 3, 10, 7).tolist()
 
 
+def test_no_weight_decay_on_norms_and_biases():
+    """LoopLinear biases are 2-D ([slots, out]); they must still land in the no-decay group."""
+    from looplm.convert import convert
+    from looplm.models import from_hf_model
+    from looplm.train.loop import param_groups
+    from conftest import make_hf_model
+    model = convert(from_hf_model(make_hf_model("llama-untied")), loops=2, norms="per-depth", lora_ranks=4)
+    decay, no_decay = (g["params"] for g in param_groups(model, 0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert not [names[id(p)] for p in decay if names[id(p)].endswith("bias") or "norm" in names[id(p)]]
+    assert any(names[id(p)].endswith("q_proj.bias") for p in no_decay)
+    assert any("lora_A" in names[id(p)] for p in decay) and any(names[id(p)].endswith("q_proj.weight") for p in decay)
+
+
 def test_plot_writes_pngs(setup):
     tmp, models, corpus = setup
     train(_cfg(setup, "plotrun", eval_every=1, early_exit="aggressive"), lambda *a: None)

@@ -158,10 +158,13 @@ def select_trainable(model, spec: str) -> int:
 
 
 def param_groups(model, weight_decay: float):
+    """Weight decay on matrices only: not on norms or biases (LoopLinear.bias is 2-D, [slots, out],
+    so the number of dimensions alone does not tell)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 and "norm" not in name else no_decay).append(p)
+            matrix = p.dim() >= 2 and "norm" not in name and not name.endswith("bias")
+            (decay if matrix else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
