@@ -27,7 +27,8 @@ def tiny_dir(tmp_path_factory):
 def test_bench_serve_json(tiny_dir, capsys):
     rc = main(["bench", "serve", "--model", str(tiny_dir), "--requests", "4", "--prompt-len", "4:12",
                "--output-len", "2:6", "--max-batch", "2", "--arrivals", "all,poisson", "--exit", "softmax:0.0",
-               "--tradeoff-tokens", "64", "--lora-rank", "8", "--json"])
+               "--tradeoff-tokens", "64", "--lora-rank", "8", "--sim-samples", "2", "--sim-prefix", "8",
+               "--sim-decode", "8", "--sim-max-batch", "4", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["schedulers"]) == {"static", "sequence", "depth"}
@@ -39,7 +40,8 @@ def test_bench_serve_json(tiny_dir, capsys):
     assert out["runs"]["depth"]["exits_per_loop"][0] > 0
     hyp = out["hypothetical"]
     assert hyp["delta_v"] > 0 and hyp["delta_seq"] > 0
-    assert sum(hyp["oracle_exits_per_loop"]) == out["runs"]["depth_oracle"]["tokens"]
+    assert sum(hyp["oracle_exits_per_loop"]) == 2 * 8  # two held-out windows of 8 decoded tokens
+    assert hyp["vanilla"]["max_batch"] <= hyp["looped"]["max_batch"] <= 4
     assert set(out["poisson"]["schedulers"]) == {"static", "sequence", "depth"}
     assert out["runs"]["static"]["tokens"] == out["runs"]["sequence"]["tokens"] == out["runs"]["depth"]["tokens"]
 
@@ -47,10 +49,10 @@ def test_bench_serve_json(tiny_dir, capsys):
 def test_bench_serve_without_the_exit_table(tiny_dir, capsys):
     rc = main(["bench", "serve", "--model", str(tiny_dir), "--requests", "2", "--prompt-len", "4:8",
                "--output-len", "2:3", "--max-batch", "2", "--arrivals", "all", "--tradeoff-tokens", "0", "--lora-rank", "8",
-               "--json"])
+               "--sim-samples", "0", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert "exit_tradeoff" not in out and set(out["schedulers"]) == {"static", "sequence", "depth"}
+    assert "exit_tradeoff" not in out and "hypothetical" not in out and set(out["schedulers"]) == {"static", "sequence", "depth"}
 
 
 def test_bench_serve_bad_args(tiny_dir, capsys):

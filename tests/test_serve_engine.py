@@ -267,13 +267,3 @@ def test_non_cycle_sharing_rejects_mixed_loops_but_serves_sequence(models):
     assert [r.output for r in reqs] == want
     with pytest.raises(ConfigError, match="cycle"):
         run(m, ps, [5] * 4, "depth")
-
-
-def test_hypothetical_simulation_by_hand():
-    from looplm.serve.bench import simulate, stage_time_model
-    # request 0 exits every token after loop 1, request 1 never exits early; one slot; t(n) = 1
-    sim = simulate([[1, 1], [2, 2]], num_loops=2, max_batch=1, t_stage=lambda n: 1.0)
-    assert sim["tokens_per_s"] == {"static": 0.5, "sequence": 0.5, "depth_oracle": round(4 / 6, 2)}
-    assert sim["delta_v"] == round((4 / 6) / 0.5, 3) and sim["mean_exit_loop"] == 1.5
-    a, b = stage_time_model([(1, 1, 0.3), (2, 2, 0.5), (4, 4, 0.9), (3, 40, 9.0)])  # prefill step ignored
-    assert abs(a - 0.1) < 1e-9 and abs(b - 0.2) < 1e-9

@@ -1,5 +1,6 @@
 """`looplm bench serve`: request traces from real text, replayed against static, sequence-wise and
-depth-wise batching on one engine, plus the paper's hypothetical (simulated) throughput.
+depth-wise batching on one engine, plus the paper's hypothetical (simulated) throughput
+(hypothetical.py).
 
 Figures per run: useful tokens/s (tokens delivered to finished requests / makespan), TTFT and TPOT
 p50/p99, peak RSS, exits per loop, and agreement (fraction of generated tokens equal to the
@@ -18,6 +19,7 @@ import torch
 
 from .engine import Engine, Request
 from .exits import ExitPolicy
+from .hypothetical import hypothetical
 from .schedulers import make_scheduler, replay, rss_mb
 
 
@@ -96,61 +98,6 @@ def agreement(model, reqs) -> float:
         same += sum(a == b for a, b in zip(want, r.output))
         total += len(r.output)
     return same / total if total else float("nan")
-
-
-# --- the paper's hypothetical throughput (appendix J) -------------------------------------------
-
-def stage_time_model(stage_times) -> tuple[float, float]:
-    """Least-squares t(n) = a + b n over decode-only steps (n items, n tokens)."""
-    pts = [(n, dt) for n, t, dt in stage_times if n == t]
-    if len(pts) < 2:
-        pts = [(n, dt) for n, t, dt in stage_times]
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    return max(my - b * mx, 0.0), max(b, 0.0)
-
-
-def simulate(trajectories: list[list[int]], num_loops: int, max_batch: int, t_stage) -> dict:
-    """Decode-only throughput (tokens per simulated second) of three ways to serve a queue of
-    requests whose token-by-token exit loops are ``trajectories``; one loop over n items costs
-    t_stage(n). Vanilla = the same depth with no exits (B loops per token)."""
-    B, M = num_loops, max_batch
-    total = sum(len(t) for t in trajectories)
-    # static: batches of M in queue order; every step costs a full depth over the whole batch
-    t_static = 0.0
-    for i in range(0, len(trajectories), M):
-        batch = trajectories[i:i + M]
-        t_static += max(len(t) for t in batch) * B * t_stage(len(batch))
-    # continuous sequence-wise: finished requests are replaced at once; full depth per step
-    queue, active, t_seq = list(range(len(trajectories))), [], 0.0
-    left = [len(t) for t in trajectories]
-    while queue or active:
-        while queue and len(active) < M:
-            active.append(queue.pop(0))
-        t_seq += B * t_stage(len(active))
-        for a in active:
-            left[a] -= 1
-        active = [a for a in active if left[a] > 0]
-    # continuous depth-wise with oracle exits: one loop per step, exits free the slot's next token
-    queue, active, t_cdb = list(range(len(trajectories))), {}, 0.0  # request -> (token index, loop)
-    while queue or active:
-        while queue and len(active) < M:
-            active[queue.pop(0)] = (0, 0)
-        t_cdb += t_stage(len(active))
-        for a, (ti, loop) in list(active.items()):
-            if loop + 1 >= trajectories[a][ti]:  # exits after this loop
-                active[a] = (ti + 1, 0)
-                if ti + 1 >= len(trajectories[a]):
-                    del active[a]
-            else:
-                active[a] = (ti, loop + 1)
-    thr = {"static": total / t_static, "sequence": total / t_seq, "depth_oracle": total / t_cdb}
-    return {"tokens_per_s": {k: round(v, 2) for k, v in thr.items()},
-            "delta_v": round(thr["depth_oracle"] / thr["static"], 3),
-            "delta_seq": round(thr["depth_oracle"] / thr["sequence"], 3),
-            "mean_exit_loop": round(sum(map(sum, trajectories)) / total, 3)}
 
 
 # --- machine limits ------------------------------------------------------------------------------
@@ -322,15 +269,13 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                 plan += [(f"depth_kv_{other_kv}", looped, "depth", policy, other_kv),
                          ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
                          ("looped_depth_full_depth", looped, "depth", None, "copy")]
-        engines = {}
         for name, model, sched, pol, kv in plan:
-            fig, reqs, engine = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, kv)
+            fig, reqs, _ = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, kv)
             if model is looped:
                 fig["agreement"] = round(agreement(looped, reqs), 4)
             fig["model"] = "vanilla" if model is vanilla else "looped"
             fig["scheduler"] = sched
             runs[name] = fig
-            engines[name] = (engine, reqs)
             say(f"  {name:<28} {fig['tokens_per_s']:>8.1f} tok/s  ttft p50 {fig['ttft_p50']:.3f}s p99 "
                 f"{fig['ttft_p99']:.3f}s  tpot p50 {fig['tpot_p50']:.4f}s p99 {fig['tpot_p99']:.4f}s  "
                 f"rss {fig['peak_rss_mb']:.0f} MB  exits/loop {fig['exits_per_loop']}"
@@ -345,21 +290,18 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                                  for k in ("static", "sequence", "depth")}}
         say(f"  measured: depth/static {block['speedup']['depth_vs_static']}x, depth/sequence "
             f"{block['speedup']['depth_vs_sequence']}x at agreement {block['agreement']:.3f}")
-        if "depth_oracle" in runs:
-            engine, reqs = engines["depth_oracle"]
-            a, b = stage_time_model(engine.stats["stage_times"])
-            sim = simulate([r.oracle_loops for r in reqs if r.oracle_loops], looped.config.num_loops,
-                           args.max_batch, lambda n: a + b * n)
-            sim["stage_time_model"] = {"a_s": round(a, 5), "b_s_per_item": round(b, 6)}
-            sim["oracle_exits_per_loop"] = [sum(l == i + 1 for r in reqs for l in r.oracle_loops)
-                                            for i in range(looped.config.num_loops)]
-            block["hypothetical"] = sim
-            say(f"  hypothetical (oracle exits x measured step times): Delta_V {sim['delta_v']}x, "
-                f"Delta_Seq {sim['delta_seq']}x; oracle exits per loop {sim['oracle_exits_per_loop']}")
         if arrival == "all":
             result.update(block)
         else:
             result[arrival] = block
+    if args.sim_samples > 0:
+        say(f"\nhypothetical throughput, the paper's protocol (appendix J): {args.sim_samples} held-out windows "
+            f"of {args.sim_prefix} + {args.sim_decode} tokens, oracle exits, block times per model")
+        sim = hypothetical(vanilla, looped, ids, args.sim_prefix, args.sim_decode, args.sim_samples,
+                           args.sim_memory_mb, args.sim_max_batch, say)
+        result["hypothetical"] = sim
+        say(f"  Delta_V {sim['delta_v']}x, Delta_Seq {sim['delta_seq']}x; oracle exits per loop "
+            f"{sim['oracle_exits_per_loop']}")
     if args.tradeoff_tokens > 0:
         say("\nexit policies, teacher-forced on held-out text (full-depth KV; an upper bound for the engine)")
         trade = exit_tradeoff(looped, ids[len(ids) // 2:], n_tokens=args.tradeoff_tokens)

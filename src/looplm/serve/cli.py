@@ -57,6 +57,13 @@ def register(sub) -> None:
     p.add_argument("--hf-batch-tokens", type=int, default=512, help="generate_batch's max_batch_tokens (tokens "
                    "per step, prefill chunks)")
     p.add_argument("--tradeoff-tokens", type=int, default=1024, help="held-out tokens for the exit-policy table (0 = skip it)")
+    p.add_argument("--sim-samples", type=int, default=8,
+                   help="held-out windows for the paper's hypothetical throughput (0 = skip it; appendix J)")
+    p.add_argument("--sim-prefix", type=int, default=64, help="prefix tokens of each simulated request (paper: 64 or 512)")
+    p.add_argument("--sim-decode", type=int, default=256, help="decoded tokens of each simulated request (paper: 256 or 2048)")
+    p.add_argument("--sim-memory-mb", type=float, default=1024,
+                   help="memory limit that sets each model's maximum batch (weights + KV caches; paper: 16 GB, 40 GB)")
+    p.add_argument("--sim-max-batch", type=int, default=64, help="cap on the simulated batch (timing cost on CPU)")
     p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
