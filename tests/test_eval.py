@@ -260,7 +260,10 @@ def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
     assert code == 0
     res = json.loads(out)
     assert set(res["tasks"]) == {"piqa", "arc_easy"} and res["tasks"]["piqa"]["n"] == 2
-    assert res["tasks"]["piqa"]["metric"] == "acc_norm" and res["num_fewshot"]["looplm_piqa"] == 0
+    piqa = res["tasks"]["piqa"]
+    assert piqa["metric"] == "acc_bytes" and res["num_fewshot"]["looplm_piqa"] == 0  # the paper's (appendix D)
+    assert piqa["value"] == piqa["metrics"]["acc_bytes"] and piqa["acc_norm"] == piqa["metrics"]["acc_norm"]
+    assert piqa["stderr"] is not None and piqa["acc_norm_stderr"] is not None
     assert set(res["per_loop"]) == {"1", "2"} and res["exit_loop"] == 2
     assert (d / "eval" / "fewshot.json").exists()
     code, out, _ = run_cli(capsys, "eval", "ppl", str(d), "--max-tokens", "100", "--json")
@@ -269,7 +272,9 @@ def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
     code, out, _ = run_cli(capsys, "report", str(d), "--out", str(tmp_path / "rep"), "--json")
     assert code == 0
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "| Model | N-emb | B | Init | LoRA rank | LoRA init | PPL heldout_sample | PQ | ARC-e | Avg |" in md
+    assert ("| Model | N-emb | B | Init | LoRA rank | LoRA init | PPL heldout_sample | PQ | ARC-e | Avg | "
+            "Avg (acc_norm) |") in md
+    assert "PQ acc_bytes" in md and " ± " in md
     assert "| b2 |" in md and "Accuracy per exit loop" in md
     assert (tmp_path / "rep" / "pareto.png").stat().st_size > 1000
     # bad input: exit code 2 and one line naming the fix
@@ -279,6 +284,17 @@ def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
     assert code == 2 and "unknown task" in err
     code, _, err = run_cli(capsys, "report", str(tmp_path / "nothing"))
     assert code == 2
+
+
+def test_report_headline_is_acc_bytes_even_for_results_saved_with_acc_norm():
+    """Results saved before acc_bytes became the headline keep it among their metrics."""
+    from looplm.eval.report import _scores
+    old = {"tasks": {"piqa": {"metric": "acc_norm", "value": 0.6, "stderr": 0.05,
+                              "metrics": {"acc": 0.5, "acc_norm": 0.6, "acc_bytes": 0.7}},
+                     "lambada": {"metric": "acc", "value": 0.2, "stderr": 0.02, "metrics": {"acc": 0.2}}}}
+    scores, average, beside = _scores(old, ["lambada", "piqa"])
+    assert scores == {"lambada": (0.2, 0.02), "piqa": (0.7, None)}
+    assert average == pytest.approx(0.45) and beside == pytest.approx(0.4)
 
 
 def test_continuation_chunks_minimise_padding_plus_call_cost():

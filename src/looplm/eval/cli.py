@@ -176,13 +176,19 @@ def cmd_eval_fewshot(args) -> int:
     print(f"{args.model}: exit after loop {result['exit_loop']} of {result['num_loops']}"
           f"{'' if args.limit is None else f', first {args.limit} items per task'}")
     for name, r in result["tasks"].items():
-        print(f"  {name:<14} {r['metric']:<9} {100 * r['value']:6.2f}  (n={r['n']})")
+        beside = f"   acc_norm {100 * r['acc_norm']:6.2f}" if r.get("acc_norm") is not None else ""
+        print(f"  {name:<14} {r['metric']:<9} {_pm(r['value'], r['stderr'])}  (n={r['n']}){beside}")
     print(f"  {'average':<14} {'':<9} {100 * result['average']:6.2f}")
     for loop, row in (result.get("per_loop") or {}).items():
         print(f"  exit after loop {loop}: average {100 * row['average']:.2f}")
     if "saved" in result:
         print(f"saved {result['saved']}")
     return 0
+
+
+def _pm(value: float, stderr: float | None) -> str:
+    """A percentage with its standard error."""
+    return f"{100 * value:6.2f}" + ("" if stderr is None else f" ± {100 * stderr:4.2f}")
 
 
 def cmd_report(args) -> int:

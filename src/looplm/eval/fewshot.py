@@ -54,7 +54,7 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
     import lm_eval
     from lm_eval.tasks import TaskManager
     from .lm_eval_adapter import LoopLMEval
-    from .tasks import PAPER7, include_path
+    from .tasks import BESIDE, PAPER7, include_path
 
     B = model.config.num_loops
     final = model.model.check_loops(exit_loop)
@@ -76,7 +76,9 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
             tname, metric = PAPER7[short]
             r = res["results"][tname]
             value, stderr = _headline(r, metric)
+            beside, beside_stderr = _headline(r, BESIDE)
             out[short] = {"metric": metric, "value": value, "stderr": stderr,
+                          BESIDE: beside, f"{BESIDE}_stderr": beside_stderr,
                           "n": int(res.get("n-samples", {}).get(tname, {}).get("effective", 0)),
                           "metrics": {k.split(",")[0]: v for k, v in r.items()
                                       if isinstance(v, (int, float)) and "stderr" not in k}}

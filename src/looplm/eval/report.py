@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from .tasks import PAPER7
+from .tasks import BESIDE, PAPER7
 
 TASK_HEAD = {"lambada": "LD", "hellaswag": "HS", "piqa": "PQ", "winogrande": "WG", "arc_easy": "ARC-e",
              "arc_challenge": "ARC-c", "openbookqa": "OB"}
@@ -68,8 +68,36 @@ def _rank(ranks: dict | None) -> str:
     return str(vals[0]) if len(vals) == 1 else "/".join(map(str, vals))
 
 
-def _pct(v) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}"
+def _pct(v, stderr=None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{100 * v:.1f}" + ("" if stderr is None else f" ± {100 * stderr:.1f}")
+
+
+def task_value(task: dict, metric: str) -> tuple[float | None, float | None]:
+    """(value, stderr) of a saved task result under ``metric``: results saved before acc_bytes became the
+    headline hold it among their ``metrics`` (without a standard error)."""
+    if task.get("metric") == metric:
+        return task.get("value"), task.get("stderr")
+    if task.get(metric) is not None:
+        return task[metric], task.get(f"{metric}_stderr")
+    return (task.get("metrics") or {}).get(metric), None
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _scores(fs: dict | None, tasks: list[str]) -> tuple[dict, float | None, float | None]:
+    """Per task (headline value, stderr), the headline average, and the average with acc_norm where a
+    task has it (the harness's usual metric, kept beside the paper's)."""
+    if not fs:
+        return {}, None, None
+    got = {t: task_value(fs["tasks"][t], PAPER7[t][1]) for t in tasks if t in fs["tasks"]}
+    beside = [task_value(fs["tasks"][t], BESIDE)[0] for t in got]
+    beside = [b if b is not None else got[t][0] for b, t in zip(beside, got)]
+    return got, _mean(v for v, _ in got.values()), _mean(beside)
 
 
 def _ppl(v) -> str:
@@ -93,10 +121,11 @@ def build_report(runs: list[str], out: str | Path, title: str | None = None) -> 
     limits = sorted({str(i["fewshot"].get("limit")) for i in infos if i["fewshot"]})
     if limits:
         lines.append(f"Few-shot: lm-eval standard prompts and shots (0), limit per task: {', '.join(limits)} "
-                     f"(None = full). Metrics: " + ", ".join(f"{TASK_HEAD[t]} {PAPER7[t][1]}" for t in tasks) + ".")
+                     f"(None = full). Metrics (the paper's): " + ", ".join(f"{TASK_HEAD[t]} {PAPER7[t][1]}" for t in tasks)
+                     + f", ± one standard error; the last column averages {BESIDE} where a task has it.")
         lines.append("")
     head = ["Model", "N-emb", "B", "Init", "LoRA rank", "LoRA init"] + [f"PPL {p}" for p in ppl_names] \
-        + [TASK_HEAD[t] for t in tasks] + ["Avg"]
+        + [TASK_HEAD[t] for t in tasks] + ["Avg", f"Avg ({BESIDE})"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = []
     for i in infos:
@@ -104,11 +133,12 @@ def build_report(runs: list[str], out: str | Path, title: str | None = None) -> 
         cells = [i["name"], _nemb(m), str(m.get("num_loops") or "-"), str(m.get("init") or "-"),
                  _rank(m.get("lora_ranks")), str(m.get("lora_init") or "-") if _rank(m.get("lora_ranks")) != "-" else "-"]
         cells += [_ppl(i["ppl"].get(p)) for p in ppl_names]
-        cells += [_pct(fs["tasks"].get(t, {}).get("value")) if fs else "-" for t in tasks]
-        cells.append(_pct(fs["average"]) if fs else "-")
+        scores, average, average_beside = _scores(fs, tasks)
+        cells += [_pct(*scores.get(t, (None, None))) for t in tasks] + [_pct(average), _pct(average_beside)]
         lines.append("| " + " | ".join(cells) + " |")
-        rows.append({"name": i["name"], "n_emb": m.get("n_emb"), "average": fs["average"] if fs else None,
-                     "tasks": {t: fs["tasks"][t]["value"] for t in fs["tasks"]} if fs else {}, "ppl": i["ppl"],
+        rows.append({"name": i["name"], "n_emb": m.get("n_emb"), "average": average,
+                     f"average_{BESIDE}": average_beside, "tasks": {t: v for t, (v, _) in scores.items()},
+                     "stderr": {t: s for t, (_, s) in scores.items()}, "ppl": i["ppl"],
                      "per_loop": {str(k): v for k, v in sorted(i["exits"].items())}})
     early = [i for i in infos if len(i["exits"]) > 1]
     if early:
