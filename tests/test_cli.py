@@ -51,7 +51,7 @@ def test_convert_info_eval(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--loops", "3"], "does not divide"),
-    (["--lora-rank", "1000"], "exceeds min"),
+    (["--lora-rank", "-1"], "negative"),
     (["--lora-ranks", "attn=4"], "unknown LoRA group"),
     (["--init", "middle"], "unknown --init"),
 ])
@@ -61,6 +61,13 @@ def test_bad_convert_input(hf_dir, tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_rank_above_a_linear_is_capped_with_a_note(hf_dir, tmp_path):
+    proc = run("convert", "--model", str(hf_dir), "--out", str(tmp_path / "m"), "--ppl-tokens", "0",
+               "--lora-rank", "1000", "--json")
+    assert "LoRA rank 1000 for group kv is capped at" in proc.stderr
+    assert json.loads(proc.stdout)["lora_ranks"]["kv"] < 1000
 
 
 def test_unknown_model_name(tmp_path):

@@ -168,9 +168,16 @@ def test_parameter_counts(vanilla):
     assert relaxed["n_emb"] == rec["n_emb"] + relaxed["lora"]
 
 
+def test_ranks_above_a_linear_are_capped_with_a_note(vanilla):
+    """kv projections are 32 wide: rank 40 gives them rank 32 (full), as the paper's N-emb counts imply."""
+    capped = convert(vanilla, loops=2, lora_ranks=40)
+    assert capped.config.lora_ranks == {"q": 40, "kv": 32, "out": 40, "ffn": 40}
+    assert capped.config.conversion["capped_ranks"] == {"kv": [40, 32]}
+    assert capped.model.layers[0].attn.k_proj.lora_A.shape[1] == 32
+    assert "capped_ranks" not in convert(vanilla, loops=2, lora_ranks=8).config.conversion
+
+
 def test_rank_validation(vanilla):
-    with pytest.raises(ConfigError, match="exceeds min"):
-        convert(vanilla, loops=2, lora_ranks=33)  # kv projections are 32 wide
     with pytest.raises(ConfigError, match="unknown LoRA group"):
         parse_lora_ranks("attn=4", 0)
     ranks = parse_lora_ranks("q=8,kv=4,out=8,ffn=full", 0)

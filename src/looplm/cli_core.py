@@ -75,6 +75,9 @@ def cmd_convert(args) -> int:
     with Timer() as t_conv:
         model = convert(vanilla, loops=args.loops, strategy=args.strategy, init=args.init, norms=args.norms,
                         lora_ranks=ranks, lora_init=args.lora_init, seed=args.seed, calibration=calibration)
+    for group, (asked, used) in model.config.conversion.get("capped_ranks", {}).items():
+        print(f"looplm convert: note: LoRA rank {asked} for group {group} is capped at {used}, the min(in, out) "
+              f"of its linears (a higher rank adds nothing)", file=sys.stderr)
     save_model(model, tok, out)
     before, after = count_parameters(vanilla), count_parameters(model)
     result = {"out": str(out), "load_seconds": round(t_load.seconds, 2), "convert_seconds": round(t_conv.seconds, 2),

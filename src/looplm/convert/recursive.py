@@ -72,23 +72,22 @@ def parse_lora_ranks(text: str | None, rank: int | str | None) -> dict:
     return out
 
 
-def _resolve_ranks(config: LoopLMConfig, ranks: dict) -> dict:
-    """Check each group's rank against its modules' shapes; 'full' becomes min(in, out)."""
+def _resolve_ranks(config: LoopLMConfig, ranks: dict) -> tuple[dict, dict]:
+    """Each group's rank, capped at its linears' min(in, out) ('full' is that cap), and the caps applied
+    as {group: [asked, used]}. A rank above the cap adds nothing: the paper's rank-512 Gemma and TinyLlama
+    N-emb counts only add up with the KV LoRA capped at its 256-wide output."""
     c = config
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     limits = {"q": min(c.hidden_size, q_out), "kv": min(c.hidden_size, kv_out),
               "out": min(q_out, c.hidden_size), "ffn": min(c.hidden_size, c.intermediate_size)}
-    resolved = {}
+    resolved, capped = {}, {}
     for g in LORA_GROUPS:
         r = ranks.get(g, 0)
         r = limits[g] if r == "full" else int(r)
         if r > limits[g]:
-            raise ConfigError(
-                f"LoRA rank {r} for group {g} exceeds min(in, out) = {limits[g]} of its linears; use at most "
-                f"{limits[g]}, 'full', or per-group ranks (--lora-ranks q=..,kv=..,out=..,ffn=..)"
-            )
-        resolved[g] = r
-    return resolved
+            capped[g] = [r, limits[g]]
+        resolved[g] = min(r, limits[g])
+    return resolved, capped
 
 
 def tied_depths(config: LoopLMConfig) -> list[list[int]]:
@@ -157,11 +156,13 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
 
     config = _derived_config(src_cfg, num_loops=loops, sharing=strategy,
                              per_depth_vectors=norms == "per-depth")
-    config.lora_ranks = _resolve_ranks(config, lora_ranks)
+    config.lora_ranks, capped = _resolve_ranks(config, lora_ranks)
     config.conversion = {
         **src_cfg.conversion, "loops": loops, "strategy": strategy, "init": init, "norms": norms,
         "lora_ranks": dict(config.lora_ranks), "lora_init": lora_init if config.is_relaxed else None,
     }
+    if capped:
+        config.conversion["capped_ranks"] = capped
     model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
     if init != "random":  # the paper's Random baseline uses no pretrained weight at all, embeddings included
         _copy_outer(vanilla, model)
