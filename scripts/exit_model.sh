@@ -3,6 +3,9 @@
 #   1. rec-stepwise of the paper runs (SmolLM2-135M B=2 recursive Stepwise, 163,840 tokens of forward-KL
 #      uptraining; scripts/paper_runs.sh),
 #   2. post-trained 40,960 tokens with the paper's early-exit recipe (aggressive, c = 0.1, self-distillation),
+#      on new tokens (rows the uptraining did not read; `--data-rows new`, the default with --early-exit) and at
+#      the uptraining's learning rate (2e-4, as the paper keeps it; models made before issue 19 used 1e-4 and
+#      re-read the uptraining's first rows),
 #   3. optionally (EXIT_MORE_TOKENS > 0) a second post-training stage of that many tokens, same recipe, started
 #      from stage 2's result with a fresh warmup and cosine schedule (the model the serving benchmarks of
 #      2026-11-23 afternoon use: EXIT_MORE_TOKENS=122880, 163,840 post-training tokens in all),
@@ -25,7 +28,7 @@ post_train() {  # post_train FROM RUN TOKENS: the paper's early-exit recipe (agg
   [ -d "$run/final" ] && return 0
   local resume=""; [ -f "$run/run.json" ] && resume="--resume"
   $LOOPLM train --model "$from" --teacher smollm2-135m --kd fkl --data "$DATA" --out "$run" \
-      --early-exit aggressive --exit-coef 0.1 --self-distill --lr 1e-4 --batch-size 2 --seq-len 512 \
+      --early-exit aggressive --exit-coef 0.1 --self-distill --data-rows new --lr 2e-4 --batch-size 2 --seq-len 512 \
       --max-tokens "$tokens" --eval-every 20 --eval-seqs 16 --save-every 10 --keep 2 --no-progress $resume
 }
 

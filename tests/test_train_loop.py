@@ -149,6 +149,44 @@ def test_no_weight_decay_on_norms_and_biases():
     assert any("lora_A" in names[id(p)] for p in decay) and any(names[id(p)].endswith("q_proj.weight") for p in decay)
 
 
+def test_early_exit_post_training_reads_new_rows_by_default(setup, monkeypatch):
+    """The paper post-trains on new tokens: with the same seed it must not re-read the uptraining's rows."""
+    import looplm.train.loop as loop
+    tmp = setup[0]
+    seen, real = [], loop.micro_batch
+    monkeypatch.setattr(loop, "micro_batch", lambda *a: seen.append(real(*a).tolist()) or real(*a))
+
+    def rows_of(run, **kw):
+        seen.clear()
+        train(_cfg(setup, run, batch_size=4, **kw), lambda *a: None)
+        return {r for batch in seen for r in batch}
+    up = rows_of("up")
+    post = rows_of("post", model=str(tmp / "up" / "final"), early_exit="aggressive")
+    assert up and post and not up & post
+    again = rows_of("again", model=str(tmp / "up" / "final"))  # plain uptraining keeps reading all rows
+    assert again == up
+    shared = rows_of("post-all", model=str(tmp / "up" / "final"), early_exit="aggressive", data_rows="all")
+    assert shared == up
+    model, _ = load_model(tmp / "post" / "final")
+    assert [r["new_rows"] for r in model.config.conversion["training"]] == [False, True]
+    assert [r["steps"] for r in model.config.conversion["training"]] == [3, 3]
+
+
+def test_new_rows_run_out_with_a_clear_error(setup):
+    """A model whose earlier training read every row (one step of a corpus-sized batch) has no new ones."""
+    from looplm.cli import UsageError
+    from looplm.models import save_model
+    from looplm.train.corpus import PackedCorpus
+    tmp, models, corpus = setup
+    meta = PackedCorpus(corpus).meta["splits"]["train"]
+    model, tok = load_model(models["student"])
+    model.config.conversion["training"] = [{"corpus": meta["sha256"], "seed": 5, "global_batch": meta["seqs"],
+                                            "steps": 1, "new_rows": False}]
+    save_model(model, tok, tmp / "read-all")
+    with pytest.raises(UsageError, match="--data-rows all"):
+        train(_cfg(setup, "read-all-post", model=str(tmp / "read-all"), early_exit="aggressive"), lambda *a: None)
+
+
 def test_plot_writes_pngs(setup):
     tmp, models, corpus = setup
     train(_cfg(setup, "plotrun", eval_every=1, early_exit="aggressive"), lambda *a: None)

@@ -68,6 +68,9 @@ def register(sub) -> None:
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     t.add_argument("--log-every", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data-rows", default=None, choices=["all", "new"],
+                   help="new: only training rows no earlier run of --model read (post-training on new tokens, as "
+                        "the paper does); default: new with --early-exit, all otherwise")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)

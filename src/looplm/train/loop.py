@@ -38,6 +38,7 @@ from .corpus import PackedCorpus
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 
 TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed")
+DATA_ROWS = ("all", "new")
 
 
 @dataclass
@@ -74,13 +75,14 @@ class TrainConfig:
     keep: int = 2
     log_every: int = 1
     seed: int = 0
+    data_rows: str | None = None   # all | new (rows no earlier run of the model read); None: new for --early-exit
     resume: bool = False
     progress: bool = True
 
     # Settings that must not change between a run and its resume.
     FIXED = ("data", "teacher", "kd", "kd_weight", "kd_temperature", "early_exit", "exit_coef", "self_distill",
              "self_distill_weight", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "weight_decay",
-             "beta1", "beta2", "train", "seed")
+             "beta1", "beta2", "train", "seed", "data_rows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +118,19 @@ def batch_indices(step: int, global_batch: int, num_seqs: int, seed: int) -> np.
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(num_seqs, generator=g).numpy()
     return perm[offset * global_batch:(offset + 1) * global_batch]
+
+
+def rows_read(records: list[dict], corpus: str, num_seqs: int) -> np.ndarray:
+    """Which training rows of ``corpus`` the model's earlier runs read, by replaying their data order
+    (each record: corpus, seed, global_batch, steps, and whether it read only new rows)."""
+    read = np.zeros(num_seqs, dtype=bool)
+    for r in records:
+        if r["corpus"] != corpus:
+            continue
+        rows = np.flatnonzero(~read) if r["new_rows"] else np.arange(num_seqs)
+        for step in range(r["steps"]):
+            read[rows[batch_indices(step, r["global_batch"], len(rows), r["seed"])]] = True
+    return read
 
 
 def micro_batch(indices: np.ndarray, micro: int, rank: int, world: int, bs: int) -> np.ndarray:
@@ -257,6 +272,8 @@ class Trainer:
             raise UsageError("--batch-size and --grad-accum must be at least 1")
         if not 0 <= c.kd_weight <= 1:
             raise UsageError(f"--kd-weight {c.kd_weight} must be in [0, 1] (loss = (1-w) CE + w KD)")
+        if c.data_rows not in (None, *DATA_ROWS):
+            raise UsageError(f"unknown --data-rows {c.data_rows!r}; use all or new")
 
         prev_run = None
         latest = None
@@ -266,6 +283,7 @@ class Trainer:
                 raise UsageError(f"{out} already holds a run; add --resume to continue it or choose a new --out")
             latest = (out / "latest").read_text().strip() if (out / "latest").exists() else None
             c.model = c.model or prev_run["config"]["model"]
+            c.data_rows = c.data_rows or prev_run["config"].get("data_rows", "all")  # runs from before the option
             changed = [k for k in TrainConfig.FIXED if prev_run["config"].get(k) != getattr(c, k)]
             if changed:
                 was = prev_run["config"]
@@ -276,6 +294,8 @@ class Trainer:
                              f"`looplm train`, or drop --resume and choose an empty --out")
         if not c.model:
             raise UsageError("give the model to train with --model DIR_OR_NAME")
+        # The paper post-trains early exits on new tokens: do not re-read the uptraining's batches.
+        c.data_rows = c.data_rows or ("new" if c.early_exit != "none" else "all")
 
         self.corpus = PackedCorpus(c.data)
         seq = c.seq_len or self.corpus.seq_len
@@ -306,6 +326,7 @@ class Trainer:
             raise UsageError(f"the corpus {c.data} was tokenised with another tokenizer ({self.corpus.meta['model']}) "
                              f"than {c.model}'s; rebuild it with `looplm data build --model {c.model}`")
         self.tok = tok
+        self._choose_rows(model)
         self.teacher = None
         if c.teacher:
             teacher, ttok = load_model(c.teacher)
@@ -348,6 +369,25 @@ class Trainer:
         self.n_train, self.n_params = n_train, n_params
         self.model = model
         self.prev_run = prev_run
+
+    def _choose_rows(self, model) -> None:
+        """The training rows this run reads: all, or those no earlier run of the model read."""
+        c = self.cfg
+        self.prior_training = list((model.config.conversion or {}).get("training", []))
+        self.corpus_id = self.corpus.meta["splits"]["train"]["sha256"]
+        n = len(self.corpus.splits["train"])
+        read = rows_read(self.prior_training, self.corpus_id, n) if c.data_rows == "new" else np.zeros(n, bool)
+        self.rows = np.flatnonzero(~read)
+        if len(self.rows) < self.global_batch:
+            raise UsageError(f"{c.model}'s earlier training read {int(read.sum())} of the {n} training sequences of "
+                             f"{c.data}; {len(self.rows)} new ones cannot fill a global batch of {self.global_batch}: "
+                             f"build a bigger corpus or pass --data-rows all")
+
+    def training_record(self, step: int) -> dict:
+        """What this run has read so far, kept in the trained model's config (conversion.training) so that
+        a later run with --data-rows new skips it."""
+        return {"corpus": self.corpus_id, "seed": self.cfg.seed, "global_batch": self.global_batch, "steps": step,
+                "new_rows": self.cfg.data_rows == "new"}
 
     # ----- the run itself
     def run(self) -> dict:
@@ -404,7 +444,7 @@ class Trainer:
         try:
             while step < self.max_steps:
                 t0 = time.perf_counter()
-                idx = batch_indices(step, self.global_batch, len(train), c.seed)
+                idx = self.rows[batch_indices(step, self.global_batch, len(self.rows), c.seed)]
                 module.train()
                 sums: dict[str, float] = {}
                 for m in range(c.grad_accum):
@@ -462,7 +502,7 @@ class Trainer:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
-        self._export(tmp)
+        self._export(tmp, step)
         if acc.is_main_process:
             old = out / ".final.old"
             if (out / "final").exists():
@@ -523,7 +563,7 @@ class Trainer:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp / "accelerate"), safe_serialization=False)
-        self._export(tmp)
+        self._export(tmp, step)
         if acc.is_main_process:
             _write_json_atomic(tmp / "state.json", {"step": step, "tokens": tokens, "time": elapsed,
                                                     "global_batch": self.global_batch, "world": self.world,
@@ -538,9 +578,10 @@ class Trainer:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
 
-    def _export(self, directory: Path) -> None:
-        """Write the student as a looplm model directory (config.json, model.safetensors, tokenizer).
-        Every process must call it: under FSDP / ZeRO-3 gathering the full weights is collective."""
+    def _export(self, directory: Path, step: int) -> None:
+        """Write the student as a looplm model directory (config.json, model.safetensors, tokenizer), its
+        config recording the rows read up to ``step``. Every process must call it: under FSDP / ZeRO-3
+        gathering the full weights is collective."""
         from safetensors.torch import save_file
         sd = self.acc.get_state_dict(self.module)
         if not self.acc.is_main_process:
@@ -550,6 +591,8 @@ class Trainer:
         sd = {k[len("lm."):]: v for k, v in sd.items() if k.startswith("lm.")}
         if lm.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
+        lm.config.conversion = {**(lm.config.conversion or {}),
+                                "training": self.prior_training + [self.training_record(step)]}
         lm.config.save_pretrained(str(directory))
         save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"),
                   metadata={"format": "pt"})
