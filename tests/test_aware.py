@@ -191,14 +191,19 @@ def test_aware_svd_beats_svd_in_layer_output_error_at_equal_rank(calibrated):
     assert totals["aware-svd"] < 0.9 * totals["svd"], totals
 
 
-def test_stepwise_tied_depth_keeps_the_zero_init_rule(calibrated):
+@pytest.mark.parametrize("norms,fold", [("per-depth", False), (None, True)])
+def test_stepwise_tied_depth_keeps_the_zero_init_rule(calibrated, norms, fold):
+    """Stepwise copies layers 0 and 3 (L=4, B=2): depth 0 (slot 0 of shared layer 0) and depth 3 (slot 1
+    of shared layer 1) are the pretrained layers themselves, so their LoRAs get the zero init."""
     model, _, calib = calibrated
-    calib_pd = aware.Calibration(**{**calib.__dict__, "fold_norms": False})
-    relaxed = convert(model, 2, init="lower", norms="per-depth", lora_ranks=4, lora_init="aware-svd",
-                      calibration=calib_pd)
-    lin = relaxed.model.layers[0].attn.q_proj
-    assert not lin.lora_B[0].any() and lin.lora_A[0].any()  # depth 0 is layer 0 itself: zero init
-    assert lin.lora_B[1].any()
+    calib = aware.Calibration(**{**calib.__dict__, "fold_norms": fold})
+    relaxed = convert(model, 2, init="stepwise", norms=norms, lora_ranks=4, lora_init="aware-svd",
+                      calibration=calib)
+    q0, q1 = relaxed.model.layers[0].attn.q_proj, relaxed.model.layers[1].attn.q_proj
+    assert not q0.lora_B[0].any() and q0.lora_A[0].any()  # depth 0 = layer 0
+    assert q0.lora_B[1].any()                              # depth 2 differs from layer 0
+    assert q1.lora_B[0].any()                              # depth 1 differs from layer 3
+    assert not q1.lora_B[1].any() and q1.lora_A[1].any()   # depth 3 = layer 3
 
 
 def test_data_aware_inits_need_statistics_of_the_same_model(calibrated):

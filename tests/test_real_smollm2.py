@@ -34,7 +34,7 @@ def test_full_rank_per_depth_is_the_original(smollm2, heldout_text):
     relaxed = convert(vanilla64, loops=2, init="average", norms="per-depth", lora_ranks="full")
     with torch.no_grad():
         diff = (relaxed(ids).logits - vanilla64(ids).logits).abs().max().item()
-    assert diff < 1e-4
+    assert diff < 1e-9  # float64 rounding; a float32 tolerance (1e-4) would hide a float32 step
 
 
 def first_layers(model, n):
