@@ -209,3 +209,27 @@ def test_scratch_baseline_is_a_fresh_shallower_vanilla_model(tmp_path):
     assert m.config.num_hidden_layers == 2 and m.config.num_loops == 1 and tok is not None
     assert m.config.hidden_size == v.config.hidden_size and m.config.vocab_size == v.config.vocab_size
     assert not torch.equal(m.model.layers[0].mlp.up_proj.weight, v.model.layers[0].mlp.up_proj.weight)
+
+
+def test_stepwise_baseline_is_the_selected_pretrained_layers_without_looping(tmp_path):
+    """Appendix E's "pretrained Stepwise layers, no looping": K layers run once, N-emb as the recursive model's."""
+    from test_train_fixtures import byte_tokenizer, tiny_vanilla
+
+    from looplm.convert import convert, count_parameters
+    from looplm.models import save_model
+    from looplm.train.baselines import main as baselines_main
+    src = save_model(tiny_vanilla(seed=1, layers=4), byte_tokenizer(), tmp_path / "src")
+    assert baselines_main(["stepwise", "--model", str(src), "--loops", "2", "--out", str(tmp_path / "w")]) == 0
+    m, _ = load_model(tmp_path / "w")
+    v, _ = load_model(src)
+    assert m.config.num_hidden_layers == 2 and m.config.num_loops == 1
+    assert m.config.conversion["layers"] == [0, 3]
+    for j, i in enumerate([0, 3]):
+        for (name, p), q in zip(m.model.layers[j].named_parameters(), v.model.layers[i].parameters()):
+            assert torch.equal(p, q), name
+    assert torch.equal(m.model.embed_tokens.weight, v.model.embed_tokens.weight)
+    assert torch.equal(m.model.norm.weight, v.model.norm.weight)
+    recursive = convert(v, loops=2, init="stepwise", lora_ranks=0)
+    assert count_parameters(m)["n_emb"] == count_parameters(recursive)["n_emb"]
+    with pytest.raises(SystemExit):
+        baselines_main(["stepwise", "--model", str(src), "--loops", "3", "--out", str(tmp_path / "x")])

@@ -5,6 +5,13 @@
 writes a vanilla (B = 1) model of the same family and width with ``--layers`` layers and fresh
 weights (the reduced-size model "trained from scratch on the same recipe"); the tokenizer and
 embedding size are the source model's. Train it with `looplm train` like any other student.
+
+    python -m looplm.train.baselines stepwise --model smollm2-135m --loops 2 --out out/m/stepwise-noloop
+
+writes the "pretrained Stepwise layers without looping" baseline of the paper's individual-contributions
+table (appendix E): the K = L / B layers Stepwise selects, with their norms, run once each (B = 1), and
+the pretrained embeddings, final norm and head: the recursive Stepwise model's parameters without the
+looping.
 The other baselines are conversion options (`looplm convert --init random`, or the full-size model
 itself as `--model`); see docs/TRAINING.md.
 """
@@ -19,20 +26,47 @@ import torch
 from ..cli import UsageError
 
 
-def scratch_model(vanilla, layers: int, seed: int = 0):
+def _shallower(vanilla, layers: list[int], init: str):
+    """A fresh vanilla model of the source's family and width whose depth j has the attention kind of
+    the source's depth layers[j]."""
     from ..models import LoopLMConfig, LoopLMForCausalLM
     c = vanilla.config
     if c.num_loops != 1:
         raise UsageError("give the vanilla (full-size) model as --model")
-    if not 1 <= layers <= c.num_hidden_layers:
-        raise UsageError(f"--layers {layers} must be in 1..{c.num_hidden_layers}")
     d = c.to_dict()
     for k in ("model_type", "architectures", "transformers_version", "id2label", "label2id"):
         d.pop(k, None)
-    d.update(num_hidden_layers=layers, depth_attention=list(c.depth_attention[:layers]),
-             conversion={**c.conversion, "init": "scratch", "layers": layers})
-    torch.manual_seed(seed)
+    d.update(num_hidden_layers=len(layers), depth_attention=[c.depth_attention[i] for i in layers],
+             conversion={**c.conversion, "init": init, "layers": layers})
     return LoopLMForCausalLM(LoopLMConfig(**d)).to(next(vanilla.parameters()).dtype)
+
+
+def scratch_model(vanilla, layers: int, seed: int = 0):
+    if not 1 <= layers <= vanilla.config.num_hidden_layers:
+        raise UsageError(f"--layers {layers} must be in 1..{vanilla.config.num_hidden_layers}")
+    torch.manual_seed(seed)
+    return _shallower(vanilla, list(range(layers)), "scratch")
+
+
+@torch.no_grad()
+def stepwise_model(vanilla, loops: int):
+    """The Stepwise-selected layers of ``vanilla`` without looping; every other weight pretrained."""
+    from ..convert import stepwise_layers
+    from ..models import ConfigError, layer_map
+    L = vanilla.config.num_hidden_layers
+    try:
+        layer_map(L, loops)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    chosen = stepwise_layers(L, L // loops)
+    model = _shallower(vanilla, chosen, "stepwise-noloop")
+    src = vanilla.state_dict()
+    for name, p in model.state_dict().items():
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            parts[2] = str(chosen[int(parts[2])])
+        p.copy_(src[".".join(parts)])
+    return model.eval()
 
 
 def main(argv=None) -> int:
@@ -44,12 +78,22 @@ def main(argv=None) -> int:
     s.add_argument("--layers", type=int, required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
+    w = sub.add_parser("stepwise", help="the Stepwise-selected pretrained layers without looping")
+    w.add_argument("--model", default="smollm2-135m")
+    w.add_argument("--loops", type=int, required=True, help="B of the recursive model it is the baseline of")
+    w.add_argument("--out", required=True)
     args = p.parse_args(argv)
     vanilla, tok = load_model(args.model)
-    model = scratch_model(vanilla, args.layers, args.seed)
+    try:
+        model = scratch_model(vanilla, args.layers, args.seed) if args.cmd == "scratch" \
+            else stepwise_model(vanilla, args.loops)
+    except UsageError as e:
+        p.error(str(e))
     save_model(model, tok, args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out}: {args.layers} layers, {n:,} parameters, fresh weights")
+    layers = model.config.conversion["layers"]
+    what = "fresh weights" if args.cmd == "scratch" else f"pretrained layers {layers}"
+    print(f"wrote {args.out}: {len(layers)} layers, {n:,} parameters, {what}")
     return 0
 
 
