@@ -63,7 +63,7 @@ def main() -> None:
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for c in curves:
         recipe = "heal" if c["kind"] == "heal" else "paper (SVD + end-to-end KD)"
-        status = "" if c["done"] else " (running)"
+        status = "" if c["done"] else " (unfinished)"
         rows.append(f"| {c['name']}{status} | {recipe} | {c['ppl'][0]:,.0f} | {c['ppl'][-1]:,.2f} | "
                     f"{c['minutes'][-1]:.1f} | {c['tokens'][-1]:,} | {c['ppl'][-1] / teacher:.2f}x | "
                     f"{c['loop1'][-1]:,.1f} |")

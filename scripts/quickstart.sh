@@ -27,7 +27,7 @@ $LOOPLM data build --model "$MODEL" --seq-len 512 --out "$CORPUS" --no-progress
 # 2. Calibration text from the training split only, and the data-aware conversion.
 $LOOPLM data text "$CORPUS" --rows 16 --out "$OUT/calib"
 [ -f "$STUDENT/config.json" ] || $LOOPLM convert --model "$MODEL" --loops "$LOOPS" --lora-rank "$RANK" \
-  --init average --lora-init aware-svd --calib-data "$OUT/calib" --calib-tokens 8192 --ppl-tokens 0 --out "$STUDENT"
+  --init average --lora-init aware-svd --norms per-depth --calib-data "$OUT/calib" --calib-tokens 8192 --ppl-tokens 0 --out "$STUDENT"
 # 3. Healing: layer-local distillation, then end to end, from the original model.
 RESUME=""
 [ -f "$HEAL/run.json" ] && RESUME=--resume
