@@ -32,9 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..cli import UsageError
+from ..errors import UsageError
+from ..util import write_json_atomic, write_text_atomic
 from ..models.loading import tokenizer_fingerprint
-from .corpus import PackedCorpus
+from ..data.corpus import PackedCorpus
+from .data_order import batch_indices, micro_batch, rows_read
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 
 TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed")
@@ -111,31 +113,10 @@ class TrainModule(nn.Module):
                          self_distill=c.self_distill, self_distill_weight=c.self_distill_weight)
 
 
-def batch_indices(step: int, global_batch: int, num_seqs: int, seed: int) -> np.ndarray:
-    """Sequence indices of a step's global batch: epochs of seeded permutations, a pure function of step."""
-    per_epoch = num_seqs // global_batch
-    epoch, offset = divmod(step, per_epoch)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(num_seqs, generator=g).numpy()
-    return perm[offset * global_batch:(offset + 1) * global_batch]
 
 
-def rows_read(records: list[dict], corpus: str, num_seqs: int) -> np.ndarray:
-    """Which training rows of ``corpus`` the model's earlier runs read, by replaying their data order
-    (each record: corpus, seed, global_batch, steps, and whether it read only new rows)."""
-    read = np.zeros(num_seqs, dtype=bool)
-    for r in records:
-        if r["corpus"] != corpus:
-            continue
-        rows = np.flatnonzero(~read) if r["new_rows"] else np.arange(num_seqs)
-        for step in range(r["steps"]):
-            read[rows[batch_indices(step, r["global_batch"], len(rows), r["seed"])]] = True
-    return read
 
 
-def micro_batch(indices: np.ndarray, micro: int, rank: int, world: int, bs: int) -> np.ndarray:
-    start = (micro * world + rank) * bs
-    return indices[start:start + bs]
 
 
 def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
@@ -220,10 +201,6 @@ def estimate_memory(config, n_params: int, teacher_cfg, teacher_params: int, bs:
     return 16 * n_params + 4 * teacher_params + act + logits
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def arch_fingerprint(config) -> dict:
@@ -423,7 +400,7 @@ class Trainer:
                 shutil.rmtree(stale, ignore_errors=True)
             self._truncate_metrics(out / "metrics.jsonl", step)
             if self.prev_run is None:
-                _write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
+                write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
                                                       "arch": arch_fingerprint(self.model.config),
                                                       "tokenizer": self.corpus.tokenizer, "world": self.world,
                                                       "global_batch": self.global_batch, "seq_len": self.seq,
@@ -565,14 +542,14 @@ class Trainer:
         acc.save_state(str(tmp / "accelerate"), safe_serialization=False)
         self._export(tmp, step)
         if acc.is_main_process:
-            _write_json_atomic(tmp / "state.json", {"step": step, "tokens": tokens, "time": elapsed,
+            write_json_atomic(tmp / "state.json", {"step": step, "tokens": tokens, "time": elapsed,
                                                     "global_batch": self.global_batch, "world": self.world,
                                                     "epoch": step // (len(self.corpus) // self.global_batch)})
             final = out / "checkpoints" / name
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-            _write_json_atomic_text(out / "latest", name)
+            write_text_atomic(out / "latest", name + "\n")
             ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if p.is_dir())
             for old in ckpts[:-self.cfg.keep] if self.cfg.keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
@@ -651,10 +628,6 @@ class _null:
         return False
 
 
-def _write_json_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
 
 
 def train(cfg: TrainConfig, log=print) -> dict:
