@@ -7,8 +7,7 @@ from __future__ import annotations
 
 
 class UsageError(ValueError):
-    """Bad input from the user: printed as one line, exit code 2. (A ValueError, so that it is caught
-    even when cli.py runs as __main__ and the classes exist twice.)"""
+    """Bad input from the user: printed as one line, exit code 2."""
 
 
 class ConfigError(ValueError):
