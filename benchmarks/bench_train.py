@@ -42,7 +42,7 @@ def run_one(args) -> dict:
     torch.manual_seed(0)
     if args.config == "hf-plain":
         from looplm.models import load_hf_reference
-        from looplm.train.corpus import PackedCorpus
+        from looplm.data.corpus import PackedCorpus
         model, _ = load_hf_reference(args.model)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=2e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -95,7 +95,7 @@ def interleaved(args) -> dict:
     from looplm.convert import convert
     from looplm.models import load_model
     from looplm.models.layers import LoopLinear
-    from looplm.train.corpus import PackedCorpus
+    from looplm.data.corpus import PackedCorpus
 
     torch.manual_seed(0)
     vanilla, _ = load_model(args.model)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.cli_core import sample_text
+from looplm.data import sample_text
 from looplm.convert import aware, convert
 from looplm.eval.perplexity import perplexity
 from looplm.models import load_model

@@ -23,7 +23,7 @@ mkdir -p "$OUT/models" "$OUT/runs" "$CALIB"
 import json, sys
 from pathlib import Path
 import numpy as np
-from looplm.train.corpus import load_tokenizer
+from looplm.data.corpus import load_tokenizer
 data, calib = Path(sys.argv[1]), Path(sys.argv[2])
 meta = json.loads((data / "meta.json").read_text())
 tok = load_tokenizer(meta["model"])

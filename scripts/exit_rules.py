@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from looplm.models import load_model
 from looplm.serve.probe import PROBE_FILE, ExitProbe, confidence_features, exit_curve, fit_logistic, probe_features
-from looplm.train.corpus import PackedCorpus
+from looplm.data.corpus import PackedCorpus
 
 
 @torch.no_grad()

@@ -11,4 +11,4 @@ PY=${PYTHON:-python3}
 if [ ! -d /var/lib/apt/lists ] || [ -z "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v lock)" ]; then
   apt-get update -qq
 fi
-PYTHONPATH=src exec "$PY" -m looplm.train.sources "$@"
+PYTHONPATH=src exec "$PY" -m looplm.data.sources "$@"

@@ -87,5 +87,5 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def heldout_text():
-    from looplm.cli_core import sample_text
+    from looplm.data import sample_text
     return sample_text()

@@ -59,7 +59,7 @@ def test_full_rank_data_aware_conversion_keeps_the_perplexity(hf_dir, calib_text
     (["--init", "aware", "--calib-data", "NOWHERE"], "does not exist"),
 ])
 def test_data_aware_conversion_refuses_missing_or_heldout_calibration(hf_dir, tmp_path, args, message):
-    from looplm.cli_core import sample_text
+    from looplm.data import sample_text
     held = tmp_path / "held.txt"
     held.write_text(sample_text())
     args = [str(held) if a == "HELDOUT" else str(tmp_path / "nowhere") if a == "NOWHERE" else a for a in args]

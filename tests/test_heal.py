@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from test_train_fixtures import SRC, build_corpus, byte_tokenizer, make_models, run_cli, tiny_vanilla
 
-from looplm.cli import UsageError
+from looplm.errors import UsageError
 from looplm.convert import convert
 from looplm.models import load_model, save_model
-from looplm.train.corpus import PackedCorpus
+from looplm.data.corpus import PackedCorpus
 from looplm.train.heal import HealConfig, Healer, heal, relative_error
 from looplm.train.teacher_cache import TeacherCache, build_cache
 

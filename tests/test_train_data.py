@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from test_train_fixtures import byte_tokenizer, write_texts
 
-from looplm.cli import UsageError
+from looplm.errors import UsageError
 from looplm.models import save_model
-from looplm.train.corpus import PackedCorpus, build, pack, split_blocks
+from looplm.data.corpus import PackedCorpus, build, pack, split_blocks
 
 
 @pytest.fixture(scope="module")

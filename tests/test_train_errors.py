@@ -9,7 +9,7 @@ from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_
 
 from looplm.cli import main
 from looplm.models import load_model, save_model
-from looplm.train.corpus import PackedCorpus, build
+from looplm.data.corpus import PackedCorpus, build
 from looplm.train.loop import TrainConfig, estimate_memory, memory_available, train
 
 

@@ -67,7 +67,7 @@ def run_cli(*args, env_extra: dict | None = None, timeout: int = 240) -> subproc
 
 
 def build_corpus(tmp: Path, model: Path, seq_len: int = 32) -> Path:
-    from looplm.train.corpus import build
+    from looplm.data.corpus import build
     build(tmp / "corpus", model=str(model), sources=str(write_texts(tmp / "texts")), seq_len=seq_len,
           heldout=0.1, block_chars=2000, log=lambda *a: None, progress=False)
     return tmp / "corpus"

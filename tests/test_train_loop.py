@@ -174,9 +174,9 @@ def test_early_exit_post_training_reads_new_rows_by_default(setup, monkeypatch):
 
 def test_new_rows_run_out_with_a_clear_error(setup):
     """A model whose earlier training read every row (one step of a corpus-sized batch) has no new ones."""
-    from looplm.cli import UsageError
+    from looplm.errors import UsageError
     from looplm.models import save_model
-    from looplm.train.corpus import PackedCorpus
+    from looplm.data.corpus import PackedCorpus
     tmp, models, corpus = setup
     meta = PackedCorpus(corpus).meta["splits"]["train"]
     model, tok = load_model(models["student"])

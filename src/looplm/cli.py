@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
-import time
-from pathlib import Path
+
+from .errors import ConfigError, UsageError
 
 COMMAND_MODULES = [
-    "looplm.cli_core",
+    "looplm.convert.cli",
+    "looplm.data.cli",
     "looplm.eval.cli",
     "looplm.train.cli",
     "looplm.serve.cli",
 ]
-
-
-class UsageError(ValueError):
-    """Bad input from the user: printed as one line, exit code 2. (A ValueError, so that it is caught
-    even when this file runs as __main__ and the class exists twice.)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # transformers' per-file loading bars; ours report real work
-    from .models import ConfigError
     try:
         return int(args.func(args) or 0)
     except (UsageError, ConfigError, FileNotFoundError, ValueError) as e:
@@ -46,31 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"looplm {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-def print_json(obj) -> None:
-    print(json.dumps(obj, indent=2, default=str))
-
-
-def read_text_arg(path: str | None, default: Path | None = None) -> str:
-    p = Path(path) if path else default
-    if p is None:
-        raise UsageError("give a text file with --text FILE")
-    if not p.exists():
-        raise UsageError(f"text file {p} does not exist")
-    text = p.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise UsageError(f"text file {p} is empty; give a file with text in it")
-    return text
-
-
-class Timer:
-    def __enter__(self):
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.start
 
 
 if __name__ == "__main__":

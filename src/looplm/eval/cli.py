@@ -6,7 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from ..cli import UsageError, print_json, read_text_arg
+from ..errors import UsageError
+from ..util import print_json, read_text_arg
 
 
 def register(sub) -> None:
@@ -83,7 +84,7 @@ def _ppl_sources(args) -> dict:
         if not d.is_dir():
             raise UsageError(f"--data {d} is not a directory (or use --data lambada)")
         if (d / "meta.json").exists():  # a corpus from `looplm data build`: its held-out split, as tokens
-            from ..train.corpus import PackedCorpus
+            from ..data.corpus import PackedCorpus
             return {f"{d.name}-heldout": PackedCorpus(d)}
         files = sorted(d.glob("*.txt"))
         held = [f for f in files if any(k in f.name for k in ("heldout", "held_out", "test", "valid"))]
@@ -93,7 +94,7 @@ def _ppl_sources(args) -> dict:
         return {f.stem: read_text_arg(str(f)) for f in files}
     if args.text:
         return {Path(args.text).stem: read_text_arg(args.text)}
-    from ..cli_core import sample_text
+    from ..data import sample_text
     return {"heldout_sample": sample_text()}
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from ..errors import ConfigError
+
 LORA_GROUPS = ("q", "kv", "out", "ffn")
 SHARING_STRATEGIES = ("cycle", "sequence", "cycle-rev")
 NORM_TYPES = ("rms", "rms_plus1", "layer")
 
 
-class ConfigError(ValueError):
-    """A config or a conversion setting that cannot work; the message says how to fix it."""
 
 
 def layer_map(num_layers: int, num_loops: int, sharing: str = "cycle") -> list[int]:

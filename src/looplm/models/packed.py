@@ -81,15 +81,15 @@ def _packable(weight: torch.Tensor) -> bool:
 
 
 def pack_for_cpu(model: nn.Module) -> int:
-    """Attach packed copies to every LoopLinear (``.packed``) and to a plain LM head
+    """Attach packed copies to every module with a ``packed`` slot (LoopLinear) and to a plain LM head
     (``model.head_packed``); returns the bytes the copies hold. Copies still valid are kept, so
-    calling it again is cheap. No-op off CPU, off float32 or without MKL."""
-    from .layers import LoopLinear
+    calling it again is cheap. No-op off CPU, off float32 or without MKL. (The slot, not the class,
+    is what is looked for: layers.py imports this module, so this one must not import it.)"""
     if not mkl_packing_available():
         return 0
     total = 0
     for m in model.modules():
-        if isinstance(m, LoopLinear) and _packable(m.weight):
+        if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor) and _packable(m.weight):
             if m.packed is None or not m.packed.matches(m.weight):
                 m.packed = PackedWeight(m.weight)
             total += m.packed.nbytes

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..cli import UsageError, print_json
+from ..errors import UsageError
+from ..util import print_json
 
 
 def _bench_subparsers(sub):
@@ -146,7 +147,7 @@ def cmd_fit_exit_probe(args) -> int:
 
     from ..models import load_model
     from ..models.loading import is_looplm_dir, tokenizer_fingerprint
-    from ..train.corpus import PackedCorpus
+    from ..data.corpus import PackedCorpus
     from .probe import PROBE_FILE, fit_probe
     if args.threads:
         torch.set_num_threads(args.threads)

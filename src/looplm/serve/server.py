@@ -9,6 +9,9 @@ the scheduler is only ever called from its own thread.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streamed over SSE or not),
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text format).
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Parts: api.py (request bodies, errors), worker.py (the thread that owns the engine), metrics.py
+(/metrics), this file (requests in, text out, the FastAPI app and `main`).
 """
 
 from __future__ import annotations
@@ -16,368 +19,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import queue
-import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
-from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .api import APIError, ChatBody, CompletionBody, check_unsupported, error_response, validation_error
 from .engine import Engine, Request
 from .exits import ExitPolicy
+from .metrics import Metrics
 from .sampling import RequestError, SamplingParams
-from .schedulers import make_scheduler
-
-
-# --- errors in OpenAI's shape ----------------------------------------------------------------------
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-# Union-typed fields give one pydantic error per alternative; say what is accepted instead.
-_UNION_MESSAGES = {
-    "prompt": "prompt must be a string, a list with one string, or a list of token ids",
-    "stop": "stop must be a string or a list of up to 4 strings",
-    "content": "message content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
-}
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON ({err.get('msg')})", code="invalid_json")
-    if not loc:
-        return APIError(400, f"the request body must be a JSON object: {err.get('msg')}")
-    if err.get("type") == "extra_forbidden":
-        return APIError(400, f"unsupported parameter {loc[-1]!r}", param=loc[-1], code="unsupported_parameter")
-    # the first name in loc that is a field (not a union alternative like 'list[int]' or an index)
-    field = next((x for x in reversed(loc) if x in _UNION_MESSAGES), None)
-    if field:
-        return APIError(400, _UNION_MESSAGES[field], param=field)
-    param = loc[0] if len(loc) == 1 else ".".join(loc)
-    return APIError(400, f"{param}: {err.get('msg')}", param=loc[0])
-
-
-# --- request bodies ------------------------------------------------------------------------------
-
-class _Body(BaseModel):
-    # strict: "5" is not a number and 1.0 is not a whole number; extra="forbid": a misspelt or
-    # unsupported parameter is an error rather than silently ignored
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
-    stream: bool = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-    user: str | None = None
-    # looplm extras (extra_body in the openai client)
-    top_k: int = Field(0, ge=0, le=2 ** 31)
-    full_depth: bool = False  # run every loop for every token: no early exit for this request
-    ignore_eos: bool = False  # keep going to max_tokens (load tests)
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-
-def _check_unsupported(body: _Body) -> None:
-    """Parameters we accept only at their no-op value (clients often send the defaults)."""
-    checks = [("n", body.n == 1, "n > 1 is not supported; send one request per completion"),
-              ("presence_penalty", body.presence_penalty == 0, "presence_penalty is not supported (use 0)"),
-              ("frequency_penalty", body.frequency_penalty == 0, "frequency_penalty is not supported (use 0)"),
-              ("logit_bias", not body.logit_bias, "logit_bias is not supported")]
-    if isinstance(body, CompletionBody):
-        checks += [("echo", not body.echo, "echo is not supported"),
-                   ("logprobs", body.logprobs is None, "logprobs are not supported"),
-                   ("best_of", body.best_of in (None, 1), "best_of > 1 is not supported"),
-                   ("suffix", body.suffix is None, "suffix is not supported")]
-    else:
-        checks += [("logprobs", not body.logprobs, "logprobs are not supported"),
-                   ("top_logprobs", body.top_logprobs is None, "top_logprobs are not supported")]
-    for param, ok, msg in checks:
-        if not ok:
-            raise APIError(400, msg, param=param, code="unsupported_parameter")
-    if isinstance(body.stop, list) and len(body.stop) > 4:
-        raise APIError(400, "stop takes at most 4 strings", param="stop")
-    if body.stream_options is not None:
-        if not body.stream:
-            raise APIError(400, "stream_options needs stream: true", param="stream_options")
-        extra = set(body.stream_options) - {"include_usage"}
-        if extra or not isinstance(body.stream_options.get("include_usage", False), bool):
-            raise APIError(400, "stream_options takes only include_usage (a boolean)", param="stream_options")
-
-
-# --- metrics ------------------------------------------------------------------------------------
-
-class Metrics:
-    """Counters and gauges, written by the worker and the handlers, read by /metrics (one lock)."""
-
-    def __init__(self, num_loops: int, window: float = 10.0):
-        self.lock = threading.Lock()
-        self.num_loops, self.window = num_loops, window
-        self.requests = {"done": 0, "error": 0, "cancelled": 0}  # finished in the engine, by status
-        self.http_errors: dict[int, int] = {}                     # rejected before the engine, by status
-        self.tokens_total = 0
-        self.steps_total = 0
-        self.step_seconds = 0.0
-        self.worker_faults = 0
-        self.queue_depth = 0
-        self.running = 0
-        self.occupancy = [0] * num_loops  # items at each loop in the last step
-        self.exits = [0] * num_loops      # tokens emitted after each loop (from the engine)
-        self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
-
-    def observe_step(self, items) -> None:
-        counts = [0] * self.num_loops
-        for it in items:
-            if it.req.status == "running":
-                counts[it.loop] += 1
-        with self.lock:
-            self.occupancy = counts
-
-    def after_step(self, tokens: int, seconds: float, exits) -> None:
-        now = time.monotonic()
-        with self.lock:
-            self.steps_total += 1
-            self.step_seconds += seconds
-            self.tokens_total += tokens
-            self.exits = list(exits)
-            if tokens:
-                self.recent.append((now, tokens))
-            while self.recent and self.recent[0][0] < now - self.window:
-                self.recent.popleft()
-
-    def set_load(self, queued: int, running: int) -> None:
-        with self.lock:
-            self.queue_depth, self.running = queued, running
-            if not running:
-                self.occupancy = [0] * self.num_loops
-
-    def finished(self, status: str) -> None:
-        with self.lock:
-            self.requests[status] = self.requests.get(status, 0) + 1
-
-    def rejected(self, status: int) -> None:
-        with self.lock:
-            self.http_errors[status] = self.http_errors.get(status, 0) + 1
-
-    def render(self) -> str:
-        with self.lock:
-            now = time.monotonic()
-            recent = sum(n for t, n in self.recent if t >= now - self.window)
-            lines = []
-
-            def metric(name, kind, help_, samples):
-                lines.extend([f"# HELP looplm_{name} {help_}", f"# TYPE looplm_{name} {kind}"])
-                for labels, value in samples:
-                    lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                    lines.append(f"looplm_{name}{{{lab}}} {value}" if lab else f"looplm_{name} {value}")
-
-            metric("queue_depth", "gauge", "Requests waiting for a batch slot.", [({}, self.queue_depth)])
-            metric("running_requests", "gauge", "Requests holding a batch slot (KV cache row).", [({}, self.running)])
-            metric("batch_occupancy", "gauge", "Work items at each loop (depth) in the last engine step.",
-                   [({"loop": str(i + 1)}, n) for i, n in enumerate(self.occupancy)])
-            metric("exits_total", "counter", "Tokens emitted after each loop (early exits are loops < the last).",
-                   [({"loop": str(i + 1)}, n) for i, n in enumerate(self.exits)])
-            metric("generated_tokens_total", "counter", "Tokens generated.", [({}, self.tokens_total)])
-            metric("tokens_per_second", "gauge", f"Tokens generated per second over the last {self.window:g} s.",
-                   [({}, round(recent / self.window, 3))])
-            metric("engine_steps_total", "counter", "Engine steps (one loop over a batch).", [({}, self.steps_total)])
-            metric("engine_step_seconds_total", "counter", "Seconds spent in engine steps.",
-                   [({}, round(self.step_seconds, 6))])
-            metric("requests_total", "counter", "Requests finished in the engine, by status.",
-                   [({"status": s}, n) for s, n in sorted(self.requests.items())])
-            metric("http_errors_total", "counter", "Requests rejected before the engine, by HTTP status.",
-                   [({"status": str(s)}, n) for s, n in sorted(self.http_errors.items())])
-            metric("errors_total", "counter", "Failed requests: engine errors plus HTTP rejections.",
-                   [({}, self.requests.get("error", 0) + sum(self.http_errors.values()))])
-            metric("worker_faults_total", "counter", "Unexpected exceptions in the worker loop.",
-                   [({}, self.worker_faults)])
-        return "\n".join(lines) + "\n"
-
-
-# --- the worker thread --------------------------------------------------------------------------
-
-class Worker:
-    """Owns the engine and scheduler. Handlers call try_submit/cancel (thread-safe) and read
-    ("token", id) events (if they asked for tokens) and one ("end", None) from their asyncio.Queue.
-    Events are handed to each event loop once per step in one batch: waking the loop once per
-    token would make it fight the worker for the GIL."""
-
-    def __init__(self, engine: Engine, scheduler: str, metrics: Metrics, capacity: int):
-        self.engine, self.metrics, self.capacity = engine, metrics, capacity
-        self.scheduler = make_scheduler(scheduler, engine)
-        self.inbox: queue.Queue = queue.Queue()
-        self.active: dict[Request, tuple] = {}  # request -> (event loop, asyncio.Queue)
-        self.outbox: list[tuple[Request, tuple]] = []  # events to deliver after this step
-        self.lock = threading.Lock()
-        self.inflight = 0            # submitted and not yet finished (the backpressure count)
-        self.accepting = True
-        self.deadline: float | None = None  # shutdown: fail whatever is still running after this
-        self.stopped = False
-        inner = engine.step
-
-        def counted_step(items):  # batch occupancy by loop, seen at the engine's own entry point
-            metrics.observe_step(items)
-            return inner(items)
-        engine.step = counted_step
-        self.thread = threading.Thread(target=self._run, name="looplm-worker", daemon=True)
-
-    def start(self):
-        self.thread.start()
-
-    def try_submit(self, req: Request, loop, events, tokens: bool) -> bool:
-        """Queue a request unless the server is full or shutting down (then False, nothing queued).
-        With ``tokens``, every generated token is sent as an event (streaming, stop strings)."""
-        if tokens:
-            req.on_token = lambda r, tok: self.outbox.append((r, ("token", tok)))
-        with self.lock:  # queued under the lock: a drain/stop cannot slip between the check and the put
-            if not self.accepting or self.inflight >= self.capacity:
-                return False
-            self.inflight += 1
-            self.inbox.put(("submit", req, (loop, events)))
-        return True
-
-    def cancel(self, req: Request) -> None:
-        self.inbox.put(("cancel", req, None))
-
-    def drain(self, grace: float) -> None:
-        """Stop taking requests; let in-flight ones finish for ``grace`` seconds, then fail them."""
-        with self.lock:
-            self.accepting = False
-        self.deadline = time.monotonic() + grace
-        self.inbox.put(("wake", None, None))
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.drain(0.0)
-        self.stopped = True
-        self.inbox.put(("wake", None, None))
-        self.thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def _run(self):
-        while not (self.stopped and not self.active):
-            try:
-                self._iteration()
-            except Exception as e:  # a bug outside the engine's per-batch guard: fail the running requests
-                with self.metrics.lock:  # (we cannot tell which one caused it) and keep serving the others
-                    self.metrics.worker_faults += 1
-                self._fail_all(f"engine fault: {type(e).__name__}: {e}", running_only=True)
-                self._notify_finished()
-
-    def _iteration(self):
-        self._take_inbox(block=not self.scheduler.has_work())
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            self._fail_all("the server is shutting down; the request was not finished")
-        if self.scheduler.has_work():
-            stats = self.engine.stats
-            t0, before = time.perf_counter(), sum(stats["exits_per_loop"])
-            try:
-                self.scheduler.step()
-            finally:
-                stats["stage_times"].clear()  # the engine keeps per-step timings; a server runs for ever
-                self.metrics.after_step(sum(stats["exits_per_loop"]) - before, time.perf_counter() - t0,
-                                        stats["exits_per_loop"])
-        self._notify_finished()
-        self.metrics.set_load(sum(r.status == "queued" for r in self.scheduler.waiting),
-                              self.engine.cache.num_rows - self.engine.cache.free_rows)
-
-    def _take_inbox(self, block: bool):
-        try:
-            msg = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, req, reply_to = msg
-            if kind == "submit":
-                self.active[req] = reply_to
-                self.scheduler.submit(req)  # an invalid request fails at once; _notify_finished reports it
-            elif kind == "cancel" and req in self.active and not req.finished:
-                self.scheduler.cancel(req)
-            try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _fail_all(self, message: str, running_only: bool = False):
-        for req in list(self.active):
-            if not req.finished and (req.status == "running" or not running_only):
-                self.engine.finish(req, "error", message)
-        self.scheduler.waiting = deque(r for r in self.scheduler.waiting if not r.finished)
-
-    def _notify_finished(self):
-        ended = [r for r in self.active if r.finished]
-        self.outbox += [(r, ("end", None)) for r in ended]
-        by_loop: dict = {}
-        for req, event in self.outbox:
-            loop, events = self.active[req]
-            by_loop.setdefault(loop, []).append((events, event))
-        self.outbox = []
-        for req in ended:
-            del self.active[req]
-            with self.lock:
-                self.inflight -= 1
-            self.metrics.finished(req.status)
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that event loop is closed (shutdown); nobody is left to tell
-                pass
+from .worker import Worker
 
 
 # --- text out -----------------------------------------------------------------------------------
@@ -466,7 +123,7 @@ class LoopServer:
         if body.model != self.opts.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.opts.model_name!r} (see /v1/models)", "model", "model_not_found")
-        _check_unsupported(body)
+        check_unsupported(body)
         ids, where = self._prompt_ids(body)
         if not ids:
             raise APIError(400, "the prompt is empty; give at least one token", where)
@@ -622,23 +279,23 @@ class LoopServer:
         @app.exception_handler(APIError)
         async def _api_error(request, exc: APIError):
             server.metrics.rejected(exc.status)
-            return _error_response(exc)
+            return error_response(exc)
 
         @app.exception_handler(RequestValidationError)
         async def _bad_request(request, exc: RequestValidationError):
             server.metrics.rejected(400)
-            return _error_response(_validation_error(exc))
+            return error_response(validation_error(exc))
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request, exc: StarletteHTTPException):
             server.metrics.rejected(exc.status_code)
             code = "not_found" if exc.status_code == 404 else None
-            return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+            return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
         @app.exception_handler(Exception)
         async def _internal(request, exc: Exception):
             server.metrics.rejected(500)
-            return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, request: HTTPRequest):
@@ -675,10 +332,6 @@ class LoopServer:
 
         return app
 
-
-def _deliver(batch):
-    for events, event in batch:
-        events.put_nowait(event)
 
 
 def _sse(obj) -> str:

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 
 def _shallower(vanilla, layers: list[int], init: str):

@@ -45,19 +45,20 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cli import UsageError
+from ..errors import UsageError
+from ..util import write_json_atomic, write_text_atomic
 from ..convert.recursive import tied_depths
 from ..models.decoder import attention_masks
-from .corpus import PackedCorpus
+from ..data.corpus import PackedCorpus
 from .losses import kd_loss
-from .teacher_cache import TeacherCache, build_cache
+from .teacher_cache import build_cache
 
 LOCAL_MODES = ("parallel", "sequential")
 REPLAN_AFTER = 3  # end-to-end steps timed before a time budget's step count is fixed
@@ -100,10 +101,6 @@ def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (err / target.pow(2).sum(-1).clamp_min(1e-6)).mean()
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def _cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
@@ -212,7 +209,7 @@ class Healer:
         if self.prev is None:  # written first, so that a run killed while caching resumes with --resume
             self.prev = {"config": {f.name: getattr(c, f.name) for f in fields(c)}, "cache": str(cache_dir),
                          "rows": len(self.rows)}
-            _write_json_atomic(out / "run.json", self.prev)
+            write_json_atomic(out / "run.json", self.prev)
         started = time.perf_counter() - self.state["time"]
         self.eval_seconds = 0.0
         self.clock = lambda: time.perf_counter() - started - self.eval_seconds
@@ -222,7 +219,7 @@ class Healer:
             self.state["time"] = self.clock()
         if "plan" not in self.prev:
             self.prev.update(plan=self._plan(), teacher_eval=self.evaluate(self.teacher))
-            _write_json_atomic(out / "run.json", self.prev)
+            write_json_atomic(out / "run.json", self.prev)
         if not self._evals("converted"):
             self._log_eval(tag="converted")
         self.plan = self.prev["plan"]
@@ -246,7 +243,7 @@ class Healer:
                    "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"],
                    "teacher": self.prev["teacher_eval"], "healed": final,
                    "converted": (self._evals("converted") or [None])[0]}
-        _write_json_atomic(out / "heal.json", summary)
+        write_json_atomic(out / "heal.json", summary)
         return summary
 
     # ----- planning: a time budget becomes step counts once
@@ -489,7 +486,7 @@ class Healer:
                  f"(planned {self.plan['e2e_steps']})")
         self.plan.update(e2e_steps=total, e2e_replanned=True, e2e_tokens=total * self.cfg.e2e_batch * self.cfg.seq_len)
         self.prev["plan"] = self.plan
-        _write_json_atomic(Path(self.cfg.out) / "run.json", self.prev)
+        write_json_atomic(Path(self.cfg.out) / "run.json", self.prev)
         return total
 
     # ----- evaluation: held-out perplexity at every loop exit
@@ -569,20 +566,15 @@ class Healer:
         self.tok.save_pretrained(str(tmp))
         if opt is not None:
             torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        _write_json_atomic(tmp / "state.json", self.state)
+        write_json_atomic(tmp / "state.json", self.state)
         final = out / "checkpoints" / name
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        self._write_latest(out, name)
+        write_text_atomic(out / "latest", name + "\n")
         for old in sorted((out / "checkpoints").iterdir(), key=lambda p: p.stat().st_mtime)[:-2]:
             if old.name != name and not old.name.startswith("."):
                 shutil.rmtree(old, ignore_errors=True)
 
-    @staticmethod
-    def _write_latest(out: Path, name: str) -> None:
-        tmp = out / f".latest.tmp-{os.getpid()}"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, out / "latest")
 
     def _load(self, ck: Path) -> None:
         from ..models.checkpoint import load_checkpoint

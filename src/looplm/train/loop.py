@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass, fields
@@ -32,9 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..cli import UsageError
+from ..errors import UsageError
+from ..util import write_json_atomic
 from ..models.loading import tokenizer_fingerprint
-from .corpus import PackedCorpus
+from ..data.corpus import PackedCorpus
+from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, truncate_metrics
+from .data_order import batch_indices, micro_batch, rows_read
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 
 TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed")
@@ -111,31 +113,10 @@ class TrainModule(nn.Module):
                          self_distill=c.self_distill, self_distill_weight=c.self_distill_weight)
 
 
-def batch_indices(step: int, global_batch: int, num_seqs: int, seed: int) -> np.ndarray:
-    """Sequence indices of a step's global batch: epochs of seeded permutations, a pure function of step."""
-    per_epoch = num_seqs // global_batch
-    epoch, offset = divmod(step, per_epoch)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(num_seqs, generator=g).numpy()
-    return perm[offset * global_batch:(offset + 1) * global_batch]
 
 
-def rows_read(records: list[dict], corpus: str, num_seqs: int) -> np.ndarray:
-    """Which training rows of ``corpus`` the model's earlier runs read, by replaying their data order
-    (each record: corpus, seed, global_batch, steps, and whether it read only new rows)."""
-    read = np.zeros(num_seqs, dtype=bool)
-    for r in records:
-        if r["corpus"] != corpus:
-            continue
-        rows = np.flatnonzero(~read) if r["new_rows"] else np.arange(num_seqs)
-        for step in range(r["steps"]):
-            read[rows[batch_indices(step, r["global_batch"], len(rows), r["seed"])]] = True
-    return read
 
 
-def micro_batch(indices: np.ndarray, micro: int, rank: int, world: int, bs: int) -> np.ndarray:
-    start = (micro * world + rank) * bs
-    return indices[start:start + bs]
 
 
 def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
@@ -220,10 +201,6 @@ def estimate_memory(config, n_params: int, teacher_cfg, teacher_params: int, bs:
     return 16 * n_params + 4 * teacher_params + act + logits
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def arch_fingerprint(config) -> dict:
@@ -242,7 +219,7 @@ def _diff(a: dict, b: dict) -> list[str]:
 # the run
 
 
-class Trainer:
+class Trainer(Checkpoints):
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg, self._log = cfg, log
 
@@ -421,15 +398,15 @@ class Trainer:
             (out / "checkpoints").mkdir(parents=True, exist_ok=True)
             for stale in (out / "checkpoints").glob(".*tmp*"):
                 shutil.rmtree(stale, ignore_errors=True)
-            self._truncate_metrics(out / "metrics.jsonl", step)
+            truncate_metrics(out / "metrics.jsonl", step)
             if self.prev_run is None:
-                _write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
+                write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
                                                       "arch": arch_fingerprint(self.model.config),
                                                       "tokenizer": self.corpus.tokenizer, "world": self.world,
                                                       "global_batch": self.global_batch, "seq_len": self.seq,
                                                       "max_steps": self.max_steps, "precision": self.precision})
         acc.wait_for_everyone()
-        tb = self._tensorboard(out) if acc.is_main_process else None
+        tb = tensorboard_writer(out) if acc.is_main_process else None
 
         from tqdm import tqdm
         bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step",
@@ -480,7 +457,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tok_per_s']:.0f}")
                 if acc.is_main_process and (step % c.log_every == 0 or step == self.max_steps):
-                    self._append(out / "metrics.jsonl", rec, tb)
+                    append_metrics(out / "metrics.jsonl", rec, tb)
                 if c.eval_every and (step % c.eval_every == 0 or step == self.max_steps):
                     self._log_eval(out, tb, step, tokens)
                 if (c.save_every and step % c.save_every == 0) or step == self.max_steps:
@@ -549,98 +526,9 @@ class Trainer:
         if ev is None:
             return
         if self.acc.is_main_process:
-            self._append(out / "metrics.jsonl", {"step": step, "tokens": tokens, "eval": True, **ev}, tb)
+            append_metrics(out / "metrics.jsonl", {"step": step, "tokens": tokens, "eval": True, **ev}, tb)
             self.log("held-out perplexity at step %d: %s" % (step, ", ".join(
                 f"loop {k.split('_')[1]} {v:.2f}" for k, v in ev.items() if k.startswith("ppl_"))))
-
-    # ----- checkpoints
-    def _save(self, out: Path, step: int, tokens: int, elapsed: float) -> None:
-        acc = self.acc
-        name = f"step-{step:07d}"
-        tmp = out / "checkpoints" / f".{name}.tmp"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp / "accelerate"), safe_serialization=False)
-        self._export(tmp, step)
-        if acc.is_main_process:
-            _write_json_atomic(tmp / "state.json", {"step": step, "tokens": tokens, "time": elapsed,
-                                                    "global_batch": self.global_batch, "world": self.world,
-                                                    "epoch": step // (len(self.corpus) // self.global_batch)})
-            final = out / "checkpoints" / name
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            _write_json_atomic_text(out / "latest", name)
-            ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if p.is_dir())
-            for old in ckpts[:-self.cfg.keep] if self.cfg.keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-
-    def _export(self, directory: Path, step: int) -> None:
-        """Write the student as a looplm model directory (config.json, model.safetensors, tokenizer), its
-        config recording the rows read up to ``step``. Every process must call it: under FSDP / ZeRO-3
-        gathering the full weights is collective."""
-        from safetensors.torch import save_file
-        sd = self.acc.get_state_dict(self.module)
-        if not self.acc.is_main_process:
-            return
-        directory.mkdir(parents=True, exist_ok=True)
-        lm = self.acc.unwrap_model(self.module).lm
-        sd = {k[len("lm."):]: v for k, v in sd.items() if k.startswith("lm.")}
-        if lm.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        lm.config.conversion = {**(lm.config.conversion or {}),
-                                "training": self.prior_training + [self.training_record(step)]}
-        lm.config.save_pretrained(str(directory))
-        save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
-        self.tok.save_pretrained(str(directory))
-
-    def _load(self, ck: Path) -> tuple[int, int, float]:
-        state = json.loads((ck / "state.json").read_text())
-        if state["global_batch"] != self.global_batch:
-            raise UsageError(f"checkpoint {ck} was trained with global batch {state['global_batch']}, this run has "
-                             f"{self.global_batch}; keep batch-size x grad-accum x processes the same")
-        self.acc.load_state(str(ck / "accelerate"))
-        return int(state["step"]), int(state["tokens"]), float(state["time"])
-
-    # ----- metrics
-    @staticmethod
-    def _truncate_metrics(path: Path, step: int) -> None:
-        if not path.exists():
-            return
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            if rec.get("step", 0) < step or (rec.get("step", 0) == step and step > 0):
-                keep.append(line)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
-
-    @staticmethod
-    def _append(path: Path, rec: dict, tb) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-        if tb is not None:
-            prefix = "eval" if rec.get("eval") else "train"
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "eval"):
-                    tb.add_scalar(f"{prefix}/{k}", v, rec["step"])
-
-    @staticmethod
-    def _tensorboard(out: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-        return SummaryWriter(str(out / "tb"))
 
 
 class _null:
@@ -651,10 +539,6 @@ class _null:
         return False
 
 
-def _write_json_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
 
 
 def train(cfg: TrainConfig, log=print) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 
 def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cli import UsageError
-from .corpus import PackedCorpus, sha256_file
+from ..errors import UsageError
+from ..util import write_json_atomic
+from ..data.corpus import PackedCorpus, sha256_file
 
 FORMAT = 1
 
@@ -47,10 +48,6 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 class TeacherCache:
@@ -144,6 +141,6 @@ def build_cache(teacher, corpus: PackedCorpus, directory: str | Path, rows: np.n
     states.flush()
     del states
     os.replace(tmp, d / "states.bin")
-    _write_json_atomic(d / "meta.json", {**key, "shape": list(shape), "dtype": "bfloat16",
+    write_json_atomic(d / "meta.json", {**key, "shape": list(shape), "dtype": "bfloat16",
                                          "sha256": sha256_file(d / "states.bin")})
     return TeacherCache(d, verify=False)

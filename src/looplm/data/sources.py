@@ -24,7 +24,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 DEFAULT_SOURCES = ("austen", "kjv", "shakespeare", "python-docs")
 # name -> how to fetch it, and a one-line description for `looplm data build --help`
@@ -225,7 +225,7 @@ def resolve_sources(spec: str, refresh: bool = False, log=print) -> dict[str, tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m looplm.train.sources [NAMES]`: fetch and cache sources (what scripts/fetch_corpora.sh runs)."""
+    """`python -m looplm.data.sources [NAMES]`: fetch and cache sources (what scripts/fetch_corpora.sh runs)."""
     names = (argv if argv is not None else sys.argv[1:]) or list(DEFAULT_SOURCES)
     for name in names:
         docs, digest = fetch_source(name)

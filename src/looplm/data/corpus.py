@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import UsageError
+from ..errors import UsageError
+from ..util import write_json_atomic
 from ..models.loading import tokenizer_fingerprint
 from .sources import resolve_sources, sha256_file
 
@@ -93,10 +94,6 @@ def _write_atomic(path: Path, array: np.ndarray) -> str:
     return sha256_file(path)
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(("austen", "kjv", "shakespeare",
@@ -166,7 +163,7 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
                                  "sources": list(meta["sources"])}
     if meta["splits"]["train"]["seqs"] == 0:
         raise UsageError(f"the corpus has no training sequences of {seq_len} tokens; add text or lower --seq-len")
-    _write_json_atomic(out / "meta.json", meta)
+    write_json_atomic(out / "meta.json", meta)
     return meta
 
 

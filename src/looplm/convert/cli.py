@@ -1,20 +1,13 @@
-"""Core subcommands: convert, info."""
+"""Conversion subcommands: convert, unroll, info."""
 
 from __future__ import annotations
 
-import argparse
 import sys
-from importlib import resources
 from pathlib import Path
 
-from .cli import Timer, UsageError, print_json, read_text_arg
-
-HELDOUT_SAMPLE = "heldout_sample.txt"  # Milton, Paradise Regained book II (public domain); not in any training split
-
-
-def sample_text() -> str:
-    return resources.files("looplm").joinpath("data", HELDOUT_SAMPLE).read_text(encoding="utf-8")
-
+from ..data import sample_text
+from ..errors import UsageError
+from ..util import Timer, print_json, read_text_arg
 
 def register(sub) -> None:
     p = sub.add_parser("convert", help="convert a pretrained model into a (Relaxed) Recursive Transformer")
@@ -58,13 +51,13 @@ def register(sub) -> None:
 
 
 def _ppl(model, tok, text, max_tokens):
-    from .eval.perplexity import perplexity
+    from ..eval.perplexity import perplexity
     return perplexity(model, tok, text, seq_len=512, max_tokens=max_tokens)
 
 
 def cmd_convert(args) -> int:
-    from .convert import convert, count_parameters, parse_lora_ranks
-    from .models import load_model, save_model
+    from . import convert, count_parameters, parse_lora_ranks
+    from ..models import load_model, save_model
 
     ranks = parse_lora_ranks(args.lora_ranks, args.lora_rank)
     text = read_text_arg(args.text) if args.text else sample_text()
@@ -109,8 +102,8 @@ def _calibration(args, vanilla, tok, heldout: str):
     """Input statistics of the original model on --calib-text / --calib-data (None without them)."""
     if not (args.calib_text or args.calib_data):
         return None
-    from .convert import aware
-    from .models import ConfigError
+    from . import aware
+    from ..models import ConfigError
     try:
         texts, paths = aware.read_calibration_texts(args.calib_text, args.calib_data)
     except ConfigError as e:
@@ -131,8 +124,8 @@ def _calibration(args, vanilla, tok, heldout: str):
 
 
 def cmd_info(args) -> int:
-    from .convert import describe
-    from .models import load_model
+    from . import describe
+    from ..models import load_model
     model, _ = load_model(args.model)
     info = describe(model)
     if args.json:
@@ -149,8 +142,8 @@ def cmd_info(args) -> int:
 
 
 def cmd_unroll(args) -> int:
-    from .convert import count_parameters, unroll
-    from .models import load_model, save_model
+    from . import count_parameters, unroll
+    from ..models import load_model, save_model
     model, tok = load_model(args.model)
     dense = unroll(model)
     save_model(dense, tok, args.out)

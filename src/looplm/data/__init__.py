@@ -1,0 +1,13 @@
+"""Training corpora (fetch, split held-out text by block, tokenise, pack; `corpus.py`, `sources.py`)
+and the packaged held-out sample text. Train, eval and serve read corpora from here."""
+
+from importlib import resources
+
+HELDOUT_SAMPLE = "heldout_sample.txt"  # Milton, Paradise Regained book II (public domain); not in any training split
+
+
+def sample_text() -> str:
+    return resources.files("looplm").joinpath("data", HELDOUT_SAMPLE).read_text(encoding="utf-8")
+
+
+__all__ = ["HELDOUT_SAMPLE", "sample_text"]
