@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.models import load_model
-from looplm.train.corpus import PackedCorpus
+from looplm.data.corpus import PackedCorpus
 
 
 @torch.no_grad()
