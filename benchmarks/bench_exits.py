@@ -10,7 +10,7 @@ full-depth greedy choice given the same prefix (teacher-forced, as in `looplm be
 `--looped` takes several models, comma-separated (e.g. the B=2 and B=3 exit models side by side in one
 run); their configurations are then named by B, or by directory when two share a B.
 
-The trace is `bench serve`'s (held-out Milton text, seed 0); defaults are the trace of docs/BENCHMARKS.md
+The trace is `bench serve`'s (held-out Milton text, seed 0); defaults are the trace of docs/history/BENCHMARKS-serving-2026-11-22-23.md
 "With an early-exit-trained model" (12 requests, prompts 16-64, outputs 8-40, 6 KV rows, all at once).
 """
 
