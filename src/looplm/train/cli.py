@@ -100,7 +100,7 @@ def cmd_heal(args) -> int:
     r = heal(cfg)
     conv = r["converted"]["ppl"] if r["converted"] else float("nan")
     print(f"held-out perplexity ({r['healed']['eval_tokens']} tokens): original {r['teacher']['ppl']:.2f}, "
-          f"converted {conv:,.2f}, healed {r['healed']['ppl']:.2f} "
+          f"converted {conv:,.2f}, healed {r['healed']['ppl']:,.2f} "
           f"(loop exits: {', '.join(f'{p:,.2f}' for p in r['healed']['ppl_per_loop'])})")
     print(f"healed in {r['minutes']:.1f} min; wrote {r['final']} and {Path(r['out']) / 'heal.png'}")
     return 0

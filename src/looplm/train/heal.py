@@ -273,6 +273,9 @@ class Healer:
                 "e2e_tokens": e2e_steps * per_e2e, "loops": B, "shared_layers": K}
         self.log(f"plan: {visits} local visits x {per_visit} steps ({local_steps * per_local:,} tokens per shared layer), "
                  f"{e2e_steps} end-to-end steps ({e2e_steps * per_e2e:,} tokens)")
+        if local_steps == 0 and e2e_steps == 0:
+            self.log("warning: the budget leaves no training step after the teacher cache; the model is saved as "
+                     "converted. Give a larger --budget-minutes (or --tokens) to heal it")
         return plan
 
     def plan_propagation_seconds(self, t_local: float) -> float:
