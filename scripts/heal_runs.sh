@@ -6,6 +6,7 @@
 #                 2-core machine, docs/FINDINGS.md issue 3)
 # Runs (RUNS, space separated; default all, in this order):
 #   b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64
+# and the local-share lever (not in the default list): b2-r64-ls25, B=2 rank 64 with --local-share 0.25
 # Resumable: rerun to continue a killed run; finished runs are skipped. Environment: OUT, MINUTES, RUNS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +24,10 @@ corpus() {  # corpus for a model: SmolLM2 and Gemma tokenise differently
 }
 
 for r in $RUNS; do
+  extra=""
   case $r in
     b2-r64)  model=smollm2-135m loops=2 rank=64 ;;
+    b2-r64-ls25) model=smollm2-135m loops=2 rank=64 extra="--local-share 0.25" ;;
     b2-r128) model=smollm2-135m loops=2 rank=128 ;;
     b2-r0)   model=smollm2-135m loops=2 rank=0 ;;
     b3-r64)  model=smollm2-135m loops=3 rank=64 ;;
@@ -54,5 +57,5 @@ for r in $RUNS; do
   if [ -f "$run/heal.json" ]; then echo "$r: done"; continue; fi
   resume=""; [ -f "$run/run.json" ] && resume="--resume"
   $LOOPLM heal "$student" --teacher $model --data "$data" --out "$run" --budget-minutes "$MINUTES" \
-      --no-progress $resume
+      --no-progress $extra $resume
 done
