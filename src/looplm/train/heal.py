@@ -58,6 +58,7 @@ from ..convert.recursive import tied_depths
 from ..models.decoder import attention_masks
 from ..data.corpus import PackedCorpus
 from .losses import kd_loss
+from .loop import resolve_precision
 from .teacher_cache import build_cache
 
 LOCAL_MODES = ("parallel", "sequential")
@@ -82,7 +83,8 @@ class HealConfig:
     e2e_batch: int = 2
     e2e_lr: float = 1e-4
     hidden_weight: float = 1.0
-    exit_weight: float = 0.2
+    exit_weight: float = 0.0         # intermediate-exit KD on the body (0: the body copies the original)
+    precision: str = "auto"          # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
     grad_clip: float = 1.0
     eval_rows: int = 16
     eval_every_seconds: float = 300.0
@@ -92,7 +94,7 @@ class HealConfig:
     progress: bool = True
 
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
-             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed")
+             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed", "precision")
 
 
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -176,6 +178,11 @@ class Healer:
                              f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)")
         self.student, self.teacher, self.tok = student, teacher.eval().requires_grad_(False), tok
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.bf16 = resolve_precision(c.precision, self.device) == "bf16"
+
+    def autocast(self):
+        """bf16 autocast for the training forward passes (weights, optimizer state and evaluations stay fp32)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _check_not_heldout(self) -> None:
         """The training slice must not contain held-out text: no cached row may equal a held-out row."""
@@ -331,7 +338,9 @@ class Healer:
         for d in depths:
             x = inputs[d][idx].float() if d in inputs else self.cache.inputs(d, idx)
             y = self.cache.outputs(d, idx).to(self.device)
-            loss = loss + relative_error(self._run_depth(model, d, x.to(self.device)), y) / len(depths)
+            with self.autocast():
+                pred = self._run_depth(model, d, x.to(self.device))
+            loss = loss + relative_error(pred, y) / len(depths)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.model.layers[layer].parameters(), self.cfg.grad_clip)
@@ -343,7 +352,8 @@ class Healer:
         """The student's states after depth d for every cached row (in chunks), bfloat16 on the host."""
         out = torch.empty_like(h)
         for s in range(0, h.shape[0], 8):
-            out[s:s + 8] = self._run_depth(model, d, h[s:s + 8].float().to(self.device)).to(torch.bfloat16).cpu()
+            with self.autocast():
+                out[s:s + 8] = self._run_depth(model, d, h[s:s + 8].float().to(self.device)).to(torch.bfloat16).cpu()
         return out
 
     def local_stage(self) -> None:
@@ -417,8 +427,10 @@ class Healer:
         L, K = cfg.num_hidden_layers, cfg.num_shared_layers
         with torch.no_grad():
             teacher_logits = self.teacher.exit_logits(self.cache.boundary(L, idx).to(self.device))
-        _, depth_states, _ = model.model(ids, output_depth_states=True)
-        parts = {"kd": kd_loss(model.exit_logits(depth_states[-1]), teacher_logits)}
+        with self.autocast():
+            _, depth_states, _ = model.model(ids, output_depth_states=True)
+            final_logits = model.exit_logits(depth_states[-1])
+        parts = {"kd": kd_loss(final_logits, teacher_logits)}
         loss = parts["kd"]
         if c.hidden_weight:
             # The state after an intermediate loop is an exit too: with an exit term it is left free to
@@ -430,7 +442,9 @@ class Healer:
             loss = loss + c.hidden_weight * hid
         if c.exit_weight and cfg.num_loops > 1:
             for i in range(1, cfg.num_loops):
-                parts[f"kd_exit{i}"] = kd_loss(model.exit_logits(depth_states[i * K - 1]), teacher_logits)
+                with self.autocast():
+                    exit_logits = model.exit_logits(depth_states[i * K - 1])
+                parts[f"kd_exit{i}"] = kd_loss(exit_logits, teacher_logits)
                 loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
         for grp in opt.param_groups:
             grp["lr"] = lr
