@@ -220,6 +220,32 @@ def test_engine_exit_logits_use_the_adapter_of_the_loop(kind, rank, policy):
     assert differs, "the adapter should change some loop-1 exit, or this test cannot fail"
 
 
+def test_probe_data_and_oracle_trajectories_use_the_adapter():
+    """The exit probe's labels and the simulation's oracle exits read loop i's exit with its adapter."""
+    from looplm.serve.hypothetical import oracle_trajectories
+    from looplm.serve.probe import collect
+    from looplm.train.exit_fit import fit_exit_adapter
+    model = relaxed_with("head-lora", 8)
+    rows = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(6)).tolist()
+    # fitted toward the final loop on these rows: the exits of loops 1 and 2 then often agree with it
+    fit_states = [s.flatten(0, 1) for s in loop_states(model, torch.tensor(rows))]
+    with torch.no_grad():
+        final = model.exit_logits(fit_states[-1])
+    fit_exit_adapter(model, fit_states, final, steps=100, lr=3e-2, batch_rows=36)
+    _, labels, args = collect(model, rows)
+    states = [s[0] for s in loop_states(model, torch.tensor(rows[:1]))]
+    with torch.no_grad():
+        want = torch.stack([model.exit_logits(h, loop=i).argmax(-1) for i, h in enumerate(states)])
+        plain = torch.stack([model.exit_logits(h).argmax(-1) for h in states])
+    assert torch.equal(args[:, :12], want) and not torch.equal(want, plain)
+    assert torch.equal(labels[:, :12], want[:-1] == want[-1])
+    traj = oracle_trajectories(model, rows[0], prefix_len=2, decode_len=10, samples=1)[0]
+
+    def oracle(arg):  # the first loop whose argmax is the final one
+        return [next(i + 1 for i in range(3) if arg[i, t] == arg[2, t]) for t in range(1, 11)]
+    assert traj == oracle(want) and oracle(want) != oracle(plain)
+
+
 # --- evaluation ------------------------------------------------------------------------------------
 
 def test_perplexity_per_loop_uses_the_adapter():
@@ -243,6 +269,51 @@ def test_perplexity_per_loop_uses_the_adapter():
                                                     torch.tensor(windows[j][1:]), reduction="sum")
                   for j in range(len(windows)))
     assert adapted["per_loop"][0]["perplexity"] == pytest.approx(float(torch.exp(nll / (11 * 5))), rel=1e-5)
+
+
+def test_lm_eval_static_exits_and_exit_rules_use_the_adapter(smollm2_tokenizer):
+    """The lm-eval model scores loop 1 with loop 1's adapter (= forward(num_loops=1), which applies it),
+    through the static exit, the exit rule and greedy generation; without the adapter the scores differ."""
+    from lm_eval.api.instance import Instance
+
+    from looplm.eval.lm_eval_adapter import LoopLMEval
+    tok = smollm2_tokenizer
+    torch.manual_seed(0)
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SMALL, "vocab_size": 49152, "num_hidden_layers": 4})).eval()
+    plain = convert(vanilla, loops=2, init="average", lora_ranks=4)
+    model = convert(vanilla, loops=2, init="average", lora_ranks=4)
+    add_exit_adapters(model, "head-lora", 8)
+    trained(model, scale=0.5)
+    pairs = [("The cat sat on the", " mat"), ("Question: Which is the largest planet?\nAnswer:", " Jupiter, by far")]
+    reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+
+    def forward_loglik(m, ctx, cont):
+        with torch.no_grad():
+            logp = m(torch.tensor([ctx + cont]), num_loops=1).logits[0].float().log_softmax(-1)
+        return float(logp[torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1), torch.tensor(cont)].sum())
+
+    lm = LoopLMEval(pretrained=model, tokenizer=tok, exit_loop=1, batch_size=2)
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    base = LoopLMEval(pretrained=plain, tokenizer=tok, exit_loop=1, batch_size=2).loglikelihood(reqs, disable_tqdm=True)
+    for (c, x), (ll, _), (ll_plain, _) in zip(pairs, got, base):
+        ctx, cont = lm._encode_pair(c, x)
+        assert ll == pytest.approx(forward_loglik(model, ctx, cont), abs=2e-4)
+        assert abs(ll - ll_plain) > 1e-2
+    rule = LoopLMEval(pretrained=model, tokenizer=tok, batch_size=2,
+                      exit_rule=lambda logits, loop: torch.ones(len(logits), dtype=torch.bool))
+    rule.use_exit_rule = True
+    assert [a[0] for a in rule.loglikelihood(reqs, disable_tqdm=True)] == pytest.approx([a[0] for a in got], abs=2e-4)
+    out = lm.generate_until([Instance("generate_until", {}, ("Once upon a time", {"until": ["\n\n"],
+                                                                                    "max_gen_toks": 5}), 0)])[0]
+    ids = lm.tok_encode("Once upon a time")
+    n0 = len(ids)
+    with torch.no_grad():
+        for _ in range(5):
+            nxt = int(model(torch.tensor([ids]), num_loops=1).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            ids.append(nxt)
+    assert out == tok.decode(ids[n0:], skip_special_tokens=True).split("\n\n")[0]
 
 
 # --- training --------------------------------------------------------------------------------------
@@ -321,3 +392,33 @@ def test_bad_train_flags_are_one_line_errors(setup, capsys):
     _fails(capsys, *base, "--out", tmp / "e5", "--early-exit", "aggressive", "--exit-adapter", "affine",
            "--freeze-body", "--train", "lora", match="drop --train")
     assert not any((tmp / f"e{i}").exists() for i in range(1, 6))
+
+
+@pytest.mark.parametrize("kind,rank", SPECS)
+def test_fit_exit_adapter_on_cached_states(kind, rank):
+    """Fitting on cached states: loop 1's exit moves toward the target (the final loop's logits, or token
+    ids), the final exit and every other parameter stay as they were, and no other .grad is touched."""
+    from looplm.train.exit_fit import fit_exit_adapter
+    model = relaxed_with(kind, rank)
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(5))
+    states = [s.flatten(0, 1) for s in loop_states(model, ids)]
+    body = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("exit_adapter.")}
+    with torch.no_grad():
+        final = model.exit_logits(states[-1])
+        start = [float(torch.nn.functional.kl_div(model.exit_logits(s, loop=i).log_softmax(-1),
+                                                  final.log_softmax(-1), log_target=True, reduction="batchmean"))
+                 for i, s in enumerate(states[:-1])]
+    end = fit_exit_adapter(model, states, final, steps=60, lr=1e-2, batch_rows=32)
+    assert len(end) == 2 and all(e < 0.7 * s for s, e in zip(start, end)), (start, end)
+    for n, p in model.named_parameters():
+        if not n.startswith("exit_adapter."):
+            assert torch.equal(p, body[n]) and p.grad is None, n
+    with torch.no_grad():
+        assert torch.equal(model.exit_logits(states[-1], loop=2), final)
+    targets = ids[:, 1:].flatten()
+    ce = fit_exit_adapter(model, [s.view(4, 16, -1)[:, :-1].flatten(0, 1) for s in states], targets, steps=5)
+    assert len(ce) == 2
+    with pytest.raises(UsageError, match="no exit adapter"):
+        fit_exit_adapter(relaxed(), states, final)
+    with pytest.raises(UsageError, match="intermediate loops"):
+        fit_exit_adapter(model, states[:1], final)
