@@ -94,7 +94,7 @@ class ExitAdapter(nn.Module):
         for i in range(self.num_exits):
             idx = (loops == i).nonzero(as_tuple=True)[0]
             if idx.numel():
-                flat_out = flat_out.index_add(0, idx, fn(flat_src.index_select(0, idx), i))
+                flat_out = flat_out.index_add(0, idx, fn(flat_src.index_select(0, idx), i).to(flat_out.dtype))
         return flat_out.reshape(out.shape)
 
     def adapt_hidden(self, h: torch.Tensor, loop) -> torch.Tensor:
