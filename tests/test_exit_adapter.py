@@ -361,6 +361,25 @@ def test_freeze_body_trains_only_the_adapter(setup, spec):
         assert torch.equal(after(ids).logits, before(ids).logits)
 
 
+def test_frozen_run_resumes_and_older_run_files_still_resume(setup):
+    import json
+    tmp, models, corpus = setup
+    out = tmp / "resume"
+    cfg = dict(model=str(models["student"]), data=str(corpus), out=str(out), batch_size=2, early_exit="aggressive",
+               exit_adapter="affine", freeze_body=True, save_every=1, precision="fp32", progress=False)
+    train(TrainConfig(max_steps=1, **cfg), lambda *a: None)
+    assert train(TrainConfig(max_steps=2, resume=True, **cfg), lambda *a: None)["steps"] == 2
+    with pytest.raises(UsageError, match="freeze_body"):
+        train(TrainConfig(max_steps=3, resume=True, **{**cfg, "freeze_body": False}), lambda *a: None)
+    # a run.json written before the options existed resumes with their defaults
+    run = json.loads((out / "run.json").read_text())
+    for k in ("exit_adapter", "freeze_body"):
+        run["config"].pop(k)
+    (out / "run.json").write_text(json.dumps(run))
+    with pytest.raises(UsageError, match="exit_adapter: None -> 'affine'"):
+        train(TrainConfig(max_steps=3, resume=True, **cfg), lambda *a: None)
+
+
 def test_training_with_an_adapter_and_the_body_updates_both(setup):
     tmp, models, corpus = setup
     out = tmp / "unfrozen"

@@ -86,8 +86,8 @@ class TrainConfig:
 
     # Settings that must not change between a run and its resume.
     FIXED = ("data", "teacher", "kd", "kd_weight", "kd_temperature", "early_exit", "exit_coef", "self_distill",
-             "self_distill_weight", "exit_adapter", "freeze_body", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "weight_decay",
-             "beta1", "beta2", "train", "seed", "data_rows")
+             "self_distill_weight", "exit_adapter", "freeze_body", "batch_size", "grad_accum", "seq_len", "lr",
+             "min_lr_ratio", "weight_decay", "beta1", "beta2", "train", "seed", "data_rows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,9 +278,11 @@ class Trainer(Checkpoints):
             latest = (out / "latest").read_text().strip() if (out / "latest").exists() else None
             c.model = c.model or prev_run["config"]["model"]
             c.data_rows = c.data_rows or prev_run["config"].get("data_rows", "all")  # runs from before the option
-            changed = [k for k in TrainConfig.FIXED if prev_run["config"].get(k) != getattr(c, k)]
+            # a setting missing from an older run.json had its default then (data_rows: all)
+            was = {**{k: TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.FIXED}, "data_rows": "all",
+                   **prev_run["config"]}
+            changed = [k for k in TrainConfig.FIXED if was.get(k) != getattr(c, k)]
             if changed:
-                was = prev_run["config"]
                 what = ", ".join(f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed)
                 raise UsageError(f"--resume with different settings ({what}); use the run's settings or a new --out")
         elif c.resume and out.exists() and any(out.iterdir()):
