@@ -443,7 +443,7 @@ class Healer:
         if c.exit_weight and cfg.num_loops > 1:
             for i in range(1, cfg.num_loops):
                 with self.autocast():
-                    exit_logits = model.exit_logits(depth_states[i * K - 1])
+                    exit_logits = model.exit_logits(depth_states[i * K - 1], loop=i - 1)
                 parts[f"kd_exit{i}"] = kd_loss(exit_logits, teacher_logits)
                 loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
         for grp in opt.param_groups:
@@ -521,7 +521,7 @@ class Healer:
             ids = torch.from_numpy(np.asarray(held[i:i + 1, :self.cfg.seq_len], dtype=np.int64)).to(self.device)
             _, states, _ = model.model(ids, output_loop_states=True)
             for j, h in enumerate(states):
-                logits = model.exit_logits(h[0, :-1]).float()
+                logits = model.exit_logits(h[0, :-1], loop=j).float()
                 nll[j] += F.cross_entropy(logits, ids[0, 1:], reduction="sum").double().cpu()
             count += ids.shape[1] - 1
         self.eval_seconds = getattr(self, "eval_seconds", 0.0) + time.perf_counter() - t0
