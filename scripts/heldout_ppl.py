@@ -8,27 +8,18 @@ ROWS rows of a corpus's held-out split, SEQ_LEN tokens each (the heal.json and h
 from __future__ import annotations
 
 import argparse
-import math
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-from looplm.models import load_model
 from looplm.data.corpus import PackedCorpus
+from looplm.eval.perplexity import score_windows
+from looplm.models import load_model
 
 
-@torch.no_grad()
-def heldout_ppl(model, held, rows: int, seq_len: int) -> list[float]:
-    model.eval()
-    nll, count = torch.zeros(model.config.num_loops, dtype=torch.float64), 0
-    for i in range(min(rows, len(held))):
-        ids = torch.from_numpy(np.asarray(held[i:i + 1, :seq_len], dtype=np.int64))
-        _, states, _ = model.model(ids, output_loop_states=True)
-        for j, h in enumerate(states):
-            nll[j] += F.cross_entropy(model.exit_logits(h[0, :-1], loop=j).float(), ids[0, 1:], reduction="sum").double()
-        count += ids.shape[1] - 1
-    return [math.exp(min(float(x) / count, 50.0)) for x in nll]
+def heldout_ppl(model, tok, held, rows: int, seq_len: int) -> list[float]:
+    """Perplexity at every loop exit on the first ``rows`` held-out rows (the rows `looplm heal` scores)."""
+    windows = [np.asarray(held[i, :seq_len], dtype=np.int64).tolist() for i in range(min(rows, len(held)))]
+    return [x["perplexity"] for x in score_windows(model.eval(), tok, windows, batch_size=1)["per_loop"]]
 
 
 def main() -> None:
@@ -40,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     held = PackedCorpus(args.corpus).splits["heldout"]
     for path in args.models:
-        ppl = heldout_ppl(load_model(path)[0], held, args.rows, args.seq_len)
+        ppl = heldout_ppl(*load_model(path), held, args.rows, args.seq_len)
         print(f"{path}: " + ", ".join(f"loop {i + 1} {p:,.2f}" for i, p in enumerate(ppl)))
 
 

@@ -28,7 +28,8 @@ $LOOPLM data build --model "$MODEL" --seq-len 512 --out "$CORPUS" --no-progress
 $LOOPLM data text "$CORPUS" --rows 16 --out "$OUT/calib"
 [ -f "$STUDENT/config.json" ] || $LOOPLM convert --model "$MODEL" --loops "$LOOPS" --lora-rank "$RANK" \
   --init average --lora-init aware-svd --norms per-depth --calib-data "$OUT/calib" --calib-tokens 8192 --ppl-tokens 0 --out "$STUDENT"
-# 3. Healing: layer-local distillation, then end to end, from the original model.
+# 3. Healing: layer-local distillation, then end to end, from the original model; then an exit adapter
+#    that makes the exit after loop 1 usable (docs/TRAINING.md, section 5a).
 RESUME=""
 [ -f "$HEAL/run.json" ] && RESUME=--resume
 $LOOPLM heal "$STUDENT" --teacher "$MODEL" --data "$CORPUS" --out "$HEAL" --budget-minutes "$HEAL_MINUTES" \
