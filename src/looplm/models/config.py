@@ -84,6 +84,7 @@ class LoopLMConfig(PretrainedConfig):
         sharing: str = "cycle",
         per_depth_vectors: bool = False,
         lora_ranks: dict | None = None,
+        prefix_length: int = 0,
         conversion: dict | None = None,
         **kwargs,
     ):
@@ -125,6 +126,9 @@ class LoopLMConfig(PretrainedConfig):
         # and the only way a full-rank relaxed model reproduces the original exactly.
         self.per_depth_vectors = per_depth_vectors
         self.lora_ranks = {g: int((lora_ranks or {}).get(g, 0)) for g in LORA_GROUPS}
+        # Per-depth prefix (paper appendix G): P learned vectors per depth whose keys and values every
+        # query of that depth attends to; 0 = none.
+        self.prefix_length = prefix_length
         # Free-form record of how the model was made (source, init, ...), for reports.
         self.conversion = conversion or {}
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
@@ -166,5 +170,7 @@ class LoopLMConfig(PretrainedConfig):
             )
         if "sliding" in self.depth_attention and not self.sliding_window_size:
             raise ConfigError("sliding attention depths need sliding_window_size")
+        if not isinstance(self.prefix_length, int) or self.prefix_length < 0:
+            raise ConfigError(f"prefix_length must be a whole number >= 0, got {self.prefix_length!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
