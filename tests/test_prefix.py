@@ -113,6 +113,21 @@ def test_prefix_attention_equals_a_reference_written_by_hand():
         assert (model(ids).logits.double() - want).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma-sliding"])
+def test_prefix_keys_are_unrotated_token_keys(kind):
+    """A prefix vector's key and value are those of a token whose attention input is that vector (k/v
+    projection, LoRA, bias, Gemma 3's k-norm) at rotation angle zero."""
+    model = _prefixed(**(GEMMA_LIKE if kind != "llama" else {}))
+    attn, c = model.model.layers[1].attn, model.config
+    with torch.no_grad():
+        for slot in range(2):
+            x = attn.prefix[slot][None]
+            cos, sin = torch.ones(1, x.shape[1], c.head_dim), torch.zeros(1, x.shape[1], c.head_dim)
+            _, k, v = attn.project(x, slot, cos, sin)
+            pk, pv = attn.prefix_kv(slot)
+            assert torch.equal(pk, k) and torch.equal(pv, v)
+
+
 def full_depth_greedy(model, prompt, n):
     """Reference decoding: the whole sequence through the model's forward, no cache, for every token."""
     ids = list(prompt)
