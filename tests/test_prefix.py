@@ -240,7 +240,7 @@ def _serve(model, ps, lens, scheduler, **engine_kw):
     """Requests arrive one per step (deterministic mid-flight arrivals, so depth-wise steps mix loops)."""
     engine = Engine(model, max_batch=3, max_seq_len=48, **engine_kw)
     sched = make_scheduler(scheduler, engine)
-    reqs, pending = [Request(p, n) for p, n in zip(ps, lens)], None
+    reqs = [Request(p, n) for p, n in zip(ps, lens)]
     pending = list(reqs)
     for _ in range(1000):
         if pending:
@@ -295,7 +295,8 @@ def hf_dir(tmp_path_factory, smollm2_tokenizer):
     import transformers as T
     from conftest import SMALL
     torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(**{**SMALL, "vocab_size": len(smollm2_tokenizer)}, tie_word_embeddings=True))
+    config = T.LlamaConfig(**{**SMALL, "vocab_size": len(smollm2_tokenizer)}, tie_word_embeddings=True)
+    model = T.LlamaForCausalLM(config)
     d = tmp_path_factory.mktemp("hf") / "tiny-llama"
     model.save_pretrained(d)
     smollm2_tokenizer.save_pretrained(d)
