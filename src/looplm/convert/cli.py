@@ -19,9 +19,14 @@ def register(sub) -> None:
     p.add_argument("--norms", default=None,
                    help="tied-avg | tied-choice | tied-zero | per-depth (default: follows --init: tied-choice "
                         "for stepwise/lower, which copy one layer, tied-avg for average/aware)")
-    p.add_argument("--lora-rank", default="64", help="rank of every per-depth LoRA (0 = plain recursive, 'full')")
+    p.add_argument("--relax", default="lora", choices=["lora", "prefix"],
+                   help="per-depth relaxation: LoRA (section 2.3) or learned prefixes (appendix G)")
+    p.add_argument("--lora-rank", default=None,
+                   help="rank of every per-depth LoRA (0 = plain recursive, 'full'; default 64, 0 with --relax prefix)")
     p.add_argument("--lora-ranks", default=None, help="per-group ranks, e.g. q=128,kv=64,out=128,ffn=256")
     p.add_argument("--lora-init", default="svd", help="svd | zero | aware-svd (needs --calib-text/--calib-data)")
+    p.add_argument("--prefix-length", type=int, default=None,
+                   help="with --relax prefix: learned prefix vectors per depth (default 64)")
     p.add_argument("--out", default=None, help="output directory (default: out/<model>-b<loops>-r<rank>)")
     p.add_argument("--text", default=None, help="held-out text for the before/after perplexity")
     p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens of held-out text to score (0 = skip)")
@@ -59,15 +64,18 @@ def cmd_convert(args) -> int:
     from . import convert, count_parameters, parse_lora_ranks
     from ..models import load_model, save_model
 
-    ranks = parse_lora_ranks(args.lora_ranks, args.lora_rank)
+    rank, prefix = _relaxation(args)
+    ranks = parse_lora_ranks(args.lora_ranks, rank)
     text = read_text_arg(args.text) if args.text else sample_text()
-    out = Path(args.out) if args.out else Path("out") / f"{Path(args.model).name}-b{args.loops}-r{args.lora_rank}"
+    name = f"{Path(args.model).name}-b{args.loops}-r{rank}" + (f"-p{prefix}" if prefix else "")
+    out = Path(args.out) if args.out else Path("out") / name
     with Timer() as t_load:
         vanilla, tok = load_model(args.model)
     calibration = _calibration(args, vanilla, tok, text)
     with Timer() as t_conv:
         model = convert(vanilla, loops=args.loops, strategy=args.strategy, init=args.init, norms=args.norms,
-                        lora_ranks=ranks, lora_init=args.lora_init, seed=args.seed, calibration=calibration)
+                        lora_ranks=ranks, lora_init=args.lora_init, seed=args.seed, calibration=calibration,
+                        prefix_length=prefix)
     for group, (asked, used) in model.config.conversion.get("capped_ranks", {}).items():
         print(f"looplm convert: note: LoRA rank {asked} for group {group} is capped at {used}, the min(in, out) "
               f"of its linears (a higher rank adds nothing)", file=sys.stderr)
@@ -75,7 +83,8 @@ def cmd_convert(args) -> int:
     before, after = count_parameters(vanilla), count_parameters(model)
     result = {"out": str(out), "load_seconds": round(t_load.seconds, 2), "convert_seconds": round(t_conv.seconds, 2),
               "n_emb_before": before["n_emb"], "n_emb_after": after["n_emb"],
-              "total_before": before["total"], "total_after": after["total"], "lora_ranks": model.config.lora_ranks}
+              "total_before": before["total"], "total_after": after["total"], "lora_ranks": model.config.lora_ranks,
+              "prefix_length": prefix, "prefix_params": after["prefix"]}
     if calibration is not None:
         result["calibration"] = calibration.summary()
     if args.ppl_tokens:
@@ -87,7 +96,8 @@ def cmd_convert(args) -> int:
         return 0
     print(f"converted {args.model}: B={args.loops} {args.strategy}, init {args.init}, "
           f"norms {model.config.conversion['norms']}, "
-          f"LoRA {model.config.lora_ranks} ({args.lora_init if model.config.is_relaxed else 'none'})")
+          f"LoRA {model.config.lora_ranks} ({args.lora_init if model.config.is_relaxed else 'none'})"
+          + (f", prefix {prefix} per depth ({after['prefix']:,} parameters)" if prefix else ""))
     print(f"N-emb   {before['n_emb']:>13,} -> {after['n_emb']:>13,} ({after['n_emb'] / before['n_emb']:.1%})")
     print(f"total   {before['total']:>13,} -> {after['total']:>13,}")
     print(f"time    load {t_load.seconds:.1f} s, convert {t_conv.seconds:.1f} s")
@@ -96,6 +106,22 @@ def cmd_convert(args) -> int:
               f"converted {result['ppl_after']:.2f}")
     print(f"wrote {out}")
     return 0
+
+
+def _relaxation(args) -> tuple[str, int]:
+    """(--lora-rank, --prefix-length) after the defaults of --relax: LoRA rank 64 and no prefix, or
+    prefix length 64 and LoRA rank 0 (an explicit --lora-rank adds LoRA to the prefixes)."""
+    prefix = args.prefix_length
+    if prefix is not None and prefix < 0:
+        raise UsageError(f"--prefix-length must be >= 0, got {prefix}")
+    if args.relax == "lora":
+        if prefix:
+            raise UsageError("--prefix-length needs --relax prefix")
+        return args.lora_rank or "64", 0
+    prefix = 64 if prefix is None else prefix
+    if prefix < 1:
+        raise UsageError(f"--prefix-length must be >= 1 with --relax prefix, got {prefix}")
+    return args.lora_rank or "0", prefix
 
 
 def _calibration(args, vanilla, tok, heldout: str):
@@ -133,14 +159,15 @@ def cmd_info(args) -> int:
         return 0
     print(f"{args.model}: {info['family']}, depth {info['depth']} = {info['shared_layers']} shared layers x "
           f"{info['loops']} loops ({info['sharing']})")
-    print(f"N-emb      {info['n_emb']:>13,}   (LoRA {info['lora']:,})")
+    print(f"N-emb      {info['n_emb']:>13,}   (LoRA {info['lora']:,}, prefixes {info['prefix']:,})")
     print(f"embedding  {info['embedding']:>13,}")
     if info["exit_adapter_spec"]:
         from ..models.exit_adapter import describe_spec
         print(f"exit adapter {info['exit_adapter']:>11,}   ({describe_spec(info['exit_adapter_spec'])}; in the "
               f"total, not in N-emb)")
     print(f"total      {info['total']:>13,}")
-    print(f"LoRA ranks {info['lora_ranks']}, per-depth norms: {info['per_depth_vectors']}")
+    print(f"LoRA ranks {info['lora_ranks']}, prefix length {info['prefix_length']}, "
+          f"per-depth norms: {info['per_depth_vectors']}")
     print("layer map  " + " ".join(f"{d}->{k}" for d, k in enumerate(info["layer_map"])))
     return 0
 

@@ -6,7 +6,9 @@
 3. initialise norm weights (tied: avg, choice, zero; or kept per depth); by default they follow the
    init: a selecting init (Stepwise, Lower) copies the norms of the layer it copies, Average and aware
    average them, Random keeps fresh ones (it uses no pretrained weight at all, paper appendix E);
-4. optionally add a LoRA per depth, initialised by truncated SVD of W_d - W'_k (or zero init).
+4. optionally add a LoRA per depth, initialised by truncated SVD of W_d - W'_k (or zero init);
+5. optionally add a prefix per depth (appendix G): P learned vectors whose keys and values every query
+   of that depth attends to, initialised small and random (N(0, initializer_range^2)).
 """
 
 from __future__ import annotations
@@ -132,14 +134,19 @@ def _derived_config(config: LoopLMConfig, **changes) -> LoopLMConfig:
 @torch.no_grad()
 def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle", init: str = "average",
             norms: str | None = None, lora_ranks: dict | int | str = 0, lora_init: str = "svd",
-            seed: int = 0, calibration=None) -> LoopLMForCausalLM:
-    """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model.
+            seed: int = 0, calibration=None, prefix_length: int = 0) -> LoopLMForCausalLM:
+    """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model, relaxed by
+    per-depth LoRA (``lora_ranks``), per-depth prefixes (``prefix_length``, paper appendix G) or both.
 
     ``norms`` None follows the init (``default_norms``). ``calibration`` (an ``aware.Calibration`` of
     the vanilla model) is needed by init "aware" and lora_init "aware-svd" (convert/aware.py)."""
     src_cfg = vanilla.config
     if src_cfg.num_loops != 1:
         raise ConfigError("convert takes a vanilla model (num_loops = 1); this one is already recursive")
+    if src_cfg.prefix_length:
+        raise ConfigError("convert takes a model without prefixes; convert the original model instead")
+    if not isinstance(prefix_length, int) or prefix_length < 0:
+        raise ConfigError(f"prefix length must be a whole number >= 0, got {prefix_length!r}")
     if init not in INITS:
         raise ConfigError(f"unknown --init {init!r}; use one of {', '.join(INITS)}")
     norms = norms or default_norms(init)
@@ -155,11 +162,12 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
     started = time.perf_counter()
 
     config = _derived_config(src_cfg, num_loops=loops, sharing=strategy,
-                             per_depth_vectors=norms == "per-depth")
+                             per_depth_vectors=norms == "per-depth", prefix_length=prefix_length)
     config.lora_ranks, capped = _resolve_ranks(config, lora_ranks)
     config.conversion = {
         **src_cfg.conversion, "loops": loops, "strategy": strategy, "init": init, "norms": norms,
         "lora_ranks": dict(config.lora_ranks), "lora_init": lora_init if config.is_relaxed else None,
+        "prefix_length": prefix_length,
     }
     if capped:
         config.conversion["capped_ranks"] = capped
@@ -253,9 +261,9 @@ def _init_lora(lin: LoopLinear, pretrained: torch.Tensor, how: str, problem=None
 
 @torch.no_grad()
 def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
-    """The equivalent vanilla (B = 1) model: every depth gets dense weights W' + B_d A_d and its own
-    norm weights. Used for export and to check that conversion is exact where it should be. An exit
-    adapter is dropped: the unrolled model has no intermediate loop to exit after."""
+    """The equivalent vanilla (B = 1) model: every depth gets dense weights W' + B_d A_d, its own
+    norm weights and its own prefix. Used for export and to check that conversion is exact where it should
+    be. An exit adapter is dropped: the unrolled model has no intermediate loop to exit after."""
     c = model.config
     config = _derived_config(c, num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={},
                              exit_adapter=None)
@@ -275,16 +283,19 @@ def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
             dense_norm[name].weight.copy_(norm.weight[row][None])
             if norm.bias is not None:
                 dense_norm[name].bias.copy_(norm.bias[row][None])
+        if shared.attn.prefix is not None:
+            dense.attn.prefix.copy_(shared.attn.prefix[slot][None])
     if out.config.tie_word_embeddings:
         out.tie_weights()
     return out.eval()
 
 
 def count_parameters(model: LoopLMForCausalLM) -> dict:
-    """Total, embedding and N-emb (everything but the embedding matrix and LM head, LoRAs included,
-    as the paper counts), plus the LoRA share of N-emb and the exit adapter's size. The exit adapter
-    (models/exit_adapter.py) counts in the total only, not in N-emb: it serves intermediate exits at the
-    head, and the paper's appendix-I table gives its frozen-body head-LoRA row the base model's N-emb."""
+    """Total, embedding and N-emb (everything but the embedding matrix and LM head, LoRAs and prefixes
+    included, as the paper counts), plus the LoRA and prefix shares of N-emb and the exit adapter's size.
+    The exit adapter (models/exit_adapter.py) counts in the total only, not in N-emb: it serves intermediate
+    exits at the head, and the paper's appendix-I table gives its frozen-body head-LoRA row the base model's
+    N-emb."""
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
@@ -295,7 +306,8 @@ def count_parameters(model: LoopLMForCausalLM) -> dict:
         emb += model.lm_head.weight.numel()
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     adapter = sum(p.numel() for p in model.exit_adapter.parameters()) if model.exit_adapter is not None else 0
-    return {"total": total, "embedding": emb, "n_emb": total - emb - adapter, "lora": lora,
+    prefix = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".attn.prefix"))
+    return {"total": total, "embedding": emb, "n_emb": total - emb - adapter, "lora": lora, "prefix": prefix,
             "exit_adapter": adapter}
 
 
@@ -306,6 +318,7 @@ def describe(model: LoopLMForCausalLM) -> dict:
         "family": c.family, "depth": c.num_hidden_layers, "loops": c.num_loops, "shared_layers": c.num_shared_layers,
         "sharing": c.sharing, "per_depth_vectors": c.per_depth_vectors, "lora_ranks": c.lora_ranks,
         "exit_adapter_spec": copy.deepcopy(c.exit_adapter),
+        "prefix_length": c.prefix_length,
         "layer_map": c.layer_map, "depth_attention": c.depth_attention, "conversion": copy.deepcopy(c.conversion),
         **count_parameters(model),
     }

@@ -85,6 +85,7 @@ class LoopLMConfig(PretrainedConfig):
         sharing: str = "cycle",
         per_depth_vectors: bool = False,
         lora_ranks: dict | None = None,
+        prefix_length: int = 0,
         conversion: dict | None = None,
         exit_adapter: dict | None = None,
         **kwargs,
@@ -127,6 +128,9 @@ class LoopLMConfig(PretrainedConfig):
         # and the only way a full-rank relaxed model reproduces the original exactly.
         self.per_depth_vectors = per_depth_vectors
         self.lora_ranks = {g: int((lora_ranks or {}).get(g, 0)) for g in LORA_GROUPS}
+        # Per-depth prefix (paper appendix G): P learned vectors per depth whose keys and values every
+        # query of that depth attends to; 0 = none.
+        self.prefix_length = prefix_length
         # Free-form record of how the model was made (source, init, ...), for reports.
         self.conversion = conversion or {}
         # An optional adapter per intermediate exit (models/exit_adapter.py): {"kind": "head-lora", "rank": r}
@@ -176,5 +180,7 @@ class LoopLMConfig(PretrainedConfig):
             if self.num_loops < 2:
                 raise ConfigError("an exit adapter serves the exits after intermediate loops, and this model has "
                                   "one loop; convert it with --loops >= 2 first")
+        if not isinstance(self.prefix_length, int) or self.prefix_length < 0:
+            raise ConfigError(f"prefix_length must be a whole number >= 0, got {self.prefix_length!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")

@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import ConfigError, LoopLMConfig
 from .exit_adapter import ExitAdapter
-from .layers import Block, DepthNorm, LoopLinear, Rotary
+from .layers import Attention, Block, DepthNorm, LoopLinear, Rotary
 
 
 def attention_masks(kinds, batch: int, q_len: int, past_len: int, attention_mask: torch.Tensor | None,
@@ -67,6 +67,8 @@ class LoopLMPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, Rotary):
             module.reset()
+        elif isinstance(module, Attention) and module.prefix is not None:
+            nn.init.normal_(module.prefix, std=std)  # small random; the paper does not say
         elif isinstance(module, DepthNorm):
             (nn.init.zeros_ if module.kind == "rms_plus1" else nn.init.ones_)(module.weight)
             if module.bias is not None:

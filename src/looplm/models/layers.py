@@ -195,6 +195,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # --- attention and MLP ------------------------------------------------------------------------
 
+def prefix_columns(mask: torch.Tensor, P: int) -> torch.Tensor:
+    """A boolean attention mask [..., kv] with P leading True columns (a prefix every query attends to)."""
+    if not P:
+        return mask
+    return torch.cat((mask.new_ones(*mask.shape[:-1], P), mask), dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LoopLMConfig):
         super().__init__()
@@ -209,6 +216,9 @@ class Attention(nn.Module):
         self.k_norm = DepthNorm(c.head_dim, c.norm_type, c.norm_eps, S) if c.qk_norm else None
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
         self.softcap = c.attn_logit_softcap
+        # Per-depth prefix (paper appendix G): P learned vectors per depth in the attention's input space,
+        # [B, P, hidden]; their keys and values come from that depth's k/v projections (``prefix_kv``).
+        self.prefix = nn.Parameter(torch.empty(B, c.prefix_length, c.hidden_size)) if c.prefix_length else None
 
     def project(self, x: torch.Tensor, slot: Slot, cos: torch.Tensor, sin: torch.Tensor):
         """x [b, t, hidden] -> rotated q [b, H, t, d] and k, v [b, KV, t, d]."""
@@ -225,6 +235,30 @@ class Attention(nn.Module):
             k = self.k_norm(k, s)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def prefix_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [1, KV, P, d] of depth ``slot``'s prefix: its P vectors through this depth's k/v
+        projections (bias, LoRA and k-norm included), not rotated: a prefix has no position."""
+        x = self.prefix[slot][None]
+        P = x.shape[1]
+        k = self.k_proj(x, slot).view(1, P, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, slot).view(1, P, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k, slot)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def add_prefix(self, q_len: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, slot: int):
+        """k, v [b, KV, t, d] with depth ``slot``'s prefix keys and values in front, and ``mask`` (as
+        ``attend`` takes it; None = causal) with P leading columns that every query attends to."""
+        pk, pv = self.prefix_kv(slot)
+        b, P, t = k.shape[0], pk.shape[2], k.shape[2]
+        k = torch.cat((pk.to(k.dtype).expand(b, -1, -1, -1), k), dim=2)
+        v = torch.cat((pv.to(v.dtype).expand(b, -1, -1, -1), v), dim=2)
+        if mask is None:
+            if q_len == 1:  # one query attends to everything, prefix included
+                return k, v, None
+            mask = torch.ones(q_len, t, dtype=torch.bool, device=k.device).tril(t - q_len)[None, None]
+        return k, v, prefix_columns(mask, P)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Scaled dot-product attention; mask is a bool [b|1, 1, q, kv] (True = attend) or None
@@ -306,11 +340,15 @@ class Block(nn.Module):
 
     def forward(self, h, slot, cos, sin, mask, cache=None, depth: int = 0):
         """Dense attention over this call's tokens plus, with a cache, the depth's cached keys/values
-        (``cache.update(k, v, depth)``, transformers' Cache interface)."""
+        (``cache.update(k, v, depth)``, transformers' Cache interface) and, with a prefix, the depth's
+        prefix keys/values (never cached: the cache holds tokens only, so its length stays the position)."""
         def attend(q, k, v, attn):
             if cache is not None:
                 k, v = cache.update(k, v, depth)
-            return attn.attend(q, k, v, mask)
+            if attn.prefix is None:
+                return attn.attend(q, k, v, mask)
+            k, v, prefixed = attn.add_prefix(q.shape[2], k, v, mask, slot)
+            return attn.attend(q, k, v, prefixed)
         return self.forward_attend(h, slot, cos, sin, attend)
 
     def forward_attend(self, h, slot, cos, sin, attend_fn):

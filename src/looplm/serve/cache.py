@@ -4,6 +4,10 @@ Layout: k, v [L * R, KV, T, d] (L depths, R rows, T max positions). A request ho
 whole life; depth d of row r is flat row ``d * R + r``. Rows are handed out and taken back by a
 free list (finish, cancel and failure all release). Stale contents of a released row are never
 read: attention masks every position beyond the reading token's own.
+
+A model with per-depth prefixes (paper appendix G) keeps them at the front of every row: entries
+0..P-1 of depth d hold depth d's prefix keys/values (``set_prefix``, the same for every row and never
+overwritten), token position p lives at entry P + p, and every read returns the prefix with the tokens.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ class CacheFull(RuntimeError):
 
 class KVCache:
     def __init__(self, num_depths: int, num_rows: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device=None):
-        self.num_depths, self.num_rows, self.max_len = num_depths, num_rows, max_len
-        shape = (num_depths * num_rows, kv_heads, max_len, head_dim)
+                 dtype=torch.float32, device=None, prefix_len: int = 0):
+        self.num_depths, self.num_rows, self.max_len, self.prefix_len = num_depths, num_rows, max_len, prefix_len
+        shape = (num_depths * num_rows, kv_heads, prefix_len + max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_rows - 1, -1, -1))
@@ -52,21 +56,29 @@ class KVCache:
     def flat(self, depth: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         return depth * self.num_rows + row
 
+    def set_prefix(self, depth: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [KV, P, d]: depth ``depth``'s prefix keys/values, in front of every row."""
+        a = depth * self.num_rows
+        self.k[a:a + self.num_rows, :, :self.prefix_len] = k
+        self.v[a:a + self.num_rows, :, :self.prefix_len] = v
+
     def write(self, flat_rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [N, KV, d] for N tokens at (flat row, position)."""
+        pos = pos + self.prefix_len
         self.k[flat_rows, :, pos] = k
         self.v[flat_rows, :, pos] = v
 
     def gather(self, flat_rows: torch.Tensor, length: int):
-        """k, v [n, KV, length, d] of n flat rows (one copy; positions beyond a reader are masked)."""
-        return (self.k[:, :, :length].index_select(0, flat_rows),
-                self.v[:, :, :length].index_select(0, flat_rows))
+        """k, v [n, KV, P + length, d] of n flat rows (one copy; positions beyond a reader are masked)."""
+        n = self.prefix_len + length
+        return self.k[:, :, :n].index_select(0, flat_rows), self.v[:, :, :n].index_select(0, flat_rows)
 
     def depth_rows(self, depth: int, length: int):
-        """k, v [R, KV, length, d] of every row at one depth (a view, no copy)."""
-        a = depth * self.num_rows
-        return self.k[a:a + self.num_rows, :, :length], self.v[a:a + self.num_rows, :, :length]
+        """k, v [R, KV, P + length, d] of every row at one depth (a view, no copy)."""
+        a, n = depth * self.num_rows, self.prefix_len + length
+        return self.k[a:a + self.num_rows, :, :n], self.v[a:a + self.num_rows, :, :n]
 
     def segment(self, flat_row: int, length: int):
-        """k, v [1, KV, length, d] of one flat row (a view, no copy)."""
-        return self.k[flat_row:flat_row + 1, :, :length], self.v[flat_row:flat_row + 1, :, :length]
+        """k, v [1, KV, P + length, d] of one flat row (a view, no copy)."""
+        n = self.prefix_len + length
+        return self.k[flat_row:flat_row + 1, :, :n], self.v[flat_row:flat_row + 1, :, :n]

@@ -13,6 +13,9 @@ exit policy, leave early. The KV entries of loops an exited token skips are fill
 ``copy`` (CALM: project its exit state through the skipped depths' k/v projections) or ``later``
 (the paper's proposal: the token keeps running those loops as a ``kv`` item, batched with other
 work, while its successor already starts).
+
+Per-depth prefixes (paper appendix G) are projected once, when the engine starts, into the front of
+every cache row (serve/cache.py); every attention mask gets P leading columns that all queries see.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 import torch
 
 from ..models.config import ConfigError
+from ..models.layers import prefix_columns
 from ..models.packed import pack_for_cpu
 from .cache import KVCache
 from .exits import ExitPolicy
@@ -93,10 +97,17 @@ class Engine:
         self.K, self.B, self.L = c.num_shared_layers, c.num_loops, c.num_hidden_layers
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.cache = KVCache(self.L, max_batch, max_seq_len, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        self.P = c.prefix_length
+        self.cache = KVCache(self.L, max_batch, max_seq_len, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
+                             prefix_len=self.P)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.layers = model.model.layers
         self.layer_map, self.slot_map, self.kinds = c.layer_map, c.slot_map, list(c.depth_attention)
+        if self.P:  # the served weights are frozen: each depth's prefix keys/values are computed once
+            with torch.no_grad():
+                for d in range(self.L):
+                    k, v = self.layers[self.layer_map[d]].attn.prefix_kv(self.slot_map[d])
+                    self.cache.set_prefix(d, k[0], v[0])
         self.slot_map_t = torch.tensor(self.slot_map, device=self.device)
         self.sliding_t = torch.tensor([k == "sliding" for k in self.kinds], device=self.device)
         self.window = c.sliding_window_size
@@ -248,7 +259,7 @@ class Engine:
                         mask = base_mask
                         if sliding_tok is not None:
                             mask = mask & (win_mask | ~sliding_tok[:n_dec, None])
-                        o = attn.attend_one(qd, kd, vd, mask[:, None, None, :])
+                        o = attn.attend_one(qd, kd, vd, prefix_columns(mask, self.P)[:, None, None, :])
                     outs.append(o.squeeze(2).transpose(0, 1).unsqueeze(0))
                 for it, s in zip(segs, seg_starts):
                     t, p0 = it.length, it.pos
@@ -256,13 +267,13 @@ class Engine:
                     ks, vs = self.cache.segment(fr, p0 + t)
                     sliding = sliding_tok is not None and bool(sliding_tok[s])
                     mask = None
-                    if p0 > 0 or (sliding and p0 + t > self.window):
+                    if p0 > 0 or (sliding and p0 + t > self.window) or self.P:
                         qi = self._arange[p0:p0 + t, None]
                         ki = self._arange[None, :p0 + t]
                         mask = ki <= qi
                         if sliding:
                             mask = mask & (qi - ki < self.window)
-                        mask = mask[None, None]
+                        mask = prefix_columns(mask, self.P)[None, None]
                     outs.append(attn.attend(q[:, :, s:s + t], ks, vs, mask))
                 return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -295,7 +306,8 @@ class Engine:
                 if m is not None:
                     full = torch.zeros(R, m.shape[1], dtype=torch.bool, device=dev)
                     full[:, 0] = True
-                    masks[kind] = full.index_copy_(0, rows, m.index_select(0, sel))[:, None, None, :]
+                    full.index_copy_(0, rows, m.index_select(0, sel))
+                    masks[kind] = prefix_columns(full, self.P)[:, None, None, :]
             groups.append((loop, sel, rows, masks))
         return groups
 

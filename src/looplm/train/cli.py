@@ -41,7 +41,7 @@ def register(sub) -> None:
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--precision", default="auto", help="auto (bf16 autocast where supported) | bf16 | fp32")
     t.add_argument("--grad-checkpointing", action="store_true", help="recompute activations per depth")
-    t.add_argument("--train", default="all", help="all, or a comma list of lora, layers, norms, embed, exit")
+    t.add_argument("--train", default="all", help="all, or a comma list of lora, prefix, layers, norms, embed, exit")
     t.add_argument("--eval-every", type=int, default=0, help="held-out perplexity per loop exit every N steps")
     t.add_argument("--eval-seqs", type=int, default=16, help="held-out sequences per evaluation")
     t.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and always at the end)")

@@ -40,7 +40,7 @@ from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, trunca
 from .data_order import batch_indices, micro_batch, rows_read
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 
-TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed", "exit")
+TRAIN_GROUPS = ("all", "lora", "prefix", "layers", "norms", "embed", "exit")
 DATA_ROWS = ("all", "new")
 
 
@@ -134,8 +134,8 @@ def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
 
 
 def select_trainable(model, spec: str) -> int:
-    """--train: 'all' or a comma list of lora, layers (shared weights), norms, embed (embeddings and head),
-    exit (the exit adapter). Returns the count."""
+    """--train: 'all' or a comma list of lora, prefix, layers (shared weights), norms, embed (embeddings and
+    head), exit (the exit adapter). Returns the count."""
     groups = {s.strip() for s in spec.split(",") if s.strip()}
     bad = groups - set(TRAIN_GROUPS)
     if bad or not groups:
@@ -147,6 +147,8 @@ def select_trainable(model, spec: str) -> int:
             g = "exit"
         elif "lora_" in name:
             g = "lora"
+        elif name.endswith(".attn.prefix"):
+            g = "prefix"
         elif "embed_tokens" in name or "lm_head" in name:
             g = "embed"
         elif "norm" in name.split(".")[-2]:
@@ -157,18 +159,20 @@ def select_trainable(model, spec: str) -> int:
         n += p.numel() if p.requires_grad else 0
     if n == 0:
         hint = " (this model has no LoRA: convert with --lora-rank > 0)" if "lora" in groups else \
-            " (this model has no exit adapter: add --exit-adapter head-lora:R or affine)" if "exit" in groups else ""
+            " (this model has no exit adapter: add --exit-adapter head-lora:R or affine)" if "exit" in groups else \
+            " (this model has no prefix: convert with --relax prefix)" if "prefix" in groups else ""
         raise UsageError(f"--train {spec} leaves nothing to train{hint}; use --train all")
     return n
 
 
 def param_groups(model, weight_decay: float):
-    """Weight decay on matrices only: not on norms or biases (LoopLinear.bias is 2-D, [slots, out],
-    so the number of dimensions alone does not tell)."""
+    """Weight decay on matrices only: not on norms, biases (LoopLinear.bias is 2-D, [slots, out],
+    so the number of dimensions alone does not tell) or per-depth prefixes (attention inputs, not weights:
+    decay would pull them towards the null key rather than towards anything neutral)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            matrix = p.dim() >= 2 and "norm" not in name and not name.endswith("bias")
+            matrix = p.dim() >= 2 and "norm" not in name and not name.endswith(("bias", ".attn.prefix"))
             (decay if matrix else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
