@@ -75,7 +75,14 @@ def register(sub) -> None:
     h.add_argument("--e2e-batch", type=int, default=2)
     h.add_argument("--e2e-lr", type=float, default=1e-4)
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
-    h.add_argument("--exit-weight", type=float, default=0.2, help="weight of each intermediate loop exit's KD term")
+    h.add_argument("--exit-weight", type=float, default=0.0, help="weight of each intermediate loop exit's KD term on "
+                                                              "the body (0: exits get their own adapter stage)")
+    h.add_argument("--exit-adapter", default="affine", help="exit stage: an adapter per intermediate loop exit "
+                   "trained on the frozen body, affine (tuned lens) | head-lora:R | none")
+    h.add_argument("--exit-share", type=float, default=0.1, help="share of what the local stage leaves for the exit stage")
+    h.add_argument("--exit-lr", type=float, default=1e-3)
+    h.add_argument("--precision", default="auto", help="auto (bf16 autocast where the hardware has bf16 matmuls) | "
+                                                      "bf16 | fp32")
     h.add_argument("--eval-rows", type=int, default=16, help="held-out rows scored at each evaluation")
     h.add_argument("--eval-every-seconds", type=float, default=300.0)
     h.add_argument("--seed", type=int, default=0)
