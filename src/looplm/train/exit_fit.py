@@ -49,9 +49,11 @@ def fit_exit_adapter(model, states: list[torch.Tensor], targets: torch.Tensor, s
             p.requires_grad_(True)
         with torch.enable_grad():  # callers often hold states computed under no_grad
             for _ in range(steps):
-                idx = torch.randint(0, n, (min(batch_rows, n),), generator=g).to(targets.device)
-                losses = [_exit_loss(model.exit_logits(states[i][idx], loop=i).float(), targets[idx], temperature)
-                          for i in range(n_exits)]
+                idx = torch.randint(0, n, (min(batch_rows, n),), generator=g)
+                losses = []
+                for i, s in enumerate(states):
+                    logits = model.exit_logits(s[idx.to(s.device)], loop=i).float()
+                    losses.append(_exit_loss(logits, targets[idx.to(targets.device)].to(logits.device), temperature))
                 for p, grad in zip(params, torch.autograd.grad(sum(losses), params)):
                     p.grad = grad
                 opt.step()
