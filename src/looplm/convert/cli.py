@@ -54,6 +54,14 @@ def register(sub) -> None:
                    help="dtype of activations, scales, LoRA and norms")
     p.set_defaults(func=cmd_quantize)
 
+    p = sub.add_parser("export-gguf", help="write a looped model, unrolled (LoRA merged per depth), as a "
+                       "llama-architecture GGUF file for llama.cpp and ollama")
+    p.add_argument("model", help="embedded name or float looplm directory (Llama/SmolLM2 family)")
+    p.add_argument("--out", required=True, help="the .gguf file to write")
+    p.add_argument("--type", default="f32", choices=["f32", "f16", "q8_0", "q4_1"], help="tensor type of the "
+                   "linear weights (norms stay f32; with q4_1 the embedding is q8_0)")
+    p.set_defaults(func=cmd_export_gguf)
+
     p = sub.add_parser("info", help="parameter counts (N-emb, total) and the layer map of a model")
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
@@ -179,4 +187,19 @@ def cmd_quantize(args) -> int:
     size = (Path(args.out) / WEIGHTS).stat().st_size
     print(f"quantized {args.model} to {args.weights}" + (f" (groups of {group})" if args.weights == "int4" else "")
           + f": {before / 2 ** 20:.0f} MB of float weights -> {size / 2 ** 20:.0f} MB; wrote {args.out}")
+    return 0
+
+
+def cmd_export_gguf(args) -> int:
+    from ..models import load_model
+    from ..models.quantized import stored_format
+    from .gguf_export import export_gguf, source_pre
+    if not args.out.endswith(".gguf"):
+        raise UsageError(f"--out must name a .gguf file; got {args.out!r}")
+    model, tok = load_model(args.model)
+    if stored_format(model) != "fp32":
+        raise UsageError(f"{args.model} holds {stored_format(model)} weights; export its float checkpoint")
+    info = export_gguf(model, tok, args.out, args.type, pre=source_pre(model.config))
+    print(f"wrote {args.out}: {info['layers']} llama layers ({info['loops']} loops unrolled), {args.type}, "
+          f"{info['bytes'] / 2 ** 20:.0f} MB")
     return 0
