@@ -28,11 +28,11 @@ def _relaxed(**kw):
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 
-def dequantized_reference(model, fmt, group=Q.DEFAULT_GROUP):
+def dequantized_reference(model, fmt, group=Q.DEFAULT_GROUP, head="int8"):
     """A float model whose every quantized weight is replaced by its dequantized value (head untied
     where the quantized model has its own head)."""
     ref = copy.deepcopy(model)
-    tensors = Q.quantize_portable(ref, fmt, group)
+    tensors = Q.quantize_portable(ref, fmt, group, head)
     with torch.no_grad():
         for name, t in tensors.items():
             if name == "lm_head.weight":
@@ -75,11 +75,13 @@ def test_int4_group_falls_back_to_a_size_that_divides():
         Q.int4_portable(torch.randn(8, 40))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_forward_equals_the_dequantized_float_model_with_lora_on_top(fmt):
+@pytest.mark.parametrize("fmt,head", [(f, h) for f in FORMATS for h in FORMATS])
+def test_forward_equals_the_dequantized_float_model_with_lora_on_top(fmt, head):
     model = _relaxed()
-    ref = dequantized_reference(model, fmt)
-    qm = Q.quantize_model(copy.deepcopy(model), fmt)
+    ref = dequantized_reference(model, fmt, head=head)
+    qm = Q.quantize_model(copy.deepcopy(model), fmt, head=head)
+    assert isinstance(qm.lm_head.weight_q, Q.Int8Weight if head == "int8" else Q.Int4Weight)
+    assert (qm.lm_head.weight_q is qm.model.embed_tokens.weight_q) == (head == "int8")  # tied: one table
     ids = torch.randint(0, 256, (2, 11))
     with torch.no_grad():
         out, want = qm(ids).logits, ref(ids).logits

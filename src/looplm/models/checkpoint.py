@@ -82,13 +82,13 @@ def _sha256(path: Path) -> str:
 
 
 def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, fmt: str, group: int,
-                              dtype: torch.dtype) -> None:
+                              dtype: torch.dtype, head: str = "int8") -> None:
     """config.json (with a ``quantization`` record: format, group size, float dtype, the weights file's
     sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
     ``NAME.q4``/``.scale``/``.min`` for int4) and every other tensor in ``dtype``."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = q.quantize_portable(model, fmt, group)
+    tensors = q.quantize_portable(model, fmt, group, head)
     sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
           if k not in tensors and k != "lm_head.weight"}  # lm_head: quantized, or tied to the embedding
     for name, parts in tensors.items():
@@ -96,7 +96,7 @@ def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, f
     save_file(sd, str(d / WEIGHTS), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
     config.quantization = {"format": fmt, "group_size": group, "dtype": str(dtype).removeprefix("torch."),
-                           "sha256": _sha256(d / WEIGHTS)}
+                           "head": head, "sha256": _sha256(d / WEIGHTS)}
     config.save_pretrained(str(d))
 
 

@@ -11,8 +11,9 @@ lever. The kernels are PyTorch's own CPU ops, no hand-made one:
 
 Every shared linear weight of a LoopLinear and the LM head are quantized; the per-depth LoRA, biases and
 norms stay float (float32, or bfloat16 with ``dtype``) and are applied on top. The token embedding
-becomes an int8 row table (a lookup reads one row per token, so only its memory matters); a tied int8
-head and that table are one tensor. The float weights are dropped: no float copy, no MKL-packed copy.
+becomes an int8 row table (a lookup reads one row per token, so only its memory matters); the LM head is
+int8 by default under both formats (``head="int4"`` makes it int4), and a tied int8 head and that table
+are one tensor. The float weights are dropped: no float copy, no MKL-packed copy.
 
 Two forms: the *portable* one (plain tensors: int8 values and scales; 4-bit values two per byte, scales
 and minima) is what ``looplm quantize`` stores and what a checkpoint loads; the kernel's form (the int4
@@ -225,14 +226,16 @@ def is_quantized(model: nn.Module) -> bool:
     return isinstance(model.model.embed_tokens, QuantEmbedding)
 
 
-def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP) -> dict[str, dict]:
+def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, head: str = "int8") -> dict[str, dict]:
     """Portable tensors for every weight ``fmt`` replaces, by state-dict name: each LoopLinear's weight,
-    the embedding (int8 rows) and, when untied or not int8, the LM head."""
+    the embedding (int8 rows) and the LM head in ``head`` format, unless it is tied and int8 (then the
+    embedding's table serves as the head: one tensor, as llama.cpp's SmolLM2 Q4_1 file keeps a Q8_0
+    embedding for its tied head)."""
     out = {f"{n}.weight": portable(m.weight, fmt, group) for n, m in linears(model)}
     emb = model.model.embed_tokens.weight
     out["model.embed_tokens.weight"] = int8_portable(emb)
-    if not (fmt == "int8" and model.lm_head.weight is emb):
-        out["lm_head.weight"] = portable(model.lm_head.weight, fmt, group)
+    if not (head == "int8" and model.lm_head.weight is emb):
+        out["lm_head.weight"] = portable(model.lm_head.weight, head, group)
     return out
 
 
@@ -259,20 +262,24 @@ def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype) -> No
     model.lm_head = QuantHead(emb if head is None else _checked(head, "lm_head", (c.vocab_size, c.hidden_size), dtype))
 
 
-def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32):
-    """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged)."""
+def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
+                   head: str = "int8"):
+    """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged);
+    ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable)."""
     device = next(model.parameters()).device
     check_format(fmt, device)
     if fmt == "fp32" or is_quantized(model):
         return model
-    tensors = quantize_portable(model, fmt, group)
+    check_format(head, device)
+    tensors = quantize_portable(model, fmt, group, head)
     keep = {id(m.weight) for _, m in linears(model)} | {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
     with torch.no_grad():
         for p in model.parameters():
             if id(p) not in keep:
                 p.data = p.data.to(dtype)
     attach(model, tensors, dtype)
-    model.config.quantization = {"format": fmt, "group_size": group, "dtype": str(dtype).removeprefix("torch.")}
+    model.config.quantization = {"format": fmt, "group_size": group, "dtype": str(dtype).removeprefix("torch."),
+                                 "head": head}
     return model.eval()
 
 
