@@ -82,7 +82,7 @@ def _sha256(path: Path) -> str:
 
 
 def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, fmt: str, group: int,
-                              dtype: torch.dtype, head: str = "int8") -> None:
+                              dtype: torch.dtype, head: str = "int8", act_dtype: torch.dtype = q.DEFAULT_ACT) -> None:
     """config.json (with a ``quantization`` record: format, group size, float dtype, the weights file's
     sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
     ``NAME.q4``/``.scale``/``.min`` for int4) and every other tensor in ``dtype``."""
@@ -95,8 +95,7 @@ def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, f
         sd.update({f"{name}.{part}": v.contiguous() for part, v in parts.items()})
     save_file(sd, str(d / WEIGHTS), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
-    config.quantization = {"format": fmt, "group_size": group, "dtype": str(dtype).removeprefix("torch."),
-                           "head": head, "sha256": _sha256(d / WEIGHTS)}
+    config.quantization = {**q.record(fmt, group, dtype, head, act_dtype), "sha256": _sha256(d / WEIGHTS)}
     config.save_pretrained(str(d))
 
 
@@ -104,8 +103,8 @@ def _load_quantized(d: Path, config: LoopLMConfig, sd: dict) -> LoopLMForCausalL
     """Build the model on the meta device, put the quantized weights in, then the float tensors: no float
     copy of a quantized weight is ever made."""
     rec = config.quantization
-    fmt, dtype = rec.get("format"), q.DTYPES.get(rec.get("dtype"))
-    if fmt not in ("int8", "int4") or dtype is None or "sha256" not in rec:
+    fmt, dtype, act = rec.get("format"), q.DTYPES.get(rec.get("dtype")), q.DTYPES.get(rec.get("act_dtype"))
+    if fmt not in ("int8", "int4") or dtype is None or act is None or "sha256" not in rec:
         raise ConfigError(f"{d / 'config.json'}: unreadable quantization record {rec}; re-run `looplm quantize`")
     q.check_format(fmt, "cpu")
     if _sha256(d / WEIGHTS) != rec["sha256"]:
@@ -122,12 +121,15 @@ def _load_quantized(d: Path, config: LoopLMConfig, sd: dict) -> LoopLMForCausalL
             raise ConfigError(f"{d / WEIGHTS}: {name} is missing or incomplete; re-run `looplm quantize`")
         tensors[name] = parts
     try:
-        q.attach(model, tensors, dtype)
-        model.load_state_dict(sd, strict=True, assign=True)
+        q.attach(model, tensors, dtype, act)
+        # copies: tensors straight from load_file may keep the whole file's pages resident (measured ~100 MB)
+        model.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True, assign=True)
     except (RuntimeError, KeyError, ValueError, IndexError) as e:
         first = str(e).strip().splitlines()[0]
         raise ConfigError(f"{d / WEIGHTS} does not match config.json ({first}); re-run `looplm quantize`") from e
     rotary = model.model.rotary
     rotary.to_empty(device="cpu")
     rotary.reset()
+    del tensors, sd
+    q.release_freed_memory()
     return model.eval()

@@ -9,6 +9,11 @@ lever. The kernels are PyTorch's own CPU ops, no hand-made one:
   makes. G is 32 by default (the measured error/speed choice, docs/BENCHMARKS.md); a linear whose input
   width G does not divide takes the largest of 32/64/128/256 that does.
 
+The ops take their activations in bfloat16 by default (``act_dtype``): with float32 activations they
+ran 10-60x slower than a float32 matmul on this project's CPU (a fallback path), with bfloat16 as fast or
+faster (docs/BENCHMARKS.md). Inputs are cast to ``act_dtype`` for the matmul and its output back, so the
+rest of the model keeps its own dtype.
+
 Every shared linear weight of a LoopLinear and the LM head are quantized; the per-depth LoRA, biases and
 norms stay float (float32, or bfloat16 with ``dtype``) and are applied on top. The token embedding
 becomes an int8 row table (a lookup reads one row per token, so only its memory matters); the LM head is
@@ -23,7 +28,9 @@ formats are refused with a UsageError naming the supported ones, never silently 
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 
 import torch
 from torch import nn
@@ -34,6 +41,7 @@ from .packed import PackedWeight
 
 FORMATS = ("fp32", "int8", "int4")
 DEFAULT_GROUP = 32
+DEFAULT_ACT = torch.bfloat16
 GROUPS = (32, 64, 128, 256)  # the group sizes the int4 op accepts
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -46,11 +54,8 @@ def _kernel_runs(fmt: str) -> bool:
     the CPU lacks what it needs)."""
     try:
         w = torch.randn(32, 64)
-        if fmt == "int8":
-            q = int8_portable(w)
-            Int8Weight(q["q"], q["scale"], torch.float32).linear(torch.randn(2, 64))
-        else:
-            Int4Weight(int4_portable(w, 32), torch.float32).linear(torch.randn(2, 64))
+        for act in DTYPES.values():
+            make_weight(portable(w, fmt), act).linear(torch.randn(2, 64))
         return True
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
@@ -165,9 +170,9 @@ class Int8Weight(QuantWeight):
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q, self.scale)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight (an embedding lookup)."""
-        return self.q[ids].to(self.dtype) * self.scale[ids].unsqueeze(-1)
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (an embedding lookup), in ``dtype``."""
+        return self.q[ids].to(dtype) * self.scale[ids].unsqueeze(-1).to(dtype)
 
 
 class Int4Weight(QuantWeight):
@@ -196,13 +201,13 @@ def make_weight(t: dict, dtype: torch.dtype) -> QuantWeight:
 class QuantEmbedding(nn.Module):
     """The token embedding as int8 rows (one per-row scale each)."""
 
-    def __init__(self, weight: Int8Weight):
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
         super().__init__()
-        self.weight_q = weight
+        self.weight_q, self.dtype = weight, dtype  # dtype: the model's float dtype (the residual stream's)
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight_q.rows(ids)
+        return self.weight_q.rows(ids, self.dtype)
 
 
 class QuantHead(nn.Module):
@@ -247,25 +252,36 @@ def _checked(t: dict, name: str, shape: tuple[int, int], dtype: torch.dtype) -> 
     return w
 
 
-def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype) -> None:
-    """Put quantized weights built from portable ``tensors`` in place of the float ones (which are dropped).
-    The model's other parameters must already be in ``dtype``."""
+def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_dtype: torch.dtype = DEFAULT_ACT) -> None:
+    """Put quantized weights built from portable ``tensors`` in place of the float ones (which are dropped),
+    multiplying in ``act_dtype``. The model's other parameters must already be in ``dtype``."""
     for n, m in linears(model):
-        m.quant = _checked(tensors[f"{n}.weight"], f"{n}.weight", (m.out_features, m.in_features), dtype)
+        m.quant = _checked(tensors[f"{n}.weight"], f"{n}.weight", (m.out_features, m.in_features), act_dtype)
         m.weight = None
     c = model.config
-    emb = _checked(tensors["model.embed_tokens.weight"], "embedding", (c.vocab_size, c.hidden_size), dtype)
+    emb = _checked(tensors["model.embed_tokens.weight"], "embedding", (c.vocab_size, c.hidden_size), act_dtype)
     if not isinstance(emb, Int8Weight):
         raise ConfigError("the quantized embedding must be int8 rows")
-    model.model.embed_tokens = QuantEmbedding(emb)
+    model.model.embed_tokens = QuantEmbedding(emb, dtype)
     head = tensors.get("lm_head.weight")
-    model.lm_head = QuantHead(emb if head is None else _checked(head, "lm_head", (c.vocab_size, c.hidden_size), dtype))
+    model.lm_head = QuantHead(emb if head is None else _checked(head, "lm_head", (c.vocab_size, c.hidden_size), act_dtype))
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed while quantizing (float weights, unpacked int4 temporaries) back to the OS:
+    glibc keeps freed heap pages otherwise, and the served process stayed 200+ MB larger (measured RSS)."""
+    gc.collect()  # reference cycles left by building the model still hold tensors
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
-                   head: str = "int8"):
-    """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged);
-    ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable)."""
+                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT):
+    """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged).
+    ``dtype``: the float parameters left (LoRA, norms, biases); ``act_dtype``: the quantized matmuls'
+    activations; ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable)."""
     device = next(model.parameters()).device
     check_format(fmt, device)
     if fmt == "fp32" or is_quantized(model):
@@ -277,10 +293,16 @@ def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype
         for p in model.parameters():
             if id(p) not in keep:
                 p.data = p.data.to(dtype)
-    attach(model, tensors, dtype)
-    model.config.quantization = {"format": fmt, "group_size": group, "dtype": str(dtype).removeprefix("torch."),
-                                 "head": head}
+    attach(model, tensors, dtype, act_dtype)
+    del tensors
+    release_freed_memory()
+    model.config.quantization = record(fmt, group, dtype, head, act_dtype)
     return model.eval()
+
+
+def record(fmt: str, group: int, dtype: torch.dtype, head: str, act_dtype: torch.dtype) -> dict:
+    name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
+    return {"format": fmt, "group_size": group, "dtype": name(dtype), "act_dtype": name(act_dtype), "head": head}
 
 
 def stored_format(model: nn.Module) -> str:
@@ -288,9 +310,10 @@ def stored_format(model: nn.Module) -> str:
     return rec["format"] if rec else "fp32"
 
 
-def prepare(model: nn.Module, fmt: str | None, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32):
-    """The model to serve with weights ``fmt`` (``--weights``): quantized now, or as stored when ``fmt`` is
-    None or the stored format. A quantized model is never dequantized to serve another format."""
+def prepare(model: nn.Module, fmt: str | None, **options):
+    """The model to serve with weights ``fmt`` (``--weights``): quantized now (``options``: quantize_model's),
+    or as stored when ``fmt`` is None or the stored format. A quantized model is never dequantized to serve
+    another format."""
     stored = stored_format(model)
     fmt = fmt or stored
     check_format(fmt, next(model.parameters()).device)
@@ -299,7 +322,7 @@ def prepare(model: nn.Module, fmt: str | None, group: int = DEFAULT_GROUP, dtype
     if stored != "fp32":
         raise UsageError(f"this model is stored with {stored} weights; serve it with --weights {stored}, or "
                          f"quantize its float checkpoint to {fmt}")
-    return quantize_model(model, fmt, group, dtype)
+    return quantize_model(model, fmt, **options)
 
 
 def weight_bytes(model: nn.Module) -> int:
