@@ -54,7 +54,7 @@ def collect(model, rows: list[list[int]], log) -> dict[str, torch.Tensor]:
         prev = [h0] + states[:-1]
         h_l, c_l, a_l = [], [], []
         for i in range(B):
-            logits = model.exit_logits(states[i][0]).float()
+            logits = model.exit_logits(states[i][0], loop=i).float()
             a_l.append(logits.argmax(-1))
             if i == B - 1:
                 break

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 18's measurements: healing against the paper's recipe on this machine, one hour each.
-#   heal-<name>   data-aware conversion (average + aware-svd), then `looplm heal --budget-minutes 60`
+#   <name>        data-aware conversion (average + aware-svd), then `looplm heal --budget-minutes 60` with a
+#                 256-row teacher cache (HEAL_ARGS adds options, e.g. "--local-share 0.25")
 #   paper-r64     the paper's recipe at the same hour: average + plain SVD rank 64, then end-to-end
 #                 0.5 CE + 0.5 forward KL from the online teacher (409,600 tokens = an hour on the idle
 #                 2-core machine, docs/FINDINGS.md issue 3)
 # Runs (RUNS, space separated; default all, in this order):
 #   b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64
-# and the local-share lever (not in the default list): b2-r64-ls25, B=2 rank 64 with --local-share 0.25
-# Resumable: rerun to continue a killed run; finished runs are skipped. Environment: OUT, MINUTES, RUNS.
+# Resumable: rerun to continue a killed run; finished runs are skipped. Environment: OUT, MINUTES, RUNS,
+# HEAL_ARGS, THREADS (OMP threads; default both cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
@@ -15,6 +16,8 @@ OUT=${OUT:-out/heal}
 MINUTES=${MINUTES:-60}
 RUNS=${RUNS:-"b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64"}
 PAPER_TOKENS=${PAPER_TOKENS:-409600}
+HEAL_ARGS=${HEAL_ARGS:-}
+export OMP_NUM_THREADS=${THREADS:-2}
 
 corpus() {  # corpus for a model: SmolLM2 and Gemma tokenise differently
   local model=$1 dir="$OUT/corpus-$1-512"
@@ -24,10 +27,8 @@ corpus() {  # corpus for a model: SmolLM2 and Gemma tokenise differently
 }
 
 for r in $RUNS; do
-  extra=""
   case $r in
     b2-r64)  model=smollm2-135m loops=2 rank=64 ;;
-    b2-r64-ls25) model=smollm2-135m loops=2 rank=64 extra="--local-share 0.25" ;;
     b2-r128) model=smollm2-135m loops=2 rank=128 ;;
     b2-r0)   model=smollm2-135m loops=2 rank=0 ;;
     b3-r64)  model=smollm2-135m loops=3 rank=64 ;;
@@ -57,5 +58,5 @@ for r in $RUNS; do
   if [ -f "$run/heal.json" ]; then echo "$r: done"; continue; fi
   resume=""; [ -f "$run/run.json" ] && resume="--resume"
   $LOOPLM heal "$student" --teacher $model --data "$data" --out "$run" --budget-minutes "$MINUTES" \
-      --no-progress $extra $resume
+      --cache-rows 256 --no-progress $HEAL_ARGS $resume
 done

@@ -26,7 +26,7 @@ def heldout_ppl(model, held, rows: int, seq_len: int) -> list[float]:
         ids = torch.from_numpy(np.asarray(held[i:i + 1, :seq_len], dtype=np.int64))
         _, states, _ = model.model(ids, output_loop_states=True)
         for j, h in enumerate(states):
-            nll[j] += F.cross_entropy(model.exit_logits(h[0, :-1]).float(), ids[0, 1:], reduction="sum").double()
+            nll[j] += F.cross_entropy(model.exit_logits(h[0, :-1], loop=j).float(), ids[0, 1:], reduction="sum").double()
         count += ids.shape[1] - 1
     return [math.exp(min(float(x) / count, 50.0)) for x in nll]
 

@@ -150,7 +150,11 @@ def test_kill9_resumes_and_heals(setup):
     assert "resumed" in r.stdout and "healed" in r.stdout
     assert (out / "cache" / "states.bin").stat().st_mtime_ns == stamp  # the cache was reused, not rebuilt
     summary = json.loads((out / "heal.json").read_text())
-    assert summary["tokens"] == 30 * 2 * 32 and summary["local_tokens"] == 30 * 2 * 32 * 2
+    # 3,840 tokens: half local (30 steps of 2 rows x 2 depths), of the rest 90% end to end (27 steps), 10%
+    # exit adapters (3 steps)
+    assert summary["tokens"] == 27 * 2 * 32 and summary["local_tokens"] == 30 * 2 * 32 * 2
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("stage") == "exit"] == [1, 2, 3]
     assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
     # the healed model is a looplm model the other commands read
     model, _ = load_model(out / "final")
@@ -159,12 +163,35 @@ def test_kill9_resumes_and_heals(setup):
     assert len([p for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")]) <= 2
 
 
+def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
+    """The exit stage adds an affine adapter per intermediate exit and trains it alone: the final loop's
+    held-out perplexity is the same before and after it, the exit's distance to the final output falls,
+    and the healed model is saved with its adapter."""
+    tmp, models, corpus = setup
+    out = tmp / "exit-stage"
+    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
+                     tokens=64 * 40, local_share=0.0, exit_share=0.5, exit_lr=1e-2, seq_len=32, cache_rows=16,
+                     e2e_batch=2, eval_rows=4, progress=False, cache=str(tmp / "cache-exit"))
+    r = heal(cfg, log=lambda *a: None)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    exits = [x for x in records if x.get("stage") == "exit"]
+    assert len(exits) == 20 and len([x for x in records if x.get("stage") == "e2e"]) == 20
+    assert sum(x["exit1"] for x in exits[-4:]) < sum(x["exit1"] for x in exits[:4])
+    before = [x for x in records if x.get("eval") and x["tag"] == "e2e"][-1]
+    assert r["healed"]["ppl_per_loop"][-1] == pytest.approx(before["ppl_per_loop"][-1], rel=1e-6)
+    assert r["exit_adapter"] == {"kind": "affine"}
+    healed, _ = load_model(out / "final")
+    assert healed.config.exit_adapter == {"kind": "affine"} and healed.exit_adapter.weight.abs().sum() > 0
+
+
 def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     tmp, models, corpus = setup
     cases = [
         (["--budget-minutes", 0], "budget must be positive"),
         (["--tokens", -5], "budget must be positive"),
         (["--tokens", 100, "--local-mode", "diagonal"], "unknown --local-mode"),
+        (["--tokens", 100, "--exit-share", 1.5], "--exit-share 1.5 must be a fraction"),
+        (["--tokens", 100, "--exit-adapter", "conv"], "unknown exit adapter kind"),
     ]
     for extra, message in cases:
         r = run_cli(*heal_args(models, corpus, tmp_path / "bad", *extra))

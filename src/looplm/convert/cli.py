@@ -155,6 +155,10 @@ def cmd_info(args) -> int:
           f"{info['loops']} loops ({info['sharing']})")
     print(f"N-emb      {info['n_emb']:>13,}   (LoRA {info['lora']:,})")
     print(f"embedding  {info['embedding']:>13,}")
+    if info["exit_adapter_spec"]:
+        from ..models.exit_adapter import describe_spec
+        print(f"exit adapter {info['exit_adapter']:>11,}   ({describe_spec(info['exit_adapter_spec'])}; in the "
+              f"total, not in N-emb)")
     print(f"total      {info['total']:>13,}")
     print(f"LoRA ranks {info['lora_ranks']}, per-depth norms: {info['per_depth_vectors']}")
     print("layer map  " + " ".join(f"{d}->{k}" for d, k in enumerate(info["layer_map"])))

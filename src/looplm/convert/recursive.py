@@ -254,12 +254,14 @@ def _init_lora(lin: LoopLinear, pretrained: torch.Tensor, how: str, problem=None
 @torch.no_grad()
 def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
     """The equivalent vanilla (B = 1) model: every depth gets dense weights W' + B_d A_d and its own
-    norm weights. Used for export and to check that conversion is exact where it should be."""
+    norm weights. Used for export and to check that conversion is exact where it should be. An exit
+    adapter is dropped: the unrolled model has no intermediate loop to exit after."""
     c = model.config
-    config = _derived_config(c, num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={})
+    config = _derived_config(c, num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={},
+                             exit_adapter=None)
     out = LoopLMForCausalLM(config).to(next(model.parameters()).dtype)
-    out.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")},
-                        strict=False)
+    out.load_state_dict({k: v for k, v in model.state_dict().items()
+                         if not k.startswith(("model.layers.", "exit_adapter."))}, strict=False)
     for d, (k, slot) in enumerate(zip(c.layer_map, c.slot_map)):
         shared, dense = model.model.layers[k], out.model.layers[d]
         dense_lin = _linears(dense)
@@ -280,7 +282,9 @@ def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
 
 def count_parameters(model: LoopLMForCausalLM) -> dict:
     """Total, embedding and N-emb (everything but the embedding matrix and LM head, LoRAs included,
-    as the paper counts), plus the LoRA share of N-emb."""
+    as the paper counts), plus the LoRA share of N-emb and the exit adapter's size. The exit adapter
+    (models/exit_adapter.py) counts in the total only, not in N-emb: it serves intermediate exits at the
+    head, and the paper's appendix-I table gives its frozen-body head-LoRA row the base model's N-emb."""
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
@@ -290,7 +294,9 @@ def count_parameters(model: LoopLMForCausalLM) -> dict:
     if not model.config.tie_word_embeddings:
         emb += model.lm_head.weight.numel()
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-    return {"total": total, "embedding": emb, "n_emb": total - emb, "lora": lora}
+    adapter = sum(p.numel() for p in model.exit_adapter.parameters()) if model.exit_adapter is not None else 0
+    return {"total": total, "embedding": emb, "n_emb": total - emb - adapter, "lora": lora,
+            "exit_adapter": adapter}
 
 
 def describe(model: LoopLMForCausalLM) -> dict:
@@ -299,6 +305,7 @@ def describe(model: LoopLMForCausalLM) -> dict:
     return {
         "family": c.family, "depth": c.num_hidden_layers, "loops": c.num_loops, "shared_layers": c.num_shared_layers,
         "sharing": c.sharing, "per_depth_vectors": c.per_depth_vectors, "lora_ranks": c.lora_ranks,
+        "exit_adapter_spec": copy.deepcopy(c.exit_adapter),
         "layer_map": c.layer_map, "depth_attention": c.depth_attention, "conversion": copy.deepcopy(c.conversion),
         **count_parameters(model),
     }

@@ -34,7 +34,7 @@ def model_summary(model) -> dict:
     return {"n_emb": counts["n_emb"], "total_params": counts["total"], "num_loops": c.num_loops,
             "num_hidden_layers": c.num_hidden_layers, "lora_ranks": dict(c.lora_ranks),
             "init": conv.get("init"), "lora_init": conv.get("lora_init"), "source": conv.get("source"),
-            "conversion": conv}
+            "exit_adapter": c.exit_adapter, "exit_adapter_params": counts["exit_adapter"], "conversion": conv}
 
 
 def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, exit_loop: int | None = None,

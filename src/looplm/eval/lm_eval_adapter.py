@@ -275,7 +275,7 @@ class LoopLMEval(TemplateLM):
             h = states1[li][g_idx, t_idx]
             if cont_h is not None:
                 h = torch.cat([h, cont_h[li]], dim=0)
-            logits = self.model.exit_logits(h[index]).float()
+            logits = self.model.exit_logits(h[index], loop=li).float()
             logp = F.log_softmax(logits, dim=-1)
             ll = logp.gather(1, tgt[:, None])[:, 0].double()
             arg = logp.argmax(-1)
@@ -368,7 +368,7 @@ class LoopLMEval(TemplateLM):
             text = ""
             for _ in range(max_new):
                 h, _, cache = self.model.model(x, past_key_values=cache, num_loops=self.exit_loop)
-                nxt = int(self.model.exit_logits(h[:, -1]).argmax(-1))
+                nxt = int(self.model.exit_logits(h[:, -1], loop=self.exit_loop - 1).argmax(-1))
                 if nxt == self.eot_token_id:
                     break
                 new.append(nxt)

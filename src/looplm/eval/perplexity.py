@@ -70,7 +70,7 @@ def score_windows(model, tokenizer, windows: list[list[int]], batch_size: int = 
         for i, h in enumerate(states):
             # One window at a time: a [batch, seq, vocab] float32 block is GBs for Gemma's 262k vocabulary.
             for j in range(h.shape[0]):
-                logits = model.exit_logits(h[j, :-1]).float()
+                logits = model.exit_logits(h[j, :-1], loop=i).float()
                 nll[i] += F.cross_entropy(logits, targets[j], ignore_index=-100, reduction="sum").double().cpu()
         count += int((targets != -100).sum())
         scored_text.extend(w[1:] for w in batch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from ..errors import ConfigError
+from .exit_adapter import check_exit_adapter
 
 LORA_GROUPS = ("q", "kv", "out", "ffn")
 SHARING_STRATEGIES = ("cycle", "sequence", "cycle-rev")
@@ -85,6 +86,7 @@ class LoopLMConfig(PretrainedConfig):
         per_depth_vectors: bool = False,
         lora_ranks: dict | None = None,
         conversion: dict | None = None,
+        exit_adapter: dict | None = None,
         **kwargs,
     ):
         self.family = family
@@ -127,6 +129,9 @@ class LoopLMConfig(PretrainedConfig):
         self.lora_ranks = {g: int((lora_ranks or {}).get(g, 0)) for g in LORA_GROUPS}
         # Free-form record of how the model was made (source, init, ...), for reports.
         self.conversion = conversion or {}
+        # An optional adapter per intermediate exit (models/exit_adapter.py): {"kind": "head-lora", "rank": r}
+        # or {"kind": "affine"}; None: every exit is the plain final norm + LM head.
+        self.exit_adapter = exit_adapter
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
 
@@ -166,5 +171,10 @@ class LoopLMConfig(PretrainedConfig):
             )
         if "sliding" in self.depth_attention and not self.sliding_window_size:
             raise ConfigError("sliding attention depths need sliding_window_size")
+        if self.exit_adapter is not None:
+            self.exit_adapter = check_exit_adapter(self.exit_adapter, self.hidden_size)
+            if self.num_loops < 2:
+                raise ConfigError("an exit adapter serves the exits after intermediate loops, and this model has "
+                                  "one loop; convert it with --loops >= 2 first")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")

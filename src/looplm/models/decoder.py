@@ -15,6 +15,7 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import ConfigError, LoopLMConfig
+from .exit_adapter import ExitAdapter
 from .layers import Block, DepthNorm, LoopLinear, Rotary
 
 
@@ -70,6 +71,8 @@ class LoopLMPreTrainedModel(PreTrainedModel):
             (nn.init.zeros_ if module.kind == "rms_plus1" else nn.init.ones_)(module.weight)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, ExitAdapter):
+            module.reset_parameters()
 
 
 class LoopLMModel(LoopLMPreTrainedModel):
@@ -143,6 +146,9 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = LoopLMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Only the exits after intermediate loops use it (models/exit_adapter.py); the final output never does.
+        self.exit_adapter = ExitAdapter(config.exit_adapter, config.num_loops, config.hidden_size,
+                                        config.vocab_size) if config.exit_adapter else None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -166,9 +172,20 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             return self.head_packed.linear(x)
         return (head.weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], -1)
 
-    def exit_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The exit after any loop: final norm, LM head, and Gemma 2's logit soft-cap."""
-        logits = self._lm_head(self.model.norm(h))
+    def exit_logits(self, h: torch.Tensor, loop: int | torch.Tensor | None = None) -> torch.Tensor:
+        """The exit after any loop: final norm, LM head, and Gemma 2's logit soft-cap. ``loop`` is the 0-based
+        loop ``h`` comes from (an int, or a LongTensor with one loop per row of ``h`` when a batch mixes
+        loops); the model's exit adapter, if any, applies to the loops before the last. None or the last
+        loop: the plain exit, the model's normal output."""
+        adapter = self.exit_adapter if loop is not None else None
+        if isinstance(loop, int) and not 0 <= loop < self.config.num_loops:
+            raise ConfigError(f"exit after loop index {loop}: this model has loops 0..{self.config.num_loops - 1}")
+        if adapter is not None:
+            h = adapter.adapt_hidden(h, loop)
+        z = self.model.norm(h)
+        logits = self._lm_head(z)
+        if adapter is not None:
+            logits = adapter.adapt_logits(logits, z, loop)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -183,7 +200,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
                                  past_key_values is not None else None, inputs_embeds, num_loops=num_loops)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.exit_logits(h)
+        logits = self.exit_logits(h, None if num_loops is None else num_loops - 1)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)

@@ -349,7 +349,7 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
         x = torch.tensor([w[:-1]], device=dev)
         h0 = model.model.embed(x)
         _, states, _ = model.model(x, output_loop_states=True)
-        lp = [model.exit_logits(h)[0].float().log_softmax(-1) for h in states]
+        lp = [model.exit_logits(h, loop=i)[0].float().log_softmax(-1) for i, h in enumerate(states)]
         per_loop_logp.append(torch.stack(lp))                       # [B, t, V]
         prev = [h0] + states[:-1]
         cos_prev.append(torch.stack([torch.nn.functional.cosine_similarity(a[0].float(), b[0].float(), dim=-1)

@@ -335,7 +335,7 @@ class Engine:
                 it.h, it.loop = h, it.loop + 1
                 cont.append(it)
         exit_mask = None
-        logit_rows = [r for _, r in emit]
+        logit_rows = emit[:]  # (item, row) pairs whose exit logits are needed
         if inter:
             rows_t = torch.tensor([r for _, r in inter], device=self.device)
             h_prev = loops = None
@@ -343,12 +343,11 @@ class Engine:
                 h_prev = torch.cat([it.h[-1:] for it, _ in inter])  # it.h is still this loop's input
                 loops = torch.tensor([it.loop for it, _ in inter], device=self.device)
             if policy.needs_logits:
-                logit_rows = logit_rows + [r for _, r in inter]
+                logit_rows = logit_rows + inter
             else:  # cosine, hidden-state probe: from h after this loop and h before it
                 exit_mask = policy.decide(None, h_out.index_select(0, rows_t), h_prev, loops, self.model)
-                logit_rows = logit_rows + [r for (_, r), e in zip(inter, exit_mask.tolist()) if e]
-        logits = self.model.exit_logits(h_out.index_select(0, torch.tensor(logit_rows, device=self.device))) \
-            if logit_rows else None
+                logit_rows = logit_rows + [x for x, e in zip(inter, exit_mask.tolist()) if e]
+        logits = self._exit_logits(h_out, logit_rows) if logit_rows else None
         n_emit = len(emit)
         if inter and policy.needs_logits:
             inter_logits = logits[n_emit:]
@@ -401,6 +400,14 @@ class Engine:
             pos = len(req.prompt) + len(req.output) - 1
             produced.append(Item(req, pos, 1, 0, "token", ids=torch.tensor([tok], device=self.device)))
         return cont, produced
+
+    def _exit_logits(self, h_out: torch.Tensor, pairs: list) -> torch.Tensor:
+        """Exit logits of the rows of (item, row) pairs. With an exit adapter every row uses its own loop's
+        (rows from different loops share one call, grouped by loop inside); without one, the plain exit."""
+        h = h_out.index_select(0, torch.tensor([r for _, r in pairs], device=self.device))
+        if self.model.exit_adapter is None:
+            return self.model.exit_logits(h)
+        return self.model.exit_logits(h, torch.tensor([it.loop for it, _ in pairs], device=self.device))
 
     def _fill_skipped(self, exited, h_out, cont):
         """KV entries of the loops an early-exited token skipped."""

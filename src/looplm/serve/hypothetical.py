@@ -107,7 +107,8 @@ def oracle_trajectories(model, token_ids: list[int], prefix_len: int, decode_len
     for s in range(0, min(samples, len(token_ids) // width) * width, width):
         ids = torch.tensor([token_ids[s:s + width]], device=dev)
         _, states, _ = model.model(ids, output_loop_states=True)
-        arg = torch.stack([model.exit_logits(h[:, prefix_len - 1:width - 1])[0].argmax(-1) for h in states])
+        arg = torch.stack([model.exit_logits(h[:, prefix_len - 1:width - 1], loop=i)[0].argmax(-1)
+                           for i, h in enumerate(states)])
         first_match = (arg == arg[-1]).int().argmax(0)  # the final loop always matches
         out.append((first_match + 1).tolist())
     return out

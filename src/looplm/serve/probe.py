@@ -140,7 +140,7 @@ def collect(model, rows: list[list[int]], features: str = "hidden") -> tuple[tor
         x = torch.tensor([row], device=dev)
         h0 = model.model.embed(x)
         _, states, _ = model.model(x, output_loop_states=True)
-        logits = [model.exit_logits(h[0]) for h in states]
+        logits = [model.exit_logits(h[0], loop=i) for i, h in enumerate(states)]
         arg = torch.stack([z.argmax(-1) for z in logits])  # [B, t]
         prev = [h0] + states[:-1]
         if features == "hidden":

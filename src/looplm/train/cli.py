@@ -22,6 +22,12 @@ def register(sub) -> None:
     t.add_argument("--exit-coef", type=float, default=0.1, help="c of the aggressive strategy")
     t.add_argument("--self-distill", action="store_true", help="intermediate exits also learn the detached final exit")
     t.add_argument("--self-distill-weight", type=float, default=1.0)
+    t.add_argument("--exit-adapter", default=None, help="head-lora:R | affine: add an adapter per intermediate exit "
+                                                        "(a LoRA on the LM head, or a tuned-lens affine map); the "
+                                                        "final exit is untouched (docs/TRAINING.md)")
+    t.add_argument("--freeze-body", action="store_true", help="train only the exit adapter: body, embeddings and head "
+                                                              "frozen (the paper's appendix-I ablation); a --teacher "
+                                                              "then teaches the intermediate exits")
     g = t.add_mutually_exclusive_group()
     g.add_argument("--max-steps", type=int, default=None)
     g.add_argument("--max-tokens", type=int, default=None)
@@ -35,7 +41,7 @@ def register(sub) -> None:
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--precision", default="auto", help="auto (bf16 autocast where supported) | bf16 | fp32")
     t.add_argument("--grad-checkpointing", action="store_true", help="recompute activations per depth")
-    t.add_argument("--train", default="all", help="all, or a comma list of lora, layers, norms, embed")
+    t.add_argument("--train", default="all", help="all, or a comma list of lora, layers, norms, embed, exit")
     t.add_argument("--eval-every", type=int, default=0, help="held-out perplexity per loop exit every N steps")
     t.add_argument("--eval-seqs", type=int, default=16, help="held-out sequences per evaluation")
     t.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and always at the end)")
@@ -69,7 +75,14 @@ def register(sub) -> None:
     h.add_argument("--e2e-batch", type=int, default=2)
     h.add_argument("--e2e-lr", type=float, default=1e-4)
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
-    h.add_argument("--exit-weight", type=float, default=0.2, help="weight of each intermediate loop exit's KD term")
+    h.add_argument("--exit-weight", type=float, default=0.0, help="weight of each intermediate loop exit's KD term on "
+                                                              "the body (0: exits get their own adapter stage)")
+    h.add_argument("--exit-adapter", default="affine", help="exit stage: an adapter per intermediate loop exit "
+                   "trained on the frozen body, affine (tuned lens) | head-lora:R | none")
+    h.add_argument("--exit-share", type=float, default=0.1, help="share of what the local stage leaves for the exit stage")
+    h.add_argument("--exit-lr", type=float, default=1e-3)
+    h.add_argument("--precision", default="auto", help="auto (bf16 autocast where the hardware has bf16 matmuls) | "
+                                                      "bf16 | fp32")
     h.add_argument("--eval-rows", type=int, default=16, help="held-out rows scored at each evaluation")
     h.add_argument("--eval-every-seconds", type=float, default=300.0)
     h.add_argument("--seed", type=int, default=0)

@@ -19,12 +19,19 @@ Two stages, both reading the original model's hidden states from a teacher cache
    forward KL of every intermediate loop exit against the original model, so that the exit after
    loop 1 is trained for itself (early exiting reads it).
 
-Both stages read the teacher from the cache, never run it: a step costs the student alone. The
+3. **Exit adapters** (models/exit_adapter.py), for models with more than one loop: the body, head and
+   final norm frozen, an adapter per intermediate loop exit (by default ``affine``, a tuned lens) is
+   trained so that the exit after loop i predicts the model's own final output (forward KL from the
+   final loop's logits: self-distillation, as the paper's early-exit training does). The body stays
+   the original's copy, which loop 2 needs as its input, and the exit still becomes usable.
+
+All stages read the teacher from the cache, never run it: a step costs the student alone. The
 embeddings, final norm and LM head stay the original model's (frozen), so the original's logits
 are its final state through the student's own head.
 
 Budget: ``budget_minutes`` (wall time of cache, local and end-to-end work; evaluations not
-counted) or ``tokens``; ``local_share`` of it goes to the local stage. A time budget is turned into
+counted) or ``tokens``; ``local_share`` of it goes to the local stage, ``exit_share`` of the rest to the exit
+stage and what is left to the end-to-end stage. A time budget is turned into
 step counts after measuring a few steps, and stored in run.json: a resumed run follows the same plan.
 The end-to-end count is fixed again after its first steps are timed (the load of a shared machine
 changes in between), so that the run fills its budget. Run directory::
@@ -58,6 +65,8 @@ from ..convert.recursive import tied_depths
 from ..models.decoder import attention_masks
 from ..data.corpus import PackedCorpus
 from .losses import kd_loss
+from .loop import resolve_precision
+from ..models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter, parse_exit_adapter
 from .teacher_cache import build_cache
 
 LOCAL_MODES = ("parallel", "sequential")
@@ -82,7 +91,11 @@ class HealConfig:
     e2e_batch: int = 2
     e2e_lr: float = 1e-4
     hidden_weight: float = 1.0
-    exit_weight: float = 0.2
+    exit_weight: float = 0.0         # intermediate-exit KD on the body (0: the body copies the original)
+    exit_adapter: str = "affine"     # exit stage: affine | head-lora:R | none
+    exit_share: float = 0.1          # share of what the local stage leaves, for the exit stage
+    exit_lr: float = 1e-3
+    precision: str = "auto"          # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
     grad_clip: float = 1.0
     eval_rows: int = 16
     eval_every_seconds: float = 300.0
@@ -92,7 +105,8 @@ class HealConfig:
     progress: bool = True
 
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
-             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed")
+             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed", "precision",
+             "exit_adapter", "exit_share", "exit_lr")
 
 
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -128,8 +142,10 @@ class Healer:
             raise UsageError("the budget must be positive: --budget-minutes N or --tokens N with N > 0")
         if c.local_mode not in LOCAL_MODES:
             raise UsageError(f"unknown --local-mode {c.local_mode!r}; use one of {', '.join(LOCAL_MODES)}")
-        if not 0 <= c.local_share <= 1:
-            raise UsageError(f"--local-share {c.local_share} must be a fraction in [0, 1]")
+        for name in ("local_share", "exit_share"):
+            if not 0 <= getattr(c, name) <= 1:
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(c, name)} must be a fraction in [0, 1]")
+        self.exit_spec = None if c.exit_adapter == "none" else parse_exit_adapter(c.exit_adapter)
         if c.cache_rows < max(c.local_batch, c.e2e_batch) or c.seq_len < 2:
             raise UsageError("--cache-rows must be at least the batch size and --seq-len at least 2")
         out = Path(c.out)
@@ -175,7 +191,14 @@ class Healer:
             raise UsageError(f"student {c.model} ({student.config.num_hidden_layers} depths) was not converted "
                              f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)")
         self.student, self.teacher, self.tok = student, teacher.eval().requires_grad_(False), tok
+        if student.config.num_loops < 2 or not c.exit_share:
+            self.exit_spec = None  # no intermediate exit to train (or no budget for it)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.bf16 = resolve_precision(c.precision, self.device) == "bf16"
+
+    def autocast(self):
+        """bf16 autocast for the training forward passes (weights, optimizer state and evaluations stay fp32)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _check_not_heldout(self) -> None:
         """The training slice must not contain held-out text: no cached row may equal a held-out row."""
@@ -232,16 +255,23 @@ class Healer:
             self._log_eval(tag="local")
         if self.state["stage"] == "e2e":
             self.e2e_stage()
+            self.state.update(stage="exit", step=0)
+            self._save(None)
+            if self.plan.get("exit_steps"):
+                self._log_eval(tag="e2e")  # the body's final state, before the exit adapters
+        if self.state["stage"] == "exit":
+            self.exit_stage()
             self.state["stage"] = "done"
             self._save(None)
         after_local = self._evals("local")
-        final = after_local[-1] if after_local and not self.plan["e2e_steps"] else self._log_eval(tag="final")
+        trained_after_local = self.plan["e2e_steps"] or self.plan.get("exit_steps")
+        final = after_local[-1] if after_local and not trained_after_local else self._log_eval(tag="final")
         from ..models import save_model
         save_model(self.student.cpu(), self.tok, out / "final")
         self.plot()
         summary = {"out": str(out), "final": str(out / "final"), "minutes": round(self.state["time"] / 60, 2),
                    "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"],
-                   "teacher": self.prev["teacher_eval"], "healed": final,
+                   "teacher": self.prev["teacher_eval"], "healed": final, "exit_adapter": self.exit_spec,
                    "converted": (self._evals("converted") or [None])[0]}
         write_json_atomic(out / "heal.json", summary)
         return summary
@@ -252,28 +282,34 @@ class Healer:
         K, B = self.student.config.num_shared_layers, self.student.config.num_loops
         per_local = c.local_batch * c.seq_len
         per_e2e = c.e2e_batch * c.seq_len
+        # the exit stage takes exit_share of what the local stage leaves; the end-to-end stage the rest
+        exit_share = (1 - c.local_share) * c.exit_share if self.exit_spec else 0.0
+        t_exit = 0.0
         if c.tokens is not None:
             local_steps = round(c.local_share * c.tokens / per_local)
-            e2e_steps = round((1 - c.local_share) * c.tokens / per_e2e)
+            e2e_steps = round((1 - c.local_share - exit_share) * c.tokens / per_e2e)
+            exit_steps = round(exit_share * c.tokens / per_e2e)
         else:
             left = c.budget_minutes * 60 - self.clock()
             if left <= 0:
                 raise UsageError(f"building the teacher cache used the whole --budget-minutes {c.budget_minutes}; "
                                  f"raise the budget or lower --cache-rows")
-            t_local, t_e2e = self._time_steps()
+            t_local, t_e2e, t_exit = self._time_steps()
             # a sequential run also propagates the student's states once per depth: about one
             # forward pass of the model over the cache, ~1/3 of a local step per row and layer
             propagate = (self.plan_propagation_seconds(t_local) if c.local_mode == "sequential" else 0.0)
             local_steps = int(max(0.0, c.local_share * left - propagate) / t_local / K) if c.local_share else 0
-            e2e_steps = int((1 - c.local_share) * left / t_e2e)
+            e2e_steps = int((1 - c.local_share - exit_share) * left / t_e2e)
+            exit_steps = int(exit_share * left / t_exit) if exit_share else 0
         visits = self.student.config.num_hidden_layers if c.local_mode == "sequential" else K
         per_visit = math.ceil(local_steps / (visits // K)) if local_steps else 0
         plan = {"local_steps_per_layer": local_steps, "local_steps_per_visit": per_visit, "visits": visits,
                 "e2e_steps": e2e_steps, "local_tokens_per_layer": local_steps * per_local,
-                "e2e_tokens": e2e_steps * per_e2e, "loops": B, "shared_layers": K}
+                "e2e_tokens": e2e_steps * per_e2e, "exit_steps": exit_steps, "exit_step_seconds": t_exit,
+                "exit_adapter": self.exit_spec, "loops": B, "shared_layers": K}
         self.log(f"plan: {visits} local visits x {per_visit} steps ({local_steps * per_local:,} tokens per shared layer), "
-                 f"{e2e_steps} end-to-end steps ({e2e_steps * per_e2e:,} tokens)")
-        if local_steps == 0 and e2e_steps == 0:
+                 f"{e2e_steps} end-to-end steps ({e2e_steps * per_e2e:,} tokens), {exit_steps} exit-adapter steps")
+        if local_steps == 0 and e2e_steps == 0 and exit_steps == 0:
             self.log("warning: the budget leaves no training step after the teacher cache; the model is saved as "
                      "converted. Give a larger --budget-minutes (or --tokens) to heal it")
         return plan
@@ -302,8 +338,18 @@ class Healer:
             self._e2e_step(probe, s, opt, lr=0.0)
             times.append(time.perf_counter() - t0)
         t_e2e = times[-1]
-        self.log(f"measured: local step {t_local:.2f} s, end-to-end step {t_e2e:.2f} s")
-        return t_local, t_e2e
+        t_exit = 0.0
+        if self.exit_spec:
+            opt = torch.optim.AdamW(self._exit_trainable(probe), lr=0.0)
+            times = []
+            for s in range(2):
+                t0 = time.perf_counter()
+                self._exit_step(probe, s, opt, lr=0.0)
+                times.append(time.perf_counter() - t0)
+            t_exit = times[-1]
+        self.log(f"measured: local step {t_local:.2f} s, end-to-end step {t_e2e:.2f} s"
+                 + (f", exit-adapter step {t_exit:.2f} s" if self.exit_spec else ""))
+        return t_local, t_e2e, t_exit
 
     # ----- stage 1: layer-local distillation
     def _tables(self, model, rows: int):
@@ -331,7 +377,9 @@ class Healer:
         for d in depths:
             x = inputs[d][idx].float() if d in inputs else self.cache.inputs(d, idx)
             y = self.cache.outputs(d, idx).to(self.device)
-            loss = loss + relative_error(self._run_depth(model, d, x.to(self.device)), y) / len(depths)
+            with self.autocast():
+                pred = self._run_depth(model, d, x.to(self.device))
+            loss = loss + relative_error(pred, y) / len(depths)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.model.layers[layer].parameters(), self.cfg.grad_clip)
@@ -343,7 +391,8 @@ class Healer:
         """The student's states after depth d for every cached row (in chunks), bfloat16 on the host."""
         out = torch.empty_like(h)
         for s in range(0, h.shape[0], 8):
-            out[s:s + 8] = self._run_depth(model, d, h[s:s + 8].float().to(self.device)).to(torch.bfloat16).cpu()
+            with self.autocast():
+                out[s:s + 8] = self._run_depth(model, d, h[s:s + 8].float().to(self.device)).to(torch.bfloat16).cpu()
         return out
 
     def local_stage(self) -> None:
@@ -417,8 +466,10 @@ class Healer:
         L, K = cfg.num_hidden_layers, cfg.num_shared_layers
         with torch.no_grad():
             teacher_logits = self.teacher.exit_logits(self.cache.boundary(L, idx).to(self.device))
-        _, depth_states, _ = model.model(ids, output_depth_states=True)
-        parts = {"kd": kd_loss(model.exit_logits(depth_states[-1]), teacher_logits)}
+        with self.autocast():
+            _, depth_states, _ = model.model(ids, output_depth_states=True)
+            final_logits = model.exit_logits(depth_states[-1])
+        parts = {"kd": kd_loss(final_logits, teacher_logits)}
         loss = parts["kd"]
         if c.hidden_weight:
             # The state after an intermediate loop is an exit too: with an exit term it is left free to
@@ -430,7 +481,9 @@ class Healer:
             loss = loss + c.hidden_weight * hid
         if c.exit_weight and cfg.num_loops > 1:
             for i in range(1, cfg.num_loops):
-                parts[f"kd_exit{i}"] = kd_loss(model.exit_logits(depth_states[i * K - 1]), teacher_logits)
+                with self.autocast():
+                    exit_logits = model.exit_logits(depth_states[i * K - 1], loop=i - 1)
+                parts[f"kd_exit{i}"] = kd_loss(exit_logits, teacher_logits)
                 loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
         for grp in opt.param_groups:
             grp["lr"] = lr
@@ -483,7 +536,8 @@ class Healer:
     def _replan_e2e(self, step: int, seconds_per_step: float) -> int:
         """The end-to-end step count that fills what is left of the time budget, from the steps just
         timed: the load of a shared machine changes between planning and this stage. Stored in run.json."""
-        left = self.cfg.budget_minutes * 60 - self.clock()
+        left = self.cfg.budget_minutes * 60 - self.clock() - self.plan.get("exit_steps", 0) * \
+            self.plan.get("exit_step_seconds", 0.0)
         total = max(step + 1, step + int(left / seconds_per_step))
         self.log(f"end-to-end: {seconds_per_step:.1f} s per step, {total} steps fill the budget "
                  f"(planned {self.plan['e2e_steps']})")
@@ -491,6 +545,63 @@ class Healer:
         self.prev["plan"] = self.plan
         write_json_atomic(Path(self.cfg.out) / "run.json", self.prev)
         return total
+
+    # ----- stage 3: exit adapters on the frozen body
+    def _exit_trainable(self, model) -> list[torch.nn.Parameter]:
+        add_exit_adapters(model, self.exit_spec["kind"], self.exit_spec.get("rank"))
+        return freeze_all_but_exit_adapter(model)
+
+    def _exit_step(self, model, step: int, opt, lr: float) -> dict:
+        """Every intermediate exit learns the model's own final output (forward KL), the body frozen."""
+        c = self.cfg
+        g = torch.Generator().manual_seed(c.seed * 1_000_003 + 500_009 + step)
+        idx = torch.randperm(len(self.rows), generator=g)[:c.e2e_batch].numpy()
+        ids = self.cache.tokens(self.corpus, idx).to(self.device)
+        with torch.no_grad(), self.autocast():
+            _, states, _ = model.model(ids, output_loop_states=True)
+            target = model.exit_logits(states[-1])
+        parts = {}
+        with self.autocast():
+            for i in range(len(states) - 1):
+                parts[f"exit{i + 1}"] = kd_loss(model.exit_logits(states[i], loop=i), target)
+        loss = sum(parts.values()) / len(parts)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.exit_adapter.parameters(), c.grad_clip)
+        opt.step()
+        return {"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in parts.items()}}
+
+    def exit_stage(self) -> None:
+        from tqdm import tqdm
+        c, total, model = self.cfg, self.plan.get("exit_steps", 0), self.student
+        if not total:
+            return
+        opt = torch.optim.AdamW(self._exit_trainable(model), lr=c.exit_lr, weight_decay=0.0)
+        if self.state["step"] > 0:
+            opt.load_state_dict(torch.load(self._latest_dir() / "optimizer.pt", map_location=self.device))
+        bar = tqdm(total=total, initial=self.state["step"], desc="heal: exit adapters", unit="step",
+                   disable=not c.progress)
+        last_save = time.perf_counter()
+        try:
+            while self.state["step"] < total:
+                s = self.state["step"]
+                lr = c.exit_lr * _cosine(s, total, max(1, total // 20))
+                rec = self._exit_step(model, s, opt, lr)
+                self.state["step"] = s + 1
+                self.state["time"] = self.clock()
+                bar.update(1)
+                bar.set_postfix(kd=f"{rec['loss']:.3f}")
+                self._append({"stage": "exit", "step": s + 1, "lr": lr, **rec, "time": round(self.state["time"], 2),
+                              "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
+                if time.perf_counter() - last_save > c.save_every_seconds and self.state["step"] < total:
+                    self._save(opt)
+                    last_save = time.perf_counter()
+        finally:
+            bar.close()
+        model.requires_grad_(False)
+        self._save(opt)
 
     # ----- evaluation: held-out perplexity at every loop exit
     @torch.no_grad()
@@ -503,17 +614,23 @@ class Healer:
         model.eval()
         loops = model.config.num_loops
         nll, count = torch.zeros(loops, dtype=torch.float64), 0
+        agree = torch.zeros(loops, dtype=torch.float64)
         for i in range(n):
             ids = torch.from_numpy(np.asarray(held[i:i + 1, :self.cfg.seq_len], dtype=np.int64)).to(self.device)
             _, states, _ = model.model(ids, output_loop_states=True)
-            for j, h in enumerate(states):
-                logits = model.exit_logits(h[0, :-1]).float()
+            final = None
+            for j in reversed(range(len(states))):
+                logits = model.exit_logits(states[j][0, :-1], loop=j).float()
                 nll[j] += F.cross_entropy(logits, ids[0, 1:], reduction="sum").double().cpu()
+                final = logits.argmax(-1) if final is None else final
+                agree[j] += float((logits.argmax(-1) == final).sum())
             count += ids.shape[1] - 1
         self.eval_seconds = getattr(self, "eval_seconds", 0.0) + time.perf_counter() - t0
         self._last_eval = time.perf_counter()
         ppl = [math.exp(min(float(x) / count, 50.0)) for x in nll]
-        return {"ppl": ppl[-1], "ppl_per_loop": ppl, "eval_tokens": count}
+        # top-1 agreement of each loop's exit with the final one (teacher-forced): what an oracle exit rule gets
+        return {"ppl": ppl[-1], "ppl_per_loop": ppl, "agree_per_loop": [round(float(a) / count, 4) for a in agree],
+                "eval_tokens": count}
 
     def _eval_due(self) -> bool:
         return time.perf_counter() - getattr(self, "_last_eval", 0.0) > self.cfg.eval_every_seconds
@@ -584,6 +701,8 @@ class Healer:
         if not (ck / "state.json").exists():
             raise UsageError(f"checkpoint {ck} is incomplete; delete {Path(self.cfg.out) / 'latest'} to start over")
         loaded = load_checkpoint(ck)
+        if loaded.config.exit_adapter and self.student.exit_adapter is None:  # saved in the exit stage
+            add_exit_adapters(self.student, loaded.config.exit_adapter["kind"], loaded.config.exit_adapter.get("rank"))
         self.student.load_state_dict(loaded.state_dict())
         self.state = json.loads((ck / "state.json").read_text())
 

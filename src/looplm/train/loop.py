@@ -33,13 +33,14 @@ from torch import nn
 
 from ..errors import UsageError
 from ..util import write_json_atomic
+from ..models.exit_adapter import add_exit_adapters, parse_exit_adapter
 from ..models.loading import tokenizer_fingerprint
 from ..data.corpus import PackedCorpus
 from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, truncate_metrics
 from .data_order import batch_indices, micro_batch, rows_read
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 
-TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed")
+TRAIN_GROUPS = ("all", "lora", "layers", "norms", "embed", "exit")
 DATA_ROWS = ("all", "new")
 
 
@@ -56,6 +57,8 @@ class TrainConfig:
     exit_coef: float = 0.1
     self_distill: bool = False
     self_distill_weight: float = 1.0
+    exit_adapter: str | None = None  # head-lora:R | affine: add an adapter per intermediate exit (models/exit_adapter.py)
+    freeze_body: bool = False      # train only the exit adapter (the paper's appendix-I ablation)
     max_steps: int | None = None
     max_tokens: int | None = None
     batch_size: int = 2            # sequences per process per micro-step
@@ -83,8 +86,8 @@ class TrainConfig:
 
     # Settings that must not change between a run and its resume.
     FIXED = ("data", "teacher", "kd", "kd_weight", "kd_temperature", "early_exit", "exit_coef", "self_distill",
-             "self_distill_weight", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "weight_decay",
-             "beta1", "beta2", "train", "seed", "data_rows")
+             "self_distill_weight", "exit_adapter", "freeze_body", "batch_size", "grad_accum", "seq_len", "lr",
+             "min_lr_ratio", "weight_decay", "beta1", "beta2", "train", "seed", "data_rows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,13 +107,15 @@ class TrainModule(nn.Module):
         c = self.cfg
         all_exits = evaluate or c.early_exit != "none"
         h, states, _ = self.lm.model(input_ids, output_loop_states=all_exits)
-        exits = [self.lm.exit_logits(s) for s in states] if all_exits else [self.lm.exit_logits(h)]
+        exits = [self.lm.exit_logits(s, loop=i) for i, s in enumerate(states)] if all_exits else [self.lm.exit_logits(h)]
         if evaluate:  # summed CE per exit and the count of predicted tokens
             sums = torch.stack([token_ce(lg, input_ids).sum() for lg in exits])
             return sums, torch.tensor(float(input_ids[:, 1:].numel()), device=sums.device)
+        # A frozen body cannot change the final exit: the teacher then teaches the intermediate exits.
         return objective(exits, input_ids, teacher_logits, kd=c.kd, kd_weight=c.kd_weight,
                          temperature=c.kd_temperature, early_exit=c.early_exit, exit_coef=c.exit_coef,
-                         self_distill=c.self_distill, self_distill_weight=c.self_distill_weight)
+                         self_distill=c.self_distill, self_distill_weight=c.self_distill_weight,
+                         teacher_exits=c.freeze_body)
 
 
 
@@ -129,7 +134,8 @@ def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
 
 
 def select_trainable(model, spec: str) -> int:
-    """--train: 'all' or a comma list of lora, layers (shared weights), norms, embed. Returns the count."""
+    """--train: 'all' or a comma list of lora, layers (shared weights), norms, embed (embeddings and head),
+    exit (the exit adapter). Returns the count."""
     groups = {s.strip() for s in spec.split(",") if s.strip()}
     bad = groups - set(TRAIN_GROUPS)
     if bad or not groups:
@@ -137,7 +143,9 @@ def select_trainable(model, spec: str) -> int:
                          f"{', '.join(TRAIN_GROUPS[1:])}")
     n = 0
     for name, p in model.named_parameters():
-        if "lora_" in name:
+        if name.startswith("exit_adapter."):
+            g = "exit"
+        elif "lora_" in name:
             g = "lora"
         elif "embed_tokens" in name or "lm_head" in name:
             g = "embed"
@@ -148,7 +156,8 @@ def select_trainable(model, spec: str) -> int:
         p.requires_grad_("all" in groups or g in groups)
         n += p.numel() if p.requires_grad else 0
     if n == 0:
-        hint = " (this model has no LoRA: convert with --lora-rank > 0)" if "lora" in groups else ""
+        hint = " (this model has no LoRA: convert with --lora-rank > 0)" if "lora" in groups else \
+            " (this model has no exit adapter: add --exit-adapter head-lora:R or affine)" if "exit" in groups else ""
         raise UsageError(f"--train {spec} leaves nothing to train{hint}; use --train all")
     return n
 
@@ -168,12 +177,17 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision not in ("auto", "bf16", "fp32"):
         raise UsageError(f"unknown --precision {precision!r}; use auto, bf16 or fp32")
     if precision == "auto":
-        # bf16 autocast only where it pays: on this project's CPUs (AVX-512 BF16, no AMX) a training
-        # step ran 1.4x faster in fp32 (docs/BENCHMARKS.md), so CPU training stays in fp32.
+        # bf16 autocast where the hardware has bf16 matmuls: CUDA devices that support it, and CPUs with
+        # AVX-512 BF16 or AMX (a SmolLM2 step of 2 x 512 tokens: 4.4 s against 6.4 s in fp32 on this
+        # project's 2-core EPYC, docs/BENCHMARKS.md). Without them autocast only adds casts.
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-        return "fp32"
+        return "bf16" if cpu_has_bf16() else "fp32"
     return precision
+
+
+def cpu_has_bf16() -> bool:
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def memory_available(device: torch.device) -> int | None:
@@ -251,6 +265,14 @@ class Trainer(Checkpoints):
             raise UsageError(f"--kd-weight {c.kd_weight} must be in [0, 1] (loss = (1-w) CE + w KD)")
         if c.data_rows not in (None, *DATA_ROWS):
             raise UsageError(f"unknown --data-rows {c.data_rows!r}; use all or new")
+        adapter_spec = parse_exit_adapter(c.exit_adapter) if c.exit_adapter else None
+        if adapter_spec and c.early_exit == "none":
+            raise UsageError("--exit-adapter serves the intermediate exits, which only --early-exit trains: add "
+                             "--early-exit aggressive (or weighted)")
+        if c.freeze_body and c.early_exit == "none":
+            raise UsageError("--freeze-body trains only intermediate exits: add --early-exit aggressive (or weighted)")
+        if c.freeze_body and c.train != "all":
+            raise UsageError("--freeze-body already chooses what trains (the exit adapter); drop --train")
 
         prev_run = None
         latest = None
@@ -261,9 +283,11 @@ class Trainer(Checkpoints):
             latest = (out / "latest").read_text().strip() if (out / "latest").exists() else None
             c.model = c.model or prev_run["config"]["model"]
             c.data_rows = c.data_rows or prev_run["config"].get("data_rows", "all")  # runs from before the option
-            changed = [k for k in TrainConfig.FIXED if prev_run["config"].get(k) != getattr(c, k)]
+            # a setting missing from an older run.json had its default then (data_rows: all)
+            was = {**{k: TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.FIXED}, "data_rows": "all",
+                   **prev_run["config"]}
+            changed = [k for k in TrainConfig.FIXED if was.get(k) != getattr(c, k)]
             if changed:
-                was = prev_run["config"]
                 what = ", ".join(f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed)
                 raise UsageError(f"--resume with different settings ({what}); use the run's settings or a new --out")
         elif c.resume and out.exists() and any(out.iterdir()):
@@ -303,6 +327,11 @@ class Trainer(Checkpoints):
             raise UsageError(f"the corpus {c.data} was tokenised with another tokenizer ({self.corpus.meta['model']}) "
                              f"than {c.model}'s; rebuild it with `looplm data build --model {c.model}`")
         self.tok = tok
+        if adapter_spec:
+            add_exit_adapters(model, adapter_spec["kind"], adapter_spec.get("rank"))
+        if c.freeze_body and model.exit_adapter is None:
+            raise UsageError(f"--freeze-body leaves nothing to train: {c.model} has no exit adapter; add "
+                             f"--exit-adapter head-lora:R or affine")
         self._choose_rows(model)
         self.teacher = None
         if c.teacher:
@@ -330,7 +359,7 @@ class Trainer(Checkpoints):
                                  f"resume with the run's own --model or choose a new --out")
         self.latest = latest
 
-        n_train = select_trainable(model, c.train)
+        n_train = select_trainable(model, "exit" if c.freeze_body else c.train)
         n_params = sum(p.numel() for p in model.parameters())
         if c.grad_checkpointing:
             model.model.gradient_checkpointing = True

@@ -79,15 +79,17 @@ def exit_weights(num_exits: int, mode: str, coef: float = 0.1) -> list[float]:
 
 def objective(exit_logits: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
               kd: str = "fkl", kd_weight: float = 0.5, temperature: float = 1.0, early_exit: str = "none",
-              exit_coef: float = 0.1, self_distill: bool = False, self_distill_weight: float = 1.0
-              ) -> tuple[torch.Tensor, dict]:
+              exit_coef: float = 0.1, self_distill: bool = False, self_distill_weight: float = 1.0,
+              teacher_exits: bool = False) -> tuple[torch.Tensor, dict]:
     """The whole training loss from the logits of every loop exit (last = final output).
 
     Per exit i: L_i = CE_i. On the final exit with a teacher: L_B = (1 - w) CE_B + w T^2 D(teacher || final).
     With self-distillation each intermediate exit adds ``self_distill_weight`` * KL(final.detach() || exit_i).
+    With ``teacher_exits`` (a frozen body, where only exit adapters train) the teacher's term applies to every
+    intermediate exit too: L_i = (1 - w) CE_i + w T^2 D(teacher || exit_i) (+ the self-distillation term).
     Total: sum_i alpha_i L_i with alpha from ``exit_weights`` (only the final exit when early_exit is none).
     Returns (loss, parts) with parts holding detached values for logging: ce_i per exit (just ``ce``
-    when only the final exit is given), kd, sd_i, loss."""
+    when only the final exit is given), kd (kd_i for intermediate exits with ``teacher_exits``), sd_i, loss."""
     n = len(exit_logits)
     alphas = exit_weights(n, early_exit, exit_coef)
     parts: dict[str, torch.Tensor] = {}
@@ -99,14 +101,14 @@ def objective(exit_logits: list[torch.Tensor], input_ids: torch.Tensor, teacher_
         ce = ce_loss(logits, input_ids)
         parts[f"ce_{i}" if n > 1 else "ce"] = ce
         loss_i = ce
-        if i == n and teacher_logits is not None and kd_weight > 0:
+        if (i == n or teacher_exits) and teacher_logits is not None and kd_weight > 0:
             kdl = kd_loss(logits, teacher_logits, input_ids, kd, temperature)
-            parts["kd"] = kdl
+            parts["kd" if i == n else f"kd_{i}"] = kdl
             loss_i = (1 - kd_weight) * ce + kd_weight * kdl
-        elif i < n and self_distill:
+        if i < n and self_distill:
             sd = kd_loss(logits, final_detached, input_ids, "fkl", 1.0)
             parts[f"sd_{i}"] = sd
-            loss_i = ce + self_distill_weight * sd
+            loss_i = loss_i + self_distill_weight * sd
         total = total + alpha * loss_i
     parts["loss"] = total
     return total, {k: v.detach() for k, v in parts.items()}

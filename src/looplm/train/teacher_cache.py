@@ -39,7 +39,9 @@ def model_fingerprint(model) -> str:
     """sha256 (16 hex digits) of a model's architecture and every parameter's bytes."""
     h = hashlib.sha256()
     cfg = model.config.to_dict()
-    for key in ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype"):
+    # keys that do not change the states at layer boundaries (exit adapters act only at intermediate exits)
+    for key in ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype",
+                "exit_adapter"):
         cfg.pop(key, None)
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, p in sorted(model.state_dict().items()):
