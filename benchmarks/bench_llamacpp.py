@@ -96,10 +96,10 @@ class LlamaCpp:
             b.n_tokens = len(chunk)
             if L.llama_decode(self.ctx, b) != 0:
                 raise RuntimeError("llama_decode failed")
-            for i, e in enumerate(chunk):
-                if e[3]:
-                    logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
-                    out.append(int(logits.argmax()))
+            n = sum(1 for e in chunk if e[3])
+            if n:  # the logits of the entries that asked for them, in batch order: one argmax over all rows
+                logits = np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(n, self.n_vocab))
+                out += logits.argmax(1).tolist()
         return out
 
     def serve(self, trace):
@@ -273,7 +273,8 @@ def main() -> int:
                    help="engine configurations: FORMAT[-bf16][-gN][-h4]")
     p.add_argument("--q4-gguf", default=None, help="llama.cpp Q4_1 file (default: the embedded model's own)")
     p.add_argument("--q8-gguf", default=None, help="llama.cpp Q8_0 file (default: exported from --model)")
-    p.add_argument("--looped", default=None, help="a looped model served at batch 1 with --exit (depth-wise)")
+    p.add_argument("--looped", default=None, help="a looped model served at batch 1 with --exit (depth-wise); "
+                   "'convert': --model converted on the fly (B=2, stepwise, LoRA rank 64, not uptrained)")
     p.add_argument("--looped-configs", default="fp32,int4")
     p.add_argument("--exit", default="margin:0.05")
     p.add_argument("--b1-requests", type=int, default=4)
@@ -326,7 +327,11 @@ def main() -> int:
     llamas_tr = {(k, n): LlamaCpp(v, args.threads, n, max_len) for k, v in ggufs.items() for n in par}
     looped = None
     if args.looped and "looped" not in skip:
-        base, _ = load_model(args.looped)
+        if args.looped == "convert":  # as `bench serve` without --looped: not uptrained
+            from looplm.convert import convert
+            base = convert(vanilla, loops=2, init="stepwise", lora_ranks=64, norms="per-depth").eval()
+        else:
+            base, _ = load_model(args.looped)
         looped = {s: engine_model(base, s) for s in args.looped_configs.split(",")}
         policy = parse_policy(args.exit)
     outputs = {}
