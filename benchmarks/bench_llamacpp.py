@@ -289,6 +289,7 @@ def main() -> int:
     p.add_argument("--data", default=None, help="a built corpus (`looplm data build`) whose held-out rows give "
                    "the perplexity (skipped without one)")
     p.add_argument("--ppl-tokens", type=int, default=8176)
+    p.add_argument("--memory-configs", default="fp32,int8,int4", help="configurations measured in a fresh process")
     p.add_argument("--profile", default="", help="comma list of configurations to profile at batch 1")
     p.add_argument("--skip", default="", help="comma list of parts to skip: b1, trace, looped, quality, memory")
     p.add_argument("--json", action="store_true")
@@ -377,7 +378,7 @@ def main() -> int:
         src = str(tmp / "fp32")
         from looplm.models import save_model
         save_model(vanilla, tok, src)
-        for s in specs:
+        for s in [x for x in args.memory_configs.split(",") if x]:
             sp = parse_spec(s)
             if sp["format"] == "fp32":
                 cases[s] = f"engine:fp32@{src}"
