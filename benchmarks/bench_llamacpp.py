@@ -294,9 +294,13 @@ def main() -> int:
     p.add_argument("--skip", default="", help="comma list of parts to skip: b1, trace, looped, quality, memory")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--table", default=None, help="print markdown tables from a result file and stop")
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.table:
+        print(table(args.table))
+        return 0
     import importlib.util
     if importlib.util.find_spec("llama_cpp") is None:
         raise SystemExit("needs llama-cpp-python: pip install -e .[bench] (builds llama.cpp, ~12 min on 2 cores)")
@@ -320,7 +324,8 @@ def main() -> int:
     b1 = make_trace(ids, args.b1_requests, rng(args.prompt_len), (args.b1_output, args.b1_output), "all", seed=1)
     trace = make_trace(ids, args.requests, rng(args.prompt_len), rng(args.output_len), "all", seed=0)
     max_len = rng(args.prompt_len)[1] + max(rng(args.output_len)[1], args.b1_output) + 1
-    result = {"model": args.model, "threads": args.threads, "configs": specs, "gguf": ggufs,
+    result = {"model": args.model, "threads": args.threads, "configs": specs, "gguf": ggufs, "requests": args.requests,
+              "command": " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
               "cpu": _cpu(), "batch1": {}, "trace": {}, "quality": {}, "memory": {}}
     llamas_b1 = {k: LlamaCpp(v, args.threads, 1, max_len) for k, v in ggufs.items()}
@@ -408,6 +413,42 @@ def _ratios(times: dict, part: str) -> dict:
                 theirs[f] = v
     return {f"{o} / {t}": round(statistics.median(a / b for a, b in zip(ov, tv)), 3)
             for o, ov in ours.items() for t, tv in theirs.items()}
+
+
+def table(path: str) -> str:
+    """Markdown tables from a result file (`--table FILE`): tokens/s with the median per-round ratio to
+    llama.cpp, then quality and memory."""
+    r = json.load(open(path))
+    lines = []
+    for part, title in (("batch1", "batch 1"), ("trace", f"the {r.get('requests', 64)}-request trace")):
+        if len(r[part]) <= 1:  # only the (empty) ratios: the part was skipped
+            continue
+        lib = sorted({k.split(" / ")[1] for k in r[part]["ratios"]})
+        lines += [f"\n{title}:\n", "| configuration | tokens/s (median) | rounds | " + " | ".join(f"/ {x}" for x in lib) + " |",
+                  "|---|---:|---|" + "---:|" * len(lib)]
+        for name, v in r[part].items():
+            if name == "ratios":
+                continue
+            ratios = [r[part]["ratios"].get(f"{name} / {x}") for x in lib]
+            lines.append(f"| {name} | {v['tokens_per_s']} | {', '.join(map(str, v['rounds']))} | "
+                         + " | ".join("" if x is None else f"{x}x" for x in ratios) + " |")
+    if r.get("quality"):
+        lines += ["\nquality:\n", "| configuration | agreement with float32 (trace) | held-out perplexity |", "|---|---:|---:|"]
+        for name, q in r["quality"].items():
+            lines.append(f"| {name} | {q.get('agreement', '')} | {q.get('perplexity', '')} |")
+    if r.get("memory"):
+        lines += ["\nmemory (one process each):\n", "| configuration | weight tensors MB | RSS serving MB | peak RSS MB |",
+                  "|---|---:|---:|---:|"]
+        for name, m in r["memory"].items():
+            lines.append(f"| {name} | {m.get('weights_mb') or ''} | {m.get('rss_serving_mb', m.get('error'))} | "
+                         f"{m.get('peak_rss_mb', '')} |")
+    if r.get("profile"):
+        lines += ["\nbatch-1 profile, ms per token:\n", "| configuration | wall | weight matmuls | other operators | "
+                  "Python and dispatch |", "|---|---:|---:|---:|---:|"]
+        for name, p in r["profile"].items():
+            lines.append(f"| {name} | {p['wall_ms_per_token']} | {p['matmul_ms_per_token']} | "
+                         f"{p['other_ops_ms_per_token']} | {p['python_dispatch_ms_per_token']} |")
+    return "\n".join(lines)
 
 
 def _cpu() -> str:
