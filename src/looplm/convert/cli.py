@@ -1,4 +1,4 @@
-"""Conversion subcommands: convert, unroll, info."""
+"""Conversion subcommands: convert, unroll, info, quantize, export-gguf."""
 
 from __future__ import annotations
 
@@ -48,6 +48,26 @@ def register(sub) -> None:
     p.add_argument("model")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_unroll)
+
+    p = sub.add_parser("quantize", help="store a model with int8 or int4 weights for CPU serving (docs/SERVING.md)")
+    p.add_argument("model", help="a float model: embedded name or looplm directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--weights", default="int4", choices=["int8", "int4"])
+    p.add_argument("--group-size", type=int, default=None, help="int4 group size: 32, 64, 128 or 256 "
+                   "(default: 32, measured in docs/BENCHMARKS.md)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the float parameters left (LoRA, norms, biases) and of the residual stream")
+    p.add_argument("--act-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="activations of the quantized matmuls (float32 ran 10-60x slower on this CPU)")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("export-gguf", help="write a looped model, unrolled (LoRA merged per depth), as a "
+                       "llama-architecture GGUF file for llama.cpp and ollama")
+    p.add_argument("model", help="embedded name or float looplm directory (Llama/SmolLM2 family)")
+    p.add_argument("--out", required=True, help="the .gguf file to write")
+    p.add_argument("--type", default="f32", choices=["f32", "f16", "q8_0", "q4_1"], help="tensor type of the "
+                   "linear weights (norms stay f32; with q4_1 the embedding is q8_0)")
+    p.set_defaults(func=cmd_export_gguf)
 
     p = sub.add_parser("info", help="parameter counts (N-emb, total) and the layer map of a model")
     p.add_argument("model")
@@ -180,4 +200,39 @@ def cmd_unroll(args) -> int:
     save_model(dense, tok, args.out)
     print(f"unrolled {args.model} ({model.config.num_loops} loops) into {dense.config.num_hidden_layers} dense layers: "
           f"N-emb {count_parameters(dense)['n_emb']:,}; wrote {args.out}")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from ..models import load_model
+    from ..models.loading import save_quantized
+    from ..models.quantized import DEFAULT_GROUP, DTYPES, GROUPS, check_format, stored_format, weight_bytes
+    group = args.group_size or DEFAULT_GROUP
+    if group not in GROUPS:
+        raise UsageError(f"--group-size must be one of {', '.join(map(str, GROUPS))}; got {group}")
+    check_format(args.weights, "cpu")
+    model, tok = load_model(args.model)
+    if stored_format(model) != "fp32":
+        raise UsageError(f"{args.model} is already quantized ({stored_format(model)}); quantize its float checkpoint")
+    before = weight_bytes(model)
+    save_quantized(model, tok, args.out, args.weights, group, DTYPES[args.dtype], act_dtype=DTYPES[args.act_dtype])
+    from ..models.checkpoint import WEIGHTS
+    size = (Path(args.out) / WEIGHTS).stat().st_size
+    print(f"quantized {args.model} to {args.weights}" + (f" (groups of {group})" if args.weights == "int4" else "")
+          + f": {before / 2 ** 20:.0f} MB of float weights -> {size / 2 ** 20:.0f} MB; wrote {args.out}")
+    return 0
+
+
+def cmd_export_gguf(args) -> int:
+    from ..models import load_model
+    from ..models.quantized import stored_format
+    from .gguf_export import export_gguf, source_pre
+    if not args.out.endswith(".gguf"):
+        raise UsageError(f"--out must name a .gguf file; got {args.out!r}")
+    model, tok = load_model(args.model)
+    if stored_format(model) != "fp32":
+        raise UsageError(f"{args.model} holds {stored_format(model)} weights; export its float checkpoint")
+    info = export_gguf(model, tok, args.out, args.type, pre=source_pre(model.config))
+    print(f"wrote {args.out}: {info['layers']} llama layers ({info['loops']} loops unrolled), {args.type}, "
+          f"{info['bytes'] / 2 ** 20:.0f} MB")
     return 0

@@ -6,6 +6,8 @@ Shared layers are stored once (the module holds K layers, not L), so a B-loop mo
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import quantized as q
 from .config import ConfigError, LoopLMConfig
 from .decoder import LoopLMForCausalLM
 
@@ -20,6 +23,9 @@ WEIGHTS = "model.safetensors"
 
 
 def save_checkpoint(model: LoopLMForCausalLM, directory: str | Path) -> None:
+    if q.is_quantized(model):
+        raise ConfigError("this model was quantized in memory; store a quantized model with `looplm quantize` "
+                          "from its float checkpoint")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(str(d))
@@ -41,6 +47,8 @@ def load_checkpoint(directory: str | Path, dtype=torch.float32) -> LoopLMForCaus
         sd = load_file(str(d / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as e:
         raise ConfigError(f"{d / WEIGHTS} is corrupt or truncated ({e}); re-create the checkpoint") from e
+    if getattr(config, "quantization", None):
+        return _load_quantized(d, config, sd)
     model = LoopLMForCausalLM(config)
     expected = model.state_dict()
     for name, tensor in sd.items():
@@ -61,3 +69,67 @@ def load_checkpoint(directory: str | Path, dtype=torch.float32) -> LoopLMForCaus
 
 def read_config(directory: str | Path) -> dict:
     return json.loads((Path(directory) / "config.json").read_text())
+
+
+# --- quantized checkpoints (`looplm quantize`, models/quantized.py) ----------------------------------
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, fmt: str, group: int,
+                              dtype: torch.dtype, head: str = "int8", act_dtype: torch.dtype = q.DEFAULT_ACT) -> None:
+    """config.json (with a ``quantization`` record: format, group size, float dtype, the weights file's
+    sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
+    ``NAME.q4``/``.scale``/``.min`` for int4) and every other tensor in ``dtype``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = q.quantize_portable(model, fmt, group, head)
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
+          if k not in tensors and k != "lm_head.weight"}  # lm_head: quantized, or tied to the embedding
+    for name, parts in tensors.items():
+        sd.update({f"{name}.{part}": v.contiguous() for part, v in parts.items()})
+    save_file(sd, str(d / WEIGHTS), metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    config.quantization = {**q.record(fmt, group, dtype, head, act_dtype), "sha256": _sha256(d / WEIGHTS)}
+    config.save_pretrained(str(d))
+
+
+def _load_quantized(d: Path, config: LoopLMConfig, sd: dict) -> LoopLMForCausalLM:
+    """Build the model on the meta device, put the quantized weights in, then the float tensors: no float
+    copy of a quantized weight is ever made."""
+    rec = config.quantization
+    fmt, dtype, act = rec.get("format"), q.DTYPES.get(rec.get("dtype")), q.DTYPES.get(rec.get("act_dtype"))
+    if fmt not in ("int8", "int4") or dtype is None or act is None or "sha256" not in rec:
+        raise ConfigError(f"{d / 'config.json'}: unreadable quantization record {rec}; re-run `looplm quantize`")
+    q.check_format(fmt, "cpu")
+    if _sha256(d / WEIGHTS) != rec["sha256"]:
+        raise ConfigError(f"{d / WEIGHTS} does not match the checksum in config.json (corrupt or replaced); "
+                          f"re-run `looplm quantize`")
+    with torch.device("meta"):
+        model = LoopLMForCausalLM(config)
+    names = [f"{n}.weight" for n, _ in q.linears(model)] + ["model.embed_tokens.weight"]
+    names += ["lm_head.weight"] if any(k.startswith("lm_head.weight.") for k in sd) else []
+    tensors = {}
+    for name in names:
+        parts = {k[len(name) + 1:]: sd.pop(k) for k in [k for k in sd if k.startswith(name + ".")]}
+        if set(parts) not in ({"q", "scale"}, {"q4", "scale", "min"}):
+            raise ConfigError(f"{d / WEIGHTS}: {name} is missing or incomplete; re-run `looplm quantize`")
+        tensors[name] = parts
+    try:
+        q.attach(model, tensors, dtype, act)
+        # copies: tensors straight from load_file may keep the whole file's pages resident (measured ~100 MB)
+        model.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True, assign=True)
+    except (RuntimeError, KeyError, ValueError, IndexError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"{d / WEIGHTS} does not match config.json ({first}); re-run `looplm quantize`") from e
+    rotary = model.model.rotary
+    rotary.to_empty(device="cpu")
+    rotary.reset()
+    del tensors, sd
+    q.release_freed_memory()
+    return model.eval()

@@ -60,12 +60,14 @@ class LoopLinear(nn.Module):
 
     merge_lora = True  # False: always run the LoRA as two small matmuls (see _merge_pays)
     packed = None  # an MKL-packed copy of weight for CPU inference (models/packed.py), never saved
+    # ``quant``: None, or an int8/int4 weight (models/quantized.py) that replaces ``weight`` (then None)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, num_slots: int,
                  bias_slots: int, rank: int):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.quant = None  # an instance attribute: a module assigned later must shadow it (nn.Module rules)
         self.bias = nn.Parameter(torch.zeros(bias_slots, out_features)) if bias else None
         if rank:
             self.lora_A = nn.Parameter(torch.zeros(num_slots, rank, in_features))
@@ -76,17 +78,23 @@ class LoopLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, slot: Slot = 0) -> torch.Tensor:
         bias = None if self.bias is None else _select(self.bias, slot)
-        if isinstance(slot, int) and self.lora_A is not None and self._merge_pays(x):
+        if isinstance(slot, int) and self.lora_A is not None and self.quant is None and self._merge_pays(x):
             return F.linear(x, self.weight + self.lora_B[slot] @ self.lora_A[slot], bias)
         if bias is None or bias.dim() == 1:
-            y = _packed.linear(x, self.weight, bias, self.packed)
+            y = self._shared(x, bias)
         else:  # one bias row per token (per-depth biases in a mixed-depth batch)
-            y = _packed.linear(x, self.weight, None, self.packed) + bias
+            y = self._shared(x, None) + bias
         if self.lora_A is None:
             return y
         if isinstance(slot, int):
             return y + F.linear(F.linear(x, self.lora_A[slot]), self.lora_B[slot])
         return y + self._grouped_lora(x, slot)
+
+    def _shared(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """W' x + b through the quantized weight, the MKL-packed copy or F.linear."""
+        if self.quant is not None:
+            return self.quant.linear(x, bias)
+        return _packed.linear(x, self.weight, bias, self.packed)
 
     def _merge_pays(self, x: torch.Tensor) -> bool:
         """Whether W + B_s A_s costs fewer multiply-adds than the LoRA path for this many tokens.
@@ -116,9 +124,10 @@ class LoopLinear(nn.Module):
 
     def merged_weight(self, slot: int) -> torch.Tensor:
         """The dense weight depth ``slot`` effectively uses: W' + B_s A_s."""
+        w = self.weight.detach() if self.quant is None else self.quant.dequantize()
         if self.lora_A is None:
-            return self.weight.detach().clone()
-        return (self.weight + self.lora_B[slot] @ self.lora_A[slot]).detach()
+            return w.clone()
+        return (w + self.lora_B[slot] @ self.lora_A[slot]).detach()
 
 
 # --- rotary embeddings ------------------------------------------------------------------------

@@ -149,13 +149,26 @@ def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:
     """Write config, weights and tokenizer to ``out`` atomically: everything goes to a temporary
     directory beside it, which is renamed into place only when complete."""
     from .checkpoint import save_checkpoint
+    return _write_atomic(model, tokenizer, out, save_checkpoint)
+
+
+def save_quantized(model: LoopLMForCausalLM, tokenizer, out: str | Path, fmt: str, group: int,
+                   dtype=torch.float32, head: str = "int8", act_dtype=torch.bfloat16) -> Path:
+    """``save_model`` for a float model stored with int8/int4 weights (models/quantized.py); it loads back
+    with ``load_model`` as a quantized model."""
+    from .checkpoint import save_quantized_checkpoint
+    return _write_atomic(model, tokenizer, out,
+                         lambda m, d: save_quantized_checkpoint(m, d, fmt, group, dtype, head, act_dtype))
+
+
+def _write_atomic(model, tokenizer, out, write) -> Path:
     if tokenizer is not None:
         model.config.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_checkpoint(model, tmp)
+        write(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         if out.exists():

@@ -17,6 +17,7 @@ from importlib import resources
 
 import torch
 
+from ..models.quantized import prepare, stored_format, weight_bytes
 from .engine import Engine, Request
 from .exits import ExitPolicy
 from .hypothetical import hypothetical
@@ -74,6 +75,7 @@ def run_trace(model, trace, scheduler: str, max_batch: int, max_seq_len: int, po
         "tpot_p50": _r(percentile(tpot, 0.5)), "tpot_p99": _r(percentile(tpot, 0.99)),
         "peak_rss_mb": round(res["peak_rss_mb"], 1), "rss_growth_mb": round(res["peak_rss_mb"] - rss0, 1),
         "kv_cache_mb": round(engine.cache.nbytes / 2 ** 20, 1), "packed_weights_mb": round(engine.packed_bytes / 2 ** 20, 1),
+        "weights_mb": round(weight_bytes(model) / 2 ** 20, 1),  # every weight tensor held, packed copies included
         "exits_per_loop": list(stats["exits_per_loop"]), "steps": stats["stages"],
         "mixed_steps": stats["mixed_stages"], "mean_items_per_step": round(stats["stage_items"] / max(1, stats["stages"]), 2),
         "kv_copy_tokens": stats["kv_copy_tokens"], "kv_later_items": stats["kv_later_items"],
@@ -241,9 +243,12 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "transformers": hf_comparison(args, base, vanilla, max_seq_len, log)}
     looped, looped_desc = _looped_model(args, vanilla)
+    weights = getattr(args, "weights", None)
+    vanilla, looped = prepare(vanilla, weights), prepare(looped, weights)
     policy = parse_policy(args.exit).bind(looped)  # the probe policy: the looped model's fitted probe
     limits = machine_limits()
     result = {"model": args.model, "looped": looped_desc, "exit_policy": f"{policy.kind}:{policy.threshold}",
+              "weights": {"vanilla": stored_format(vanilla), "looped": stored_format(looped)},
               "kv_mode": args.kv_mode, "max_batch": args.max_batch, "torch_threads": torch.get_num_threads(),
               "machine": limits, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     say(f"vanilla {args.model}; looped: {looped_desc}; exit {result['exit_policy']}, kv {args.kv_mode}")
@@ -278,7 +283,7 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
             runs[name] = fig
             say(f"  {name:<28} {fig['tokens_per_s']:>8.1f} tok/s  ttft p50 {fig['ttft_p50']:.3f}s p99 "
                 f"{fig['ttft_p99']:.3f}s  tpot p50 {fig['tpot_p50']:.4f}s p99 {fig['tpot_p99']:.4f}s  "
-                f"rss {fig['peak_rss_mb']:.0f} MB  exits/loop {fig['exits_per_loop']}"
+                f"rss {fig['peak_rss_mb']:.0f} MB  weights {fig['weights_mb']:.0f} MB  exits/loop {fig['exits_per_loop']}"
                 + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else ""))
         block = {"schedulers": {k: {**{h: runs[k][h] for h in HEADLINE_KEYS}, "model": runs[k]["model"]}
                                 for k in ("static", "sequence", "depth")},
@@ -286,8 +291,9 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                  "speedup": {"depth_vs_static": round(runs["depth"]["tokens_per_s"] / runs["static"]["tokens_per_s"], 3),
                              "depth_vs_sequence": round(runs["depth"]["tokens_per_s"] / runs["sequence"]["tokens_per_s"], 3)},
                  "runs": runs,
+                 # float weights only: the estimate counts parameters and their bytes
                  "utilisation": {k: utilisation(vanilla if runs[k]["model"] == "vanilla" else looped, runs[k], limits)
-                                 for k in ("static", "sequence", "depth")}}
+                                 for k in ("static", "sequence", "depth")} if result["weights"] == {"vanilla": "fp32", "looped": "fp32"} else None}
         say(f"  measured: depth/static {block['speedup']['depth_vs_static']}x, depth/sequence "
             f"{block['speedup']['depth_vs_sequence']}x at agreement {block['agreement']:.3f}")
         if arrival == "all":

@@ -29,6 +29,12 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _weights_arg(p) -> None:
+    p.add_argument("--weights", default=None, choices=["fp32", "int8", "int4"],
+                   help="weight format on CPU: int8 (per-channel) or int4 (group-wise) quantized at load, with "
+                        "LoRA and norms in float on top (default: as stored; docs/SERVING.md)")
+
+
 def register(sub) -> None:
     bench = _bench_subparsers(sub)
     p = bench.add_parser("serve", help="static vs sequence-wise vs depth-wise batching on real-text traces")
@@ -68,6 +74,7 @@ def register(sub) -> None:
     p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    _weights_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -99,6 +106,7 @@ def register(sub) -> None:
     p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
     p.add_argument("--exit", default="none", help="exit policy[:threshold]")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"])
+    _weights_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
@@ -118,6 +126,7 @@ def register(sub) -> None:
     p.add_argument("--init", default="stepwise", help="init when converting on the fly")
     p.add_argument("--lora-rank", default="64", help="LoRA rank when converting on the fly (0 = recursive)")
     p.add_argument("--device", default=None, help="torch device (default: where the model loads)")
+    _weights_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish "
                    "after SIGINT/SIGTERM before they are failed")
@@ -133,6 +142,9 @@ def cmd_serve(args) -> int:
     if policy.kind == "oracle":
         raise UsageError("the oracle policy is for analysis (it never exits); use softmax, margin, entropy, "
                          "cosine, probe or none")
+    if args.weights:  # before the model loads: a format this device cannot run is a usage error
+        from ..models.quantized import check_format
+        check_format(args.weights, args.device or "cpu")
     from .server import main
     return main(args)
 
@@ -196,7 +208,9 @@ def cmd_generate(args) -> int:
     from .exits import parse_policy
     from .sampling import SamplingParams
     from .schedulers import make_scheduler, replay
+    from ..models.quantized import prepare
     model, tok = load_model(args.model)
+    model = prepare(model, args.weights)
     sp = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     reqs = [Request(tok(p, add_special_tokens=bool(model.config.add_bos_token))["input_ids"], args.max_tokens, sp,
                     eos_token_id=tok.eos_token_id) for p in args.prompt]

@@ -1,0 +1,341 @@
+"""Weight-only int8 and int4 weights for CPU inference (``--weights int8|int4``).
+
+A decode step on CPU is bound by how fast the matmuls stream weights, so fewer bytes per weight is the
+lever. The kernels are PyTorch's own CPU ops, no hand-made one:
+
+* ``int8``: symmetric, one scale per output channel, ``torch.ops.aten._weight_int8pack_mm``.
+* ``int4``: asymmetric groups of G input columns (a scale and a minimum per group, as llama.cpp's Q4_1),
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout ``_convert_weight_to_int4pack_for_cpu``
+  makes. G is 32 by default (the measured error/speed choice, docs/BENCHMARKS.md); a linear whose input
+  width G does not divide takes the largest of 32/64/128/256 that does.
+
+The ops take their activations in bfloat16 by default (``act_dtype``): with float32 activations they
+ran 10-60x slower than a float32 matmul on this project's CPU (a fallback path), with bfloat16 as fast or
+faster (docs/BENCHMARKS.md). Inputs are cast to ``act_dtype`` for the matmul and its output back, so the
+rest of the model keeps its own dtype.
+
+Every shared linear weight of a LoopLinear and the LM head are quantized; the per-depth LoRA, biases and
+norms stay float (float32, or bfloat16 with ``dtype``) and are applied on top. The token embedding
+becomes an int8 row table (a lookup reads one row per token, so only its memory matters); the LM head is
+int8 by default under both formats (``head="int4"`` makes it int4), and a tied int8 head and that table
+are one tensor. The float weights are dropped: no float copy, no MKL-packed copy.
+
+Two forms: the *portable* one (plain tensors: int8 values and scales; 4-bit values two per byte, scales
+and minima) is what ``looplm quantize`` stores and what a checkpoint loads; the kernel's form (the int4
+op's private packed layout) lives only in memory. Off CPU, or on a CPU whose torch lacks the op, these
+formats are refused with a UsageError naming the supported ones, never silently replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import gc
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, UsageError
+from .layers import LoopLinear
+from .packed import PackedWeight
+
+FORMATS = ("fp32", "int8", "int4")
+DEFAULT_GROUP = 32
+DEFAULT_ACT = torch.bfloat16
+GROUPS = (32, 64, 128, 256)  # the group sizes the int4 op accepts
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# --- what this platform runs ------------------------------------------------------------------
+
+@functools.cache
+def _kernel_runs(fmt: str) -> bool:
+    """Whether this torch build runs the format's op on CPU (a tiny call; False if the op is missing or
+    the CPU lacks what it needs)."""
+    try:
+        w = torch.randn(32, 64)
+        for act in DTYPES.values():
+            make_weight(portable(w, fmt), act).linear(torch.randn(2, 64))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def supported_formats(device) -> tuple[str, ...]:
+    if torch.device(device).type != "cpu":
+        return ("fp32",)
+    return ("fp32",) + tuple(f for f in ("int8", "int4") if _kernel_runs(f))
+
+
+def check_format(fmt: str, device) -> None:
+    """A one-line UsageError unless ``fmt`` is a format this device runs."""
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
+    ok = supported_formats(device)
+    if fmt not in ok:
+        raise UsageError(f"--weights {fmt} cannot run on {torch.device(device)} with this torch build; "
+                         f"supported here: {', '.join(ok)}")
+
+
+# --- portable form: plain tensors, what a quantized checkpoint stores -------------------------
+
+def int8_portable(w: torch.Tensor) -> dict:
+    """Symmetric per-output-channel int8: w ~ q * scale[:, None]."""
+    w = w.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"q": q, "scale": scale}
+
+
+def group_for(in_features: int, group: int) -> int:
+    """``group`` if it divides the input width, else the largest accepted size that does."""
+    if in_features % group == 0:
+        return group
+    fits = [g for g in GROUPS if in_features % g == 0]
+    if not fits:
+        raise UsageError(f"int4 needs an input width divisible by 32; this model has a linear {in_features} wide "
+                         f"(use --weights int8)")
+    return max(fits)
+
+
+def int4_portable(w: torch.Tensor, group: int = DEFAULT_GROUP) -> dict:
+    """Asymmetric group-wise 4-bit: w ~ q * scale + min per group of ``group`` input columns; q in [0, 15],
+    two per byte (even column in the low nibble)."""
+    w = w.detach().float()
+    n, k = w.shape
+    g = group_for(k, group)
+    wg = w.reshape(n, k // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return {"q4": q[:, 0::2] | (q[:, 1::2] << 4), "scale": scale, "min": lo}
+
+
+def unpack4(q4: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] bytes -> [N, K] int32 values in [0, 15]."""
+    return torch.stack((q4 & 15, q4 >> 4), -1).reshape(q4.shape[0], -1).to(torch.int32)
+
+
+def dequantize(t: dict) -> torch.Tensor:
+    """The float32 weight a portable tensor set stands for."""
+    if "q" in t:
+        return t["q"].float() * t["scale"][:, None]
+    q = unpack4(t["q4"]).float()
+    n, k = q.shape
+    g = k // t["scale"].shape[1]
+    return (q.reshape(n, k // g, g) * t["scale"][..., None] + t["min"][..., None]).reshape(n, k)
+
+
+def portable(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> dict:
+    return int8_portable(w) if fmt == "int8" else int4_portable(w, group)
+
+
+# --- kernel form: what the engine multiplies with ---------------------------------------------
+
+class QuantWeight(nn.Module):
+    """A quantized [out, in] weight: ``linear(x, bias)`` is F.linear with the dequantized weight."""
+
+    out_features: int
+    in_features: int
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # the module cannot be moved to a GPU and keep working
+            raise UsageError(f"{self.fmt} weights run on CPU only; supported on {x.device.type}: fp32")
+        return x.reshape(-1, x.shape[-1]).to(self.dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._mm(self._rows(x)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight the kernel uses, read back through the kernel itself (identity rows: the int4
+        op's packed layout is private to it)."""
+        return self._mm(torch.eye(self.in_features, dtype=self.dtype)).t().float().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class Int8Weight(QuantWeight):
+    fmt = "int8"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.dtype = dtype
+        self.register_buffer("q", q.contiguous(), persistent=False)
+        self.register_buffer("scale", scale.to(dtype).contiguous(), persistent=False)
+
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q, self.scale)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (an embedding lookup), in ``dtype``."""
+        return self.q[ids].to(dtype) * self.scale[ids].unsqueeze(-1).to(dtype)
+
+
+class Int4Weight(QuantWeight):
+    fmt = "int4"
+
+    def __init__(self, t: dict, dtype: torch.dtype):
+        super().__init__()
+        q = unpack4(t["q4"])
+        self.out_features, self.in_features = q.shape
+        self.group = self.in_features // t["scale"].shape[1]
+        self.dtype = dtype
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1),
+                             persistent=False)
+        # the op computes (q - 8) * scale + zero: zero = min + 8 * scale; layout [in/G, out, 2]
+        sz = torch.stack((t["scale"], t["min"] + 8 * t["scale"]), -1).transpose(0, 1)
+        self.register_buffer("scales_zeros", sz.to(dtype).contiguous(), persistent=False)
+
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group, self.scales_zeros)
+
+
+def make_weight(t: dict, dtype: torch.dtype) -> QuantWeight:
+    return Int8Weight(t["q"], t["scale"], dtype) if "q" in t else Int4Weight(t, dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding as int8 rows (one per-row scale each)."""
+
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+        super().__init__()
+        self.weight_q, self.dtype = weight, dtype  # dtype: the model's float dtype (the residual stream's)
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight_q.rows(ids, self.dtype)
+
+
+class QuantHead(nn.Module):
+    """The LM head on a quantized weight (for a tied int8 head, the embedding's own table)."""
+
+    def __init__(self, weight: QuantWeight):
+        super().__init__()
+        self.weight_q = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight_q.linear(x)
+
+
+# --- whole models -----------------------------------------------------------------------------
+
+def linears(model: nn.Module) -> list[tuple[str, LoopLinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoopLinear)]
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return isinstance(model.model.embed_tokens, QuantEmbedding)
+
+
+def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, head: str = "int8") -> dict[str, dict]:
+    """Portable tensors for every weight ``fmt`` replaces, by state-dict name: each LoopLinear's weight,
+    the embedding (int8 rows) and the LM head in ``head`` format, unless it is tied and int8 (then the
+    embedding's table serves as the head: one tensor, as llama.cpp's SmolLM2 Q4_1 file keeps a Q8_0
+    embedding for its tied head)."""
+    out = {f"{n}.weight": portable(m.weight, fmt, group) for n, m in linears(model)}
+    emb = model.model.embed_tokens.weight
+    out["model.embed_tokens.weight"] = int8_portable(emb)
+    if not (head == "int8" and model.lm_head.weight is emb):
+        out["lm_head.weight"] = portable(model.lm_head.weight, head, group)
+    return out
+
+
+def _checked(t: dict, name: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantWeight:
+    w = make_weight(t, dtype)
+    if (w.out_features, w.in_features) != shape:
+        raise ConfigError(f"quantized {name} is {w.out_features} x {w.in_features}, the model needs "
+                          f"{shape[0]} x {shape[1]}")
+    return w
+
+
+def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_dtype: torch.dtype = DEFAULT_ACT) -> None:
+    """Put quantized weights built from portable ``tensors`` in place of the float ones (which are dropped),
+    multiplying in ``act_dtype``. The model's other parameters must already be in ``dtype``."""
+    for n, m in linears(model):
+        m.quant = _checked(tensors[f"{n}.weight"], f"{n}.weight", (m.out_features, m.in_features), act_dtype)
+        m.weight = None
+    c = model.config
+    emb = _checked(tensors["model.embed_tokens.weight"], "embedding", (c.vocab_size, c.hidden_size), act_dtype)
+    if not isinstance(emb, Int8Weight):
+        raise ConfigError("the quantized embedding must be int8 rows")
+    model.model.embed_tokens = QuantEmbedding(emb, dtype)
+    head = tensors.get("lm_head.weight")
+    model.lm_head = QuantHead(emb if head is None else _checked(head, "lm_head", (c.vocab_size, c.hidden_size), act_dtype))
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed while quantizing (float weights, unpacked int4 temporaries) back to the OS:
+    glibc keeps freed heap pages otherwise, and the served process stayed 200+ MB larger (measured RSS)."""
+    gc.collect()  # reference cycles left by building the model still hold tensors
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
+                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT):
+    """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged).
+    ``dtype``: the float parameters left (LoRA, norms, biases); ``act_dtype``: the quantized matmuls'
+    activations; ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable)."""
+    device = next(model.parameters()).device
+    check_format(fmt, device)
+    if fmt == "fp32" or is_quantized(model):
+        return model
+    check_format(head, device)
+    tensors = quantize_portable(model, fmt, group, head)
+    keep = {id(m.weight) for _, m in linears(model)} | {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in keep:
+                p.data = p.data.to(dtype)
+    attach(model, tensors, dtype, act_dtype)
+    del tensors
+    release_freed_memory()
+    model.config.quantization = record(fmt, group, dtype, head, act_dtype)
+    return model.eval()
+
+
+def record(fmt: str, group: int, dtype: torch.dtype, head: str, act_dtype: torch.dtype) -> dict:
+    name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
+    return {"format": fmt, "group_size": group, "dtype": name(dtype), "act_dtype": name(act_dtype), "head": head}
+
+
+def stored_format(model: nn.Module) -> str:
+    rec = getattr(model.config, "quantization", None)
+    return rec["format"] if rec else "fp32"
+
+
+def prepare(model: nn.Module, fmt: str | None, **options):
+    """The model to serve with weights ``fmt`` (``--weights``): quantized now (``options``: quantize_model's),
+    or as stored when ``fmt`` is None or the stored format. A quantized model is never dequantized to serve
+    another format."""
+    stored = stored_format(model)
+    fmt = fmt or stored
+    check_format(fmt, next(model.parameters()).device)
+    if fmt == stored:
+        return model
+    if stored != "fp32":
+        raise UsageError(f"this model is stored with {stored} weights; serve it with --weights {stored}, or "
+                         f"quantize its float checkpoint to {fmt}")
+    return quantize_model(model, fmt, **options)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds for inference: parameters, buffers, and MKL-packed copies
+    (models/packed.py) where attached; a tensor shared by two modules counts once."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    for m in model.modules():
+        for p in (getattr(m, "packed", None), getattr(m, "head_packed", None)):
+            if isinstance(p, PackedWeight):
+                total += p.nbytes
+    return total

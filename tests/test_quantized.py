@@ -1,0 +1,215 @@
+"""int8/int4 weights (models/quantized.py): products within the quantization bound, the engine on quantized
+weights equal to a float model built from the dequantized weights, LoRA on top, no float copy kept, refusal
+of formats a platform cannot run, and quantized checkpoints (round trip, corruption refused)."""
+
+import copy
+
+import pytest
+import torch
+
+from looplm.cli import main
+from looplm.convert import convert
+from looplm.errors import ConfigError, UsageError
+from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model, save_model
+from looplm.models import quantized as Q
+from looplm.models.layers import LoopLinear
+from looplm.models.loading import save_quantized
+from looplm.serve import Engine, Request, make_scheduler
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, initializer_range=0.2)
+FORMATS = [f for f in ("int8", "int4") if f in Q.supported_formats("cpu")]
+pytestmark = pytest.mark.skipif(not FORMATS, reason="this torch build runs neither weight-only op on CPU")
+
+
+def _relaxed(**kw):
+    torch.manual_seed(0)
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SMALL, **kw})).eval()
+    return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
+
+
+def dequantized_reference(model, fmt, group=Q.DEFAULT_GROUP, head="int8"):
+    """A float model whose every quantized weight is replaced by its dequantized value (head untied
+    where the quantized model has its own head)."""
+    ref = copy.deepcopy(model)
+    tensors = Q.quantize_portable(ref, fmt, group, head)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name == "lm_head.weight":
+                ref.lm_head.weight = torch.nn.Parameter(Q.dequantize(t))
+            else:
+                ref.get_parameter(name).copy_(Q.dequantize(t))
+    return ref
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_quantized_matmul_within_the_rounding_bound(fmt, rows):
+    torch.manual_seed(rows)
+    w, x, b = torch.randn(96, 128), torch.randn(rows, 128), torch.randn(96)
+    t = Q.portable(w, fmt)
+    qw = Q.make_weight(t, torch.float32)  # float32 activations: the exact path
+    y = qw.linear(x, b)
+    deq = Q.dequantize(t)
+    # the kernel multiplies by exactly the dequantized weight (float32 summation order aside)
+    assert torch.allclose(y, x @ deq.t() + b, rtol=1e-5, atol=1e-4)
+    # and every weight is within half a quantization step of the float one, so the product is within
+    # sum_k |x_k| * step_k / 2 of the float product
+    if fmt == "int8":
+        step = t["scale"][:, None].expand_as(w)
+    else:
+        g = 128 // t["scale"].shape[1]
+        step = t["scale"].repeat_interleave(g, dim=1)
+    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+    bound = x.abs() @ (step / 2).t()
+    assert ((y - (x @ w.t() + b)).abs() <= bound + 1e-4).all()
+    assert (y - (x @ w.t() + b)).abs().max() > 0  # it is quantized
+    # the kernel's own form reads back as the portable one
+    assert torch.allclose(qw.dequantize(), deq, atol=1e-5)
+
+
+def test_int4_group_falls_back_to_a_size_that_divides():
+    t = Q.int4_portable(torch.randn(8, 96), group=64)  # 96 = 3 x 32: groups of 32
+    assert t["scale"].shape == (8, 3)
+    with pytest.raises(UsageError, match="divisible by 32"):
+        Q.int4_portable(torch.randn(8, 40))
+
+
+@pytest.mark.parametrize("fmt,head", [(f, h) for f in FORMATS for h in FORMATS])
+def test_forward_equals_the_dequantized_float_model_with_lora_on_top(fmt, head):
+    model = _relaxed()
+    ref = dequantized_reference(model, fmt, head=head)
+    qm = Q.quantize_model(copy.deepcopy(model), fmt, head=head, act_dtype=torch.float32)
+    assert isinstance(qm.lm_head.weight_q, Q.Int8Weight if head == "int8" else Q.Int4Weight)
+    assert (qm.lm_head.weight_q is qm.model.embed_tokens.weight_q) == (head == "int8")  # tied: one table
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        out, want = qm(ids).logits, ref(ids).logits
+        assert torch.allclose(out, want, atol=1e-4), (out - want).abs().max()
+        # the LoRA is float and in use: without it the logits move
+        lin = qm.model.layers[0].attn.q_proj
+        assert lin.lora_B.dtype == torch.float32 and lin.weight is None and lin.quant is not None
+        lin.lora_B.zero_()
+        assert not torch.allclose(qm(ids).logits, out, atol=1e-3)
+
+
+def _serve(model, prompts, n, scheduler="depth", **kw):
+    engine = Engine(model, max_batch=3, max_seq_len=64, **kw)
+    sched = make_scheduler(scheduler, engine)
+    reqs = [Request(p, n) for p in prompts]
+    pending = list(reqs)
+    while pending or sched.has_work():  # one arrival per step: depth-wise steps mix loops
+        if pending:
+            sched.submit(pending.pop(0))
+        sched.step()
+    return engine, [r.output for r in reqs]
+
+
+def _greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_on_quantized_weights_equals_the_dequantized_models_greedy_output(fmt):
+    model = _relaxed()
+    ref = dequantized_reference(model, fmt)
+    qm = Q.quantize_model(copy.deepcopy(model), fmt, act_dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (L,), generator=g).tolist() for L in (5, 11, 1, 8)]
+    want = [_greedy(ref, p, 7) for p in prompts]
+    engine, got = _serve(qm, prompts, 7)
+    assert engine.stats["mixed_stages"] > 0 and engine.packed_bytes == 0
+    assert got == want
+    # and the float model decodes differently somewhere (the test can tell the formats apart)
+    if fmt == "int4":
+        assert [_greedy(model, p, 7) for p in prompts] != want
+
+
+def test_no_float_copy_is_kept_and_memory_drops():
+    model = _relaxed(hidden_size=256, intermediate_size=512, vocab_size=2048, num_attention_heads=4,
+                     num_key_value_heads=2)
+    Engine(model, max_batch=1, max_seq_len=8)  # the float engine attaches MKL-packed copies (where MKL is)
+    fp32 = Q.weight_bytes(model)
+    for fmt, factor in (("int8", 3.0), ("int4", 3.0)):
+        if fmt not in FORMATS:
+            continue
+        qm = Q.quantize_model(copy.deepcopy(model), fmt)
+        engine = Engine(qm, max_batch=1, max_seq_len=8)
+        lins = [m for m in qm.modules() if isinstance(m, LoopLinear)]
+        assert all(m.weight is None and m.packed is None for m in lins)
+        assert engine.packed_bytes == 0 and not isinstance(qm.lm_head, torch.nn.Linear)
+        assert not any(p.numel() >= 256 * 256 for p in qm.parameters() if "lora" not in str(p.shape))
+        assert fp32 / Q.weight_bytes(qm) >= factor, (fmt, fp32, Q.weight_bytes(qm))
+
+
+def test_unsupported_format_or_device_is_a_usage_error(monkeypatch, capsys):
+    with pytest.raises(UsageError, match="supported here: fp32$"):
+        Q.check_format("int4", "cuda")
+    with pytest.raises(UsageError, match="int8, int4"):
+        Q.check_format("int5", "cpu")
+    # a CPU whose torch cannot run the int4 op: refused, never served as something else
+    monkeypatch.setattr(Q, "_kernel_runs", lambda fmt: fmt == "int8")
+    with pytest.raises(UsageError, match="supported here: fp32, int8"):
+        Q.quantize_model(_relaxed(), "int4")
+    # the command: one line, exit code 2, before any model loads
+    assert main(["serve", "no-such-model", "--device", "cuda", "--weights", "int8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "supported here: fp32" in err
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_checkpoint_round_trip(tmp_path, fmt):
+    model = _relaxed()
+    src = save_model(model, None, tmp_path / "float")
+    assert main(["quantize", str(src), "--out", str(tmp_path / "q"), "--weights", fmt]) == 0
+    back, _ = load_model(tmp_path / "q")
+    assert Q.stored_format(back) == fmt and Q.is_quantized(back)
+    assert not any(p.device.type == "meta" for p in list(back.parameters()) + list(back.buffers()))
+    mem = Q.quantize_model(copy.deepcopy(model), fmt)  # bfloat16 activations by default, stored and loaded alike
+    assert back.model.layers[0].mlp.up_proj.quant.dtype == torch.bfloat16
+    ids = torch.randint(0, 256, (1, 13))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, mem(ids).logits)
+    # serving it as stored works; asking for another format is refused
+    assert Q.prepare(back, None) is back and Q.prepare(back, fmt) is back
+    with pytest.raises(UsageError, match=f"stored with {fmt}"):
+        Q.prepare(back, "int8" if fmt == "int4" else "int4")
+    # a quantized model is not saved as if it were float
+    with pytest.raises(ConfigError, match="looplm quantize"):
+        save_model(back, None, tmp_path / "again")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_activations_stay_close(dtype):
+    """The default: the quantized matmuls take bfloat16 inputs; the model keeps ``dtype`` elsewhere."""
+    model = _relaxed()
+    fmt = FORMATS[0]
+    qm = Q.quantize_model(copy.deepcopy(model), fmt, dtype=dtype)
+    ref = dequantized_reference(model, fmt)
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        assert qm.model.embed(ids).dtype == dtype
+        out, want = qm(ids).logits.float(), ref(ids).logits
+    assert qm.model.layers[0].attn.q_proj.lora_A.dtype == dtype
+    assert qm.model.layers[0].attn.q_proj.quant.dtype == torch.bfloat16
+    assert 0 < (out - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_a_corrupt_or_truncated_quantized_dir_is_refused(tmp_path, capsys):
+    model = _relaxed()
+    d = save_quantized(model, None, tmp_path / "q", FORMATS[0], Q.DEFAULT_GROUP)
+    weights = d / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside a tensor
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="checksum"):
+        load_model(d)
+    weights.write_bytes(bytes(data[: len(data) // 3]))  # truncated
+    with pytest.raises(ConfigError, match="corrupt or truncated"):
+        load_model(d)
+    assert main(["info", str(d)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
