@@ -3,8 +3,8 @@
 #   <name>        data-aware conversion (average + aware-svd), then `looplm heal --budget-minutes 60` with a
 #                 256-row teacher cache (HEAL_ARGS adds options, e.g. "--local-share 0.25")
 #   paper-r64     the paper's recipe at the same hour: average + plain SVD rank 64, then end-to-end
-#                 0.5 CE + 0.5 forward KL from the online teacher (409,600 tokens = an hour on the idle
-#                 2-core machine, docs/FINDINGS.md issue 3)
+#                 0.5 CE + 0.5 forward KL from the online teacher (450,560 tokens = 440 steps of 2 x 512:
+#                 an hour of both cores in bf16 at the 7.8 s per step measured on 2026-11-25)
 # Runs (RUNS, space separated; default all, in this order):
 #   b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64
 # Resumable: rerun to continue a killed run; finished runs are skipped. Environment: OUT, MINUTES, RUNS,
@@ -15,7 +15,7 @@ LOOPLM=${LOOPLM:-.venv/bin/looplm}
 OUT=${OUT:-out/heal}
 MINUTES=${MINUTES:-60}
 RUNS=${RUNS:-"b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64"}
-PAPER_TOKENS=${PAPER_TOKENS:-409600}
+PAPER_TOKENS=${PAPER_TOKENS:-450560}
 HEAL_ARGS=${HEAL_ARGS:-}
 export OMP_NUM_THREADS=${THREADS:-2}
 

@@ -70,6 +70,51 @@ def make_hf_model(family: str, num_layers: int = 4, seed: int = 0):
 FAMILIES = ["llama", "llama-untied", "gemma", "gemma2", "gemma3", "gpt_neox", "gpt_neox-sequential"]
 
 
+def save_tiny_llama(directory, tokenizer, norm_noise: float = 0.0):
+    """A small randomly initialised Llama checkpoint (SMALL) in Hugging Face format with ``tokenizer``;
+    ``norm_noise`` perturbs the norm weights (so that tying them matters)."""
+    import transformers as T
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**{**SMALL, "vocab_size": len(tokenizer)}, tie_word_embeddings=True))
+    if norm_noise:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * norm_noise)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, smollm2_tokenizer):
+    """save_tiny_llama's checkpoint with SmolLM2's tokenizer, once per test module."""
+    return save_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", smollm2_tokenizer)
+
+
+def full_depth_greedy(model, prompt, n, eos=None):
+    """Reference decoding: the whole sequence through the model's forward, no cache, for every token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(tok)
+            if tok == eos:
+                break
+    return ids[len(prompt):]
+
+
+def arrive_one_per_step(sched, reqs):
+    """Serve ``reqs``, request i arriving before step i: deterministic mid-flight arrivals, so that
+    depth-wise steps really mix loops."""
+    pending = list(reqs)
+    while pending or sched.has_work():
+        if pending:
+            sched.submit(pending.pop(0))
+        if sched.has_work():
+            sched.step()
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from looplm.models import load_model

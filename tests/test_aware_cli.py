@@ -4,26 +4,14 @@ import json
 import random
 
 import pytest
-import torch
 
-from conftest import SMALL, run_cli as run
+from conftest import run_cli as run, save_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, smollm2_tokenizer):
-    """A small random Llama checkpoint (norm weights perturbed, so tying them matters), SmolLM2's tokenizer."""
-    import transformers as T
-    tok = smollm2_tokenizer
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(**{**SMALL, "vocab_size": len(tok)}, tie_word_embeddings=True))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    """The tiny Llama with its norm weights perturbed, so that tying them matters."""
+    return save_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", smollm2_tokenizer, norm_noise=0.3)
 
 
 @pytest.fixture(scope="module")

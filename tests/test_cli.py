@@ -4,22 +4,8 @@
 import json
 
 import pytest
-import torch
 
-from conftest import SMALL, run_cli as run
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, smollm2_tokenizer):
-    """A small randomly initialised Llama checkpoint in Hugging Face format, with SmolLM2's tokenizer."""
-    import transformers as T
-    tok = smollm2_tokenizer
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(**{**SMALL, "vocab_size": len(tok)}, tie_word_embeddings=True))
-    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+from conftest import run_cli as run
 
 
 def test_convert_info_eval(hf_dir, tmp_path):

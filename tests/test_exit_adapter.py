@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import full_depth_greedy
 from test_train_fixtures import build_corpus, make_models
 
 from looplm.cli import main
@@ -169,14 +170,6 @@ def test_bad_specs_are_usage_errors():
 def prompts(n=5, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (L,), generator=g).tolist() for L in [5, 11, 1, 8, 3][:n]]
-
-
-def full_depth_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def serve(model, ps, n, scheduler="depth", **kw):

@@ -12,7 +12,7 @@ import torch
 from looplm.convert import convert, count_parameters, unroll
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_checkpoint, save_checkpoint
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler
-from conftest import run_cli
+from conftest import arrive_one_per_step, full_depth_greedy, run_cli
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, initializer_range=0.2)
@@ -128,15 +128,6 @@ def test_prefix_keys_are_unrotated_token_keys(kind):
             assert torch.equal(pk, k) and torch.equal(pv, v)
 
 
-def full_depth_greedy(model, prompt, n):
-    """Reference decoding: the whole sequence through the model's forward, no cache, for every token."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.mark.parametrize("kind", ["llama", "gemma-sliding"])
 def test_generate_with_cache_and_left_padding_equals_full_forward_argmax(kind):
     """transformers' generate() through our DynamicCache path; prompts longer than the sliding window
@@ -241,14 +232,7 @@ def _serve(model, ps, lens, scheduler, **engine_kw):
     engine = Engine(model, max_batch=3, max_seq_len=48, **engine_kw)
     sched = make_scheduler(scheduler, engine)
     reqs = [Request(p, n) for p, n in zip(ps, lens)]
-    pending = list(reqs)
-    for _ in range(1000):
-        if pending:
-            sched.submit(pending.pop(0))
-        if not pending and not sched.has_work():
-            break
-        if sched.has_work():
-            sched.step()
+    arrive_one_per_step(sched, reqs)
     return engine, reqs
 
 
@@ -289,19 +273,6 @@ def test_engine_early_exits_with_prefixes(kv_mode):
 
 
 # --- the command ---------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, smollm2_tokenizer):
-    import transformers as T
-    from conftest import SMALL
-    torch.manual_seed(0)
-    config = T.LlamaConfig(**{**SMALL, "vocab_size": len(smollm2_tokenizer)}, tie_word_embeddings=True)
-    model = T.LlamaForCausalLM(config)
-    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    model.save_pretrained(d)
-    smollm2_tokenizer.save_pretrained(d)
-    return d
-
 
 def test_cli_convert_prefix_info_and_generate(hf_dir, tmp_path):
     out = tmp_path / "prefix"

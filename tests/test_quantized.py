@@ -15,6 +15,7 @@ from looplm.models import quantized as Q
 from looplm.models.layers import LoopLinear
 from looplm.models.loading import save_quantized
 from looplm.serve import Engine, Request, make_scheduler
+from conftest import arrive_one_per_step, full_depth_greedy
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.2)
@@ -97,20 +98,8 @@ def _serve(model, prompts, n, scheduler="depth", **kw):
     engine = Engine(model, max_batch=3, max_seq_len=64, **kw)
     sched = make_scheduler(scheduler, engine)
     reqs = [Request(p, n) for p in prompts]
-    pending = list(reqs)
-    while pending or sched.has_work():  # one arrival per step: depth-wise steps mix loops
-        if pending:
-            sched.submit(pending.pop(0))
-        sched.step()
+    arrive_one_per_step(sched, reqs)
     return engine, [r.output for r in reqs]
-
-
-def _greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -120,13 +109,13 @@ def test_engine_on_quantized_weights_equals_the_dequantized_models_greedy_output
     qm = Q.quantize_model(copy.deepcopy(model), fmt, act_dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (L,), generator=g).tolist() for L in (5, 11, 1, 8)]
-    want = [_greedy(ref, p, 7) for p in prompts]
+    want = [full_depth_greedy(ref, p, 7) for p in prompts]
     engine, got = _serve(qm, prompts, 7)
     assert engine.stats["mixed_stages"] > 0 and engine.packed_bytes == 0
     assert got == want
     # and the float model decodes differently somewhere (the test can tell the formats apart)
     if fmt == "int4":
-        assert [_greedy(model, p, 7) for p in prompts] != want
+        assert [full_depth_greedy(model, p, 7) for p in prompts] != want
 
 
 def test_no_float_copy_is_kept_and_memory_drops():

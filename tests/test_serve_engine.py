@@ -7,6 +7,7 @@ import torch
 from looplm.convert import convert
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
 from looplm.serve import Engine, ExitPolicy, Request, RequestError, SamplingParams, make_scheduler, replay
+from conftest import arrive_one_per_step, full_depth_greedy
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.2)
@@ -33,18 +34,6 @@ def models():
     }
 
 
-def full_depth_greedy(model, prompt, n, eos=None):
-    """Reference: recompute the whole sequence with the model's forward for every token."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            ids.append(tok)
-            if tok == eos:
-                break
-    return ids[len(prompt):]
-
-
 def prompts(n=6, seed=1):
     g = torch.Generator().manual_seed(seed)
     lens = [5, 11, 1, 17, 8, 3, 9, 14][:n]
@@ -60,14 +49,7 @@ def run(model, ps, max_tokens, scheduler, stagger=True, **engine_kw):
     if not stagger:
         replay(sched, reqs)
         return engine, reqs
-    pending = list(reqs)
-    for _ in range(1000):
-        if pending:
-            sched.submit(pending.pop(0))
-        if not pending and not sched.has_work():
-            break
-        if sched.has_work():
-            sched.step()
+    arrive_one_per_step(sched, reqs)
     return engine, reqs
 
 

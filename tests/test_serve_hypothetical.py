@@ -43,6 +43,14 @@ def test_memory_limited_batch_per_model(pair):
         memory_max_batch(vanilla, 0.1, ctx, 8)
 
 
+def test_kv_bytes_count_the_prefix_entries_every_row_holds(pair):
+    vanilla, _ = pair
+    prefixed = convert(vanilla, loops=2, init="stepwise", lora_ranks=0, prefix_length=5)
+    per_entry = 4 * 2 * 2 * 16 * 4  # depths x (k, v) x kv heads x head dim x float32 bytes
+    assert kv_bytes_per_sequence(vanilla, 32) == 32 * per_entry
+    assert kv_bytes_per_sequence(prefixed, 32) == (32 + 5) * per_entry
+
+
 def test_block_step_runs_only_the_blocks_of_each_model(pair):
     """Vanilla: its own L layers per step; looped: K layers (one loop); no embedding, no head."""
     calls = {"layers": 0, "embed": 0, "head": 0}

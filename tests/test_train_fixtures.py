@@ -50,9 +50,13 @@ def make_models(tmp: Path, rank: int = 4) -> dict[str, Path]:
 
 
 def write_texts(d: Path, n_files: int = 2, chars: int = 30000) -> Path:
-    """Small real-text sources: slices of the repo's own source code and docs (never the held-out sample)."""
+    """Small real-text sources: slices of the pinned transformers' Llama, Gemma and GPT-NeoX sources (never
+    the held-out sample). Text that this repo's own edits cannot move: the heal and corpus tests see the
+    same data until the transformers pin changes."""
+    import transformers
     d.mkdir(parents=True, exist_ok=True)
-    files = sorted((ROOT / "src" / "looplm").rglob("*.py"))
+    models = Path(transformers.__file__).parent / "models"
+    files = [f for family in ("llama", "gemma", "gpt_neox") for f in sorted((models / family).glob("*.py"))]
     text = "\n\n".join(p.read_text() for p in files)
     for i in range(n_files):
         (d / f"src{i}.txt").write_text(text[i * chars:(i + 1) * chars])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, LoopLMConfig
+from .config import ConfigError
 from .decoder import LoopLMForCausalLM
 from .hf_import import from_hf_model
 

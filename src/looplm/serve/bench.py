@@ -340,7 +340,7 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
         policies = tuple(policies) + (("probe", tuple(sorted({0.5, 0.7, 0.9, probe.threshold}))),)
     except ProbeError:
         probe = None
-    per_loop_logp, per_loop_arg, cos_prev, probe_p = [], [], [], []
+    per_loop_logp, cos_prev, probe_p = [], [], []
     targets = []
     for s in range(0, len(ids) - 1, seq_len):
         w = ids[s:s + seq_len + 1]

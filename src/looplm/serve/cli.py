@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 from ..errors import UsageError
 from ..util import print_json
@@ -160,7 +159,7 @@ def cmd_fit_exit_probe(args) -> int:
     from ..models import load_model
     from ..models.loading import is_looplm_dir, tokenizer_fingerprint
     from ..data.corpus import PackedCorpus
-    from .probe import PROBE_FILE, fit_probe
+    from .probe import fit_probe
     if args.threads:
         torch.set_num_threads(args.threads)
     d = Path(args.model)

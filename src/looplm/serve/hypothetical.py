@@ -30,10 +30,12 @@ def model_bytes(model) -> int:
 
 
 def kv_bytes_per_sequence(model, context_len: int) -> int:
-    """A sequence's KV cache at ``context_len`` tokens: every depth keeps its own keys and values."""
+    """A sequence's KV cache at ``context_len`` tokens: every depth keeps its own keys and values, and a
+    prefix-relaxed model (appendix G) its P prefix entries in front of them in every row (serve/cache.py)."""
     c = model.config
     item = next(model.parameters()).element_size()
-    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * context_len * item
+    entries = context_len + c.prefix_length
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * entries * item
 
 
 def memory_max_batch(model, memory_mb: float, context_len: int, cap: int) -> int:

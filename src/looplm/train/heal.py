@@ -59,14 +59,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import UsageError
-from ..util import write_json_atomic, write_text_atomic
 from ..convert.recursive import tied_depths
-from ..models.decoder import attention_masks
 from ..data.corpus import PackedCorpus
-from .losses import kd_loss
-from .loop import resolve_precision
+from ..errors import UsageError
+from ..models.decoder import attention_masks
 from ..models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter, parse_exit_adapter
+from ..util import write_json_atomic, write_text_atomic
+from .loop import resolve_precision
+from .losses import kd_loss
 from .teacher_cache import build_cache
 
 LOCAL_MODES = ("parallel", "sequential")
@@ -105,16 +105,14 @@ class HealConfig:
     progress: bool = True
 
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
-             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed", "precision",
-             "exit_adapter", "exit_share", "exit_lr")
+             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed",
+             "precision", "exit_adapter", "exit_share", "exit_lr")
 
 
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of ||pred - target||^2 / ||target||^2 (float32)."""
     err = (pred.float() - target).pow(2).sum(-1)
     return (err / target.pow(2).sum(-1).clamp_min(1e-6)).mean()
-
-
 
 
 def _cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
@@ -494,43 +492,53 @@ class Healer:
         return {"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in parts.items()}}
 
     def e2e_stage(self) -> None:
-        from tqdm import tqdm
-        c, total, model = self.cfg, self.plan["e2e_steps"], self.student
+        total = self.plan["e2e_steps"]
         if total == 0:
             return
-        opt = torch.optim.AdamW(self._trainable(model), lr=c.e2e_lr, weight_decay=0.0)
+        self.student.train()
+        self._train_steps("e2e", "heal: end to end", self._trainable(self.student), self.cfg.e2e_lr, self._e2e_step,
+                          total, tokens_per_step=self.cfg.e2e_batch * self.cfg.seq_len,
+                          replan=bool(self.cfg.budget_minutes), evaluate=True)
+        self.student.eval()
+
+    def _train_steps(self, stage: str, desc: str, params, base_lr: float, step_fn, total: int,
+                     tokens_per_step: int = 0, replan: bool = False, evaluate: bool = False) -> None:
+        """The step loop of the end-to-end and exit stages: AdamW on ``params`` (its state restored on
+        resume), a cosine schedule over ``total`` steps, a JSONL record per step, a checkpoint every
+        ``save_every_seconds`` and, with ``evaluate``, held-out evaluations on their schedule. With
+        ``replan``, the step count is fixed again after the first timed steps (``_replan_e2e``)."""
+        from tqdm import tqdm
+        c, model = self.cfg, self.student
+        opt = torch.optim.AdamW(params, lr=base_lr, weight_decay=0.0)
         if self.state["step"] > 0:
             opt.load_state_dict(torch.load(self._latest_dir() / "optimizer.pt", map_location=self.device))
-        model.train()
-        bar = tqdm(total=total, initial=self.state["step"], desc="heal: end to end", unit="step",
-                   disable=not c.progress)
+        bar = tqdm(total=total, initial=self.state["step"], desc=desc, unit="step", disable=not c.progress)
         last_save = time.perf_counter()
         stage_start = (self.state["step"], self.clock())
         try:
             while self.state["step"] < total:
                 s = self.state["step"]
-                if s - stage_start[0] == REPLAN_AFTER and c.budget_minutes and not self.plan.get("e2e_replanned"):
+                if replan and s - stage_start[0] == REPLAN_AFTER and not self.plan.get("e2e_replanned"):
                     total = self._replan_e2e(s, (self.clock() - stage_start[1]) / REPLAN_AFTER)
                     bar.total = total
-                lr = c.e2e_lr * _cosine(s, total, max(1, total // 20))
-                rec = self._e2e_step(model, s, opt, lr)
+                lr = base_lr * _cosine(s, total, max(1, total // 20))
+                rec = step_fn(model, s, opt, lr)
                 self.state["step"] = s + 1
-                self.state["tokens"] += c.e2e_batch * c.seq_len
+                self.state["tokens"] += tokens_per_step
                 self.state["time"] = self.clock()
                 bar.update(1)
-                bar.set_postfix(kd=f"{rec['kd']:.3f}")
-                self._append({"stage": "e2e", "step": s + 1, "lr": lr, **rec, "time": round(self.state["time"], 2),
+                bar.set_postfix(kd=f"{rec.get('kd', rec['loss']):.3f}")
+                self._append({"stage": stage, "step": s + 1, "lr": lr, **rec, "time": round(self.state["time"], 2),
                               "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
                 if time.perf_counter() - last_save > c.save_every_seconds and self.state["step"] < total:
                     self._save(opt)
                     last_save = time.perf_counter()
-                if self._eval_due() and self.state["step"] < total:
+                if evaluate and self._eval_due() and self.state["step"] < total:
                     model.eval()
-                    self._log_eval(tag="e2e")
+                    self._log_eval(tag=stage)
                     model.train()
         finally:
             bar.close()
-        model.eval()
         self._save(opt)
 
     def _replan_e2e(self, step: int, seconds_per_step: float) -> int:
@@ -574,34 +582,12 @@ class Healer:
         return {"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in parts.items()}}
 
     def exit_stage(self) -> None:
-        from tqdm import tqdm
-        c, total, model = self.cfg, self.plan.get("exit_steps", 0), self.student
+        total = self.plan.get("exit_steps", 0)
         if not total:
             return
-        opt = torch.optim.AdamW(self._exit_trainable(model), lr=c.exit_lr, weight_decay=0.0)
-        if self.state["step"] > 0:
-            opt.load_state_dict(torch.load(self._latest_dir() / "optimizer.pt", map_location=self.device))
-        bar = tqdm(total=total, initial=self.state["step"], desc="heal: exit adapters", unit="step",
-                   disable=not c.progress)
-        last_save = time.perf_counter()
-        try:
-            while self.state["step"] < total:
-                s = self.state["step"]
-                lr = c.exit_lr * _cosine(s, total, max(1, total // 20))
-                rec = self._exit_step(model, s, opt, lr)
-                self.state["step"] = s + 1
-                self.state["time"] = self.clock()
-                bar.update(1)
-                bar.set_postfix(kd=f"{rec['loss']:.3f}")
-                self._append({"stage": "exit", "step": s + 1, "lr": lr, **rec, "time": round(self.state["time"], 2),
-                              "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
-                if time.perf_counter() - last_save > c.save_every_seconds and self.state["step"] < total:
-                    self._save(opt)
-                    last_save = time.perf_counter()
-        finally:
-            bar.close()
-        model.requires_grad_(False)
-        self._save(opt)
+        self._train_steps("exit", "heal: exit adapters", self._exit_trainable(self.student), self.cfg.exit_lr,
+                          self._exit_step, total)
+        self.student.requires_grad_(False)
 
     # ----- evaluation: held-out perplexity at every loop exit
     @torch.no_grad()
