@@ -3,8 +3,9 @@
 #   <name>        data-aware conversion (average + aware-svd), then `looplm heal --budget-minutes 60` with a
 #                 256-row teacher cache (HEAL_ARGS adds options, e.g. "--local-share 0.25")
 #   paper-r64     the paper's recipe at the same hour: average + plain SVD rank 64, then end-to-end
-#                 0.5 CE + 0.5 forward KL from the online teacher (450,560 tokens = 440 steps of 2 x 512:
-#                 an hour of both cores in bf16 at the 7.8 s per step measured on 2026-11-25)
+#                 0.5 CE + 0.5 forward KL from the online teacher, `looplm train --budget-minutes MINUTES`
+#                 (PAPER_TOKENS=N trains N tokens instead; the run of 2026-11-25 used 450560: 440 steps of
+#                 2 x 512, an hour of both cores in bf16 at the ~8 s per step measured that day)
 # Runs (RUNS, space separated; default all, in this order):
 #   b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64
 # Resumable: rerun to continue a killed run; finished runs are skipped. Environment: OUT, MINUTES, RUNS,
@@ -15,7 +16,7 @@ LOOPLM=${LOOPLM:-.venv/bin/looplm}
 OUT=${OUT:-out/heal}
 MINUTES=${MINUTES:-60}
 RUNS=${RUNS:-"b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64"}
-PAPER_TOKENS=${PAPER_TOKENS:-450560}
+PAPER_TOKENS=${PAPER_TOKENS:-}
 HEAL_ARGS=${HEAL_ARGS:-}
 export OMP_NUM_THREADS=${THREADS:-2}
 
@@ -43,8 +44,9 @@ for r in $RUNS; do
         --init average --lora-init svd --ppl-tokens 0 --out "$student"
     if [ -d "$run/final" ]; then echo "$r: done"; continue; fi
     resume=""; [ -f "$run/run.json" ] && resume="--resume"
+    budget="--budget-minutes $MINUTES"; [ -n "$PAPER_TOKENS" ] && budget="--max-tokens $PAPER_TOKENS"
     $LOOPLM train --model "$student" --teacher $model --kd fkl --data "$data" --out "$run" --batch-size 2 \
-        --seq-len 512 --max-tokens "$PAPER_TOKENS" --eval-every 40 --eval-seqs 16 --save-every 20 --keep 2 \
+        --seq-len 512 $budget --eval-every 40 --eval-seqs 16 --save-every 20 --keep 2 \
         --no-progress $resume
     continue
   fi

@@ -124,8 +124,13 @@ def test_batch_larger_than_memory(setup, capsys, tmp_path):
 
 def test_config_errors(setup):
     tmp, models, corpus = setup
-    with pytest.raises(ValueError, match="--max-steps N or --max-tokens N"):
+    with pytest.raises(ValueError, match="give one budget: --max-steps N, --max-tokens N or --budget-minutes M"):
         train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x")))
+    with pytest.raises(ValueError, match="give one budget"):
+        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1,
+                          budget_minutes=1.0))
+    with pytest.raises(ValueError, match="--budget-minutes 0.0 must be positive"):
+        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), budget_minutes=0.0))
     with pytest.raises(ValueError, match="add --early-exit"):
         train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1,
                           self_distill=True))

@@ -125,6 +125,26 @@ def test_train_lora_only_changes_lora(setup):
     assert any("lora_A" in n for n in changed)
 
 
+def test_time_budget_becomes_a_step_count_that_resume_keeps(setup):
+    """--budget-minutes: the step count is fixed from the first timed steps, written to run.json, and the
+    cosine schedule then runs over it; a resumed run keeps the count instead of timing again."""
+    tmp = setup[0]
+    quiet = lambda *a: None  # noqa: E731
+    train(_cfg(setup, "budget", max_steps=None, budget_minutes=0.02, lr=1e-3), quiet)
+    run = json.loads((tmp / "budget" / "run.json").read_text())
+    total = run["max_steps"]
+    assert run["budget_fixed"] and total >= 4  # at least the timed steps
+    recs = [r for r in metrics(tmp / "budget") if not r.get("eval")]
+    assert [r["step"] for r in recs] == list(range(1, total + 1))
+    f = lr_lambda_factory(max(1, round(0.05 * total)), total, 0.1)
+    for r in recs[4:]:  # steps after the count was fixed follow its schedule
+        assert r["lr"] == pytest.approx(1e-3 * f(r["step"] - 1))
+    assert (tmp / "budget" / "final" / "config.json").exists()
+    train(_cfg(setup, "budget", max_steps=None, budget_minutes=0.02, lr=1e-3, resume=True), quiet)
+    assert json.loads((tmp / "budget" / "run.json").read_text())["max_steps"] == total
+    assert len([r for r in metrics(tmp / "budget") if not r.get("eval")]) == total
+
+
 def test_schedule_and_data_order():
     f = lr_lambda_factory(warmup=4, total=20, min_ratio=0.1)
     assert [round(f(s), 4) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]

@@ -31,6 +31,9 @@ def register(sub) -> None:
     g = t.add_mutually_exclusive_group()
     g.add_argument("--max-steps", type=int, default=None)
     g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--budget-minutes", type=float, default=None,
+                   help="train for this many minutes of step time (evaluations and saves not counted): the step "
+                        "count is fixed after the first steps are timed, and kept on --resume")
     t.add_argument("--batch-size", type=int, default=2, help="sequences per process per micro-step")
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--seq-len", type=int, default=None, help="crop the corpus's sequences to this length")

@@ -40,6 +40,8 @@ from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, trunca
 from .data_order import batch_indices, micro_batch, rows_read
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 
+BUDGET_TIMED = 3        # steps timed (after the first, which warms up) before a time budget becomes a step count
+BUDGET_WARMUP = 20      # warm-up steps assumed until then
 TRAIN_GROUPS = ("all", "lora", "prefix", "layers", "norms", "embed", "exit")
 DATA_ROWS = ("all", "new")
 
@@ -61,6 +63,7 @@ class TrainConfig:
     freeze_body: bool = False      # train only the exit adapter (the paper's appendix-I ablation)
     max_steps: int | None = None
     max_tokens: int | None = None
+    budget_minutes: float | None = None  # instead: train for this much step time (fixed after BUDGET_TIMED steps)
     batch_size: int = 2            # sequences per process per micro-step
     grad_accum: int = 1
     seq_len: int | None = None     # crop the corpus's sequences (default: their full length)
@@ -87,7 +90,7 @@ class TrainConfig:
     # Settings that must not change between a run and its resume.
     FIXED = ("data", "teacher", "kd", "kd_weight", "kd_temperature", "early_exit", "exit_coef", "self_distill",
              "self_distill_weight", "exit_adapter", "freeze_body", "batch_size", "grad_accum", "seq_len", "lr",
-             "min_lr_ratio", "weight_decay", "beta1", "beta2", "train", "seed", "data_rows")
+             "min_lr_ratio", "weight_decay", "beta1", "beta2", "train", "seed", "data_rows", "budget_minutes")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,12 +119,6 @@ class TrainModule(nn.Module):
                          temperature=c.kd_temperature, early_exit=c.early_exit, exit_coef=c.exit_coef,
                          self_distill=c.self_distill, self_distill_weight=c.self_distill_weight,
                          teacher_exits=c.freeze_body)
-
-
-
-
-
-
 
 
 def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
@@ -255,8 +252,10 @@ class Trainer(Checkpoints):
         out = Path(c.out)
         if not c.out:
             raise UsageError("give the run directory with --out RUN")
-        if c.max_steps is None and c.max_tokens is None:
-            raise UsageError("give a budget with --max-steps N or --max-tokens N")
+        if [c.max_steps, c.max_tokens, c.budget_minutes].count(None) != 2:
+            raise UsageError("give one budget: --max-steps N, --max-tokens N or --budget-minutes M")
+        if c.budget_minutes is not None and not c.budget_minutes > 0:
+            raise UsageError(f"--budget-minutes {c.budget_minutes} must be positive")
         if c.kd not in KD_FUNCS:
             raise UsageError(f"unknown --kd {c.kd!r}; use one of {', '.join(KD_FUNCS)}")
         if c.early_exit not in EARLY_EXIT:
@@ -319,7 +318,13 @@ class Trainer(Checkpoints):
                              f"than the corpus's {len(self.corpus)} training sequences; lower --batch-size or "
                              f"--grad-accum, or build a bigger corpus")
         tokens_per_step = self.global_batch * seq
-        self.max_steps = c.max_steps if c.max_steps is not None else math.ceil(c.max_tokens / tokens_per_step)
+        # A time budget becomes a step count once the first steps are timed (stored in run.json, so that a
+        # resumed run keeps it); until then the count is open.
+        self.budget_open = c.budget_minutes is not None and not (prev_run or {}).get("budget_fixed")
+        if c.budget_minutes is not None:
+            self.max_steps = prev_run["max_steps"] if not self.budget_open else 10 ** 9
+        else:
+            self.max_steps = c.max_steps if c.max_steps is not None else math.ceil(c.max_tokens / tokens_per_step)
         if self.max_steps < 1:
             raise UsageError("the budget is less than one step; raise --max-steps or --max-tokens")
 
@@ -399,6 +404,33 @@ class Trainer(Checkpoints):
         return {"corpus": self.corpus_id, "seed": self.cfg.seed, "global_batch": self.global_batch, "steps": step,
                 "new_rows": self.cfg.data_rows == "new"}
 
+    def _lr_factor(self, step: int) -> float:
+        """Warm-up (5% of the steps unless --warmup-steps) and cosine decay over the run's step count; while a
+        time budget is still open, warm-up over BUDGET_WARMUP steps."""
+        c = self.cfg
+        if self.budget_open:
+            return (step + 1) / ((c.warmup_steps if c.warmup_steps is not None else BUDGET_WARMUP) + 1)
+        warmup = c.warmup_steps if c.warmup_steps is not None else max(1, round(0.05 * self.max_steps))
+        return lr_lambda_factory(warmup, self.max_steps, c.min_lr_ratio)(step)
+
+    def _fix_budget(self, step: int, elapsed: float, seconds_per_step: float) -> None:
+        """Turn --budget-minutes into a step count from the steps just timed; every process takes the main
+        process's count, and run.json keeps it for --resume."""
+        left = self.cfg.budget_minutes * 60 - elapsed
+        total = torch.tensor([max(step, step + int(left / seconds_per_step))], device=self.acc.device)
+        from accelerate.utils import broadcast
+        self.max_steps = int(broadcast(total, from_process=0).item())
+        self.budget_open = False
+        # the scheduler already set the next step's rate under the open budget: set it under the fixed one
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
+        if self.acc.is_main_process:
+            run = json.loads((Path(self.cfg.out) / "run.json").read_text())
+            run.update(max_steps=self.max_steps, budget_fixed=True)
+            write_json_atomic(Path(self.cfg.out) / "run.json", run)
+            self.log(f"budget: {seconds_per_step:.2f} s per step, {self.max_steps} steps fill "
+                     f"{self.cfg.budget_minutes:g} minutes")
+
     # ----- the run itself
     def run(self) -> dict:
         self.prepare()
@@ -408,9 +440,7 @@ class Trainer(Checkpoints):
         module = TrainModule(self.model, c)
         optimizer = torch.optim.AdamW(param_groups(self.model, c.weight_decay), lr=c.lr, betas=(c.beta1, c.beta2),
                                       eps=1e-8)
-        warmup = c.warmup_steps if c.warmup_steps is not None else max(1, round(0.05 * self.max_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(warmup, self.max_steps,
-                                                                                    c.min_lr_ratio))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self._lr_factor(s))
         module, optimizer = acc.prepare(module, optimizer)
         acc.register_for_checkpointing(scheduler)
         if self.teacher is not None:
@@ -442,15 +472,16 @@ class Trainer(Checkpoints):
         tb = tensorboard_writer(out) if acc.is_main_process else None
 
         from tqdm import tqdm
-        bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step",
+        bar = tqdm(total=None if self.budget_open else self.max_steps, initial=step, desc="train", unit="step",
                    disable=not (c.progress and acc.is_main_process))
         if acc.is_main_process:
             self.log(f"training {self.n_train:,} of {self.n_params:,} parameters on {dev} ({self.precision}), "
                      f"{self.world} process(es), global batch {self.global_batch} x {self.seq} tokens, "
-                     f"{self.max_steps} steps")
+                     + (f"steps to fill {c.budget_minutes:g} minutes" if self.budget_open else f"{self.max_steps} steps"))
         if c.eval_every and step == 0:
             self._log_eval(out, tb, step, tokens)
         train = self.corpus.splits["train"]
+        timed: list[float] = []  # step times of this process since it started, for an open time budget
         try:
             while step < self.max_steps:
                 t0 = time.perf_counter()
@@ -482,6 +513,10 @@ class Trainer(Checkpoints):
                 tokens += self.global_batch * self.seq
                 dt = time.perf_counter() - t0
                 elapsed += dt
+                timed.append(dt)
+                if self.budget_open and len(timed) > BUDGET_TIMED:  # the first step warms up
+                    self._fix_budget(step, elapsed, sum(timed[1:]) / (len(timed) - 1))
+                    bar.total = self.max_steps
                 keys = sorted(sums)
                 vals = acc.reduce(torch.stack([sums[k] for k in keys]).to(dev), reduction="mean")
                 rec = {"step": step, "tokens": tokens, **{k: float(v) for k, v in zip(keys, vals)}, "lr": lr,
