@@ -265,6 +265,10 @@ def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
     assert piqa["stderr"] is not None and piqa["acc_norm_stderr"] is not None
     assert set(res["per_loop"]) == {"1", "2"} and res["exit_loop"] == 2
     assert (d / "eval" / "fewshot.json").exists()
+    # lambada: lm-eval prints to stdout while it bootstraps the perplexity's stderr; --json keeps stdout one document
+    code, out, _ = run_cli(capsys, "eval", "fewshot", str(d), "--tasks", "lambada", "--limit", "2", "--json",
+                           "--no-save")
+    assert code == 0 and set(json.loads(out)["tasks"]) == {"lambada"}
     code, out, _ = run_cli(capsys, "eval", "ppl", str(d), "--max-tokens", "100", "--json")
     assert code == 0 and json.loads(out)["tokens"] == 100
     assert (d / "eval" / "ppl-heldout_sample.json").exists()

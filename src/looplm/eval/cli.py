@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from pathlib import Path
 
 from ..errors import UsageError
@@ -162,9 +164,12 @@ def cmd_eval_fewshot(args) -> int:
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be at least 1")
     model, tok = _load(args.model)
-    result = run_fewshot(model, tok, tasks, limit=args.limit, exit_loop=args.exit_loop, all_loops=args.all_loops,
-                         batch_size=args.batch_size, num_fewshot=args.num_fewshot, log_samples=args.log_samples,
-                         progress=not args.json)
+    # lm-eval prints to stdout (e.g. "bootstrapping for stddev: perplexity"): keep --json's stdout one document
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet:
+        result = run_fewshot(model, tok, tasks, limit=args.limit, exit_loop=args.exit_loop, all_loops=args.all_loops,
+                             batch_size=args.batch_size, num_fewshot=args.num_fewshot, log_samples=args.log_samples,
+                             progress=not args.json)
     result["model_spec"] = args.model
     save = _save_dir(args)
     if save is not None:
