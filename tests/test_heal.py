@@ -20,7 +20,7 @@ from looplm.errors import UsageError
 from looplm.convert import convert
 from looplm.models import load_model, save_model
 from looplm.data.corpus import PackedCorpus
-from looplm.train.heal import HealConfig, Healer, heal, relative_error
+from looplm.train.heal import HealConfig, Healer, heal, relative_error, replan_due
 from looplm.train.teacher_cache import TeacherCache, build_cache
 
 
@@ -208,3 +208,20 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     r = run_cli(*heal_args(models, corpus, tmp_path / "bad3", "--tokens", 100, "--cache", tmp_path / "cache"))
     assert r.returncode == 2 and "corrupt" in r.stderr, r.stderr
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+def test_a_time_budget_is_replanned_after_warm_up_and_at_half_way(setup):
+    """The end-to-end step count is fixed again after steps 3 and 30 and at half way, once each, from
+    the steps since the previous fix; the run then takes exactly the count last fixed."""
+    assert [s for s in range(100) if replan_due(s, 100, [])] == [3, 30, 50]
+    assert not replan_due(30, 100, [3, 30]) and not replan_due(1, 2, []) and not replan_due(60, 120, [3, 30, 50])
+    tmp, models, corpus = setup
+    out = tmp / "budget"
+    r = run_cli(*heal_args(models, corpus, out, "--budget-minutes", 0.25, "--local-share", 0.1))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((out / "run.json").read_text())["plan"]
+    steps = [x["step"] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if x.get("stage") == "e2e" and not x.get("eval")]
+    assert plan["e2e_steps"] > 60, "too few steps to check the half-way fix"
+    assert plan["e2e_replanned_at"][:2] == [3, 30] and len(plan["e2e_replanned_at"]) == 3
+    assert steps == list(range(1, plan["e2e_steps"] + 1))
