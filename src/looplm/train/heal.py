@@ -528,10 +528,11 @@ class Healer:
         bar = tqdm(total=total, initial=self.state["step"], desc=desc, unit="step", disable=not c.progress)
         last_save = time.perf_counter()
         mark = (self.state["step"], self.clock())  # the steps since the last fix time the next one
+        replanned_at = self.plan.setdefault("e2e_replanned_at", [])  # _replan_e2e appends to it
         try:
             while self.state["step"] < total:
                 s = self.state["step"]
-                if replan and replan_due(s, total, self.plan.setdefault("e2e_replanned_at", [])) and s > mark[0]:
+                if replan and replan_due(s, total, replanned_at) and s > mark[0]:
                     total = self._replan_e2e(s, (self.clock() - mark[1]) / (s - mark[0]))
                     mark = (s, self.clock())
                     bar.total = total
