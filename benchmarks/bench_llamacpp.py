@@ -10,9 +10,10 @@ from) and a Q8_0 file exported from our float32 model (`looplm export-gguf --typ
 continuous batching (`llama_decode` over one batch holding every running sequence's next token and new
 prompts, as llama.cpp's `parallel` example), greedy by argmax over its logits, as our engine.
 
-Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act]: the whole model in bfloat16 (default:
+Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act][-c]: the whole model in bfloat16 (default:
 float32 outside the quantized matmuls), int4 group size N (default 32), int4 LM head (default int8),
-float32 activations into the quantized matmuls (default bfloat16). Agreement: the fraction of a configuration's generated
+float32 activations into the quantized matmuls (default bfloat16), the compiled engine (`--compile`,
+serve/compiled.py; its graphs are built before timing starts). Agreement: the fraction of a configuration's generated
 tokens equal to the float32 model's greedy choice given the same prefix (teacher-forced). Memory: each
 format served in a fresh process (`--child`), from a `looplm quantize` directory and quantized at load.
 
@@ -136,9 +137,11 @@ class LlamaCpp:
 def parse_spec(spec: str) -> dict:
     parts = spec.split("-")
     out = {"format": parts[0], "dtype": torch.float32, "group": Q.DEFAULT_GROUP, "head": "int8",
-           "act_dtype": Q.DEFAULT_ACT}
+           "act_dtype": Q.DEFAULT_ACT, "compile": False}
     for p in parts[1:]:
-        if p == "bf16":
+        if p == "c":
+            out["compile"] = True
+        elif p == "bf16":
             out["dtype"] = torch.bfloat16
         elif p == "f32act":
             out["act_dtype"] = torch.float32
@@ -151,6 +154,10 @@ def parse_spec(spec: str) -> dict:
     return out
 
 
+def compiled(spec: str) -> bool:
+    return parse_spec(spec)["compile"]
+
+
 def engine_model(vanilla, spec: str):
     import copy
     s = parse_spec(spec)
@@ -159,10 +166,10 @@ def engine_model(vanilla, spec: str):
     return Q.quantize_model(copy.deepcopy(vanilla), s["format"], s["group"], s["dtype"], s["head"], s["act_dtype"])
 
 
-def engine_serve(model, trace, max_batch, scheduler="sequence", policy=None):
+def engine_serve(model, trace, max_batch, scheduler="sequence", policy=None, compile=False):
     """(tokens/s from first arrival to last finish, outputs)."""
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in trace)
-    fig, reqs, _ = run_trace(model, trace, scheduler, max_batch, max_len, policy, "later")
+    fig, reqs, _ = run_trace(model, trace, scheduler, max_batch, max_len, policy, "later", compile)
     return fig["tokens_per_s"], [r.output for r in reqs]
 
 
@@ -210,7 +217,8 @@ def child(args) -> int:
         if s["format"] != "fp32":
             model = Q.prepare(model, s["format"], group=s["group"], dtype=s["dtype"], head=s["head"],
                               act_dtype=s["act_dtype"])
-        engine_serve(model, [{"prompt": p, "max_tokens": 16, "arrival": 0.0} for p in prompts], CHILD_PROMPTS)
+        engine_serve(model, [{"prompt": p, "max_tokens": 16, "arrival": 0.0} for p in prompts], CHILD_PROMPTS,
+                     compile=s["compile"])
         weights = round(Q.weight_bytes(model) / 2 ** 20, 1)
     print(json.dumps({**_rss(), "weights_mb": weights}))
     return 0
@@ -237,24 +245,25 @@ def measure_memory(cases: dict[str, str], threads: int, log) -> dict:
     return out
 
 
-def profile_b1(model, trace, log) -> dict:
+def profile_b1(model, trace, log, compile=False) -> dict:
     """Where a batch-1 decode token's time goes: wall time per token (no profiler), and under the profiler
     the operators' own time per token, split into the weight matmuls (quantized ops, mm/addmm/linear)
-    and everything else; the rest of the wall time is Python and dispatch between operators."""
+    and everything else (aten operators, and compiled regions' own time: their fused kernels); the rest of
+    the wall time is Python and dispatch between operators."""
     from torch.profiler import ProfilerActivity, profile
-    engine_serve(model, trace[:1], 1)  # warm up
+    engine_serve(model, trace[:1], 1, compile=compile)  # warm up
     t = time.perf_counter()
-    _, out = engine_serve(model, trace, 1)
+    _, out = engine_serve(model, trace, 1, compile=compile)
     tokens = sum(map(len, out))
     wall = (time.perf_counter() - t) / tokens
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine_serve(model, trace, 1)
+        engine_serve(model, trace, 1, compile=compile)
     mm_names = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm", "mkl_linear")
     mm = other = 0.0
     for e in prof.key_averages():
         if any(n in e.key for n in mm_names):
             mm += e.self_cpu_time_total
-        elif e.key.startswith("aten::"):
+        elif e.key.startswith("aten::") or "CompiledFxGraph" in e.key or e.key.startswith("cpp_fused"):
             other += e.self_cpu_time_total
     out = {"wall_ms_per_token": round(wall * 1e3, 3), "matmul_ms_per_token": round(mm / 1e3 / tokens, 3),
            "other_ops_ms_per_token": round(other / 1e3 / tokens, 3)}
@@ -345,18 +354,19 @@ def main() -> int:
     for rnd in range(args.rounds):
         log(f"round {rnd + 1}")
         if "b1" not in skip:
-            runs = [(s, lambda s=s: engine_serve(models[s], b1, 1)) for s in specs]
+            runs = [(s, lambda s=s: engine_serve(models[s], b1, 1, compile=compiled(s))) for s in specs]
             runs += [(k, lambda k=k: llama_serve(llamas_b1[k], b1)) for k in llamas_b1]
             if looped:
                 runs += [(f"looped {s} {args.exit}", lambda s=s: engine_serve(looped[s], b1, 1, "depth",
-                                                                            policy.bind(looped[s])))
+                                                                            policy.bind(looped[s]), compiled(s)))
                          for s in looped]
             for name, fn in runs:
                 tps, _ = fn()
                 times["batch1"].setdefault(name, []).append(tps)
                 log(f"  batch 1   {name:<28} {tps:7.1f} tok/s")
         if "trace" not in skip:
-            runs = [(s, lambda s=s: engine_serve(models[s], trace, args.max_batch)) for s in specs]
+            runs = [(s, lambda s=s: engine_serve(models[s], trace, args.max_batch, compile=compiled(s)))
+                    for s in specs]
             runs += [(f"{k} x{n}", lambda k=k, n=n: llama_serve(llamas_tr[(k, n)], trace)) for k, n in llamas_tr]
             for name, fn in runs:
                 tps, out = fn()
@@ -369,7 +379,7 @@ def main() -> int:
         result[part]["ratios"] = _ratios(times[part], part)
     for spec in [x for x in args.profile.split(",") if x]:
         log(f"profile {spec}")
-        result.setdefault("profile", {})[spec] = profile_b1(models[spec], b1, log)
+        result.setdefault("profile", {})[spec] = profile_b1(models[spec], b1, log, compiled(spec))
     if "quality" not in skip:
         fp32 = models.get("fp32") or vanilla
         for name, out in outputs.items():

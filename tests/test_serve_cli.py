@@ -90,3 +90,21 @@ def test_weights_flag_quantizes_and_reports_memory(tiny_dir, capsys):
     with pytest.raises(SystemExit) as e:  # argparse's own check: one line, exit code 2
         main(["generate", "Hello", "--model", str(tiny_dir), "--weights", "int5"])
     assert e.value.code == 2
+
+
+def test_compile_flag_gives_the_eager_tokens_and_fails_cleanly_without_a_compiler(tiny_dir, capsys, monkeypatch):
+    import shutil
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    gen = ["generate", "Hello there", "--model", str(tiny_dir), "--max-tokens", "4", "--json"]
+    outs = []
+    for extra in ([], ["--compile"]):
+        assert main(gen + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out)["results"][0]["text"])
+    assert outs[0] == outs[1]
+    from looplm.serve import compiled
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    assert main(gen + ["--compile"]) == 2
+    assert "C++ compiler" in capsys.readouterr().err
+    assert main(["serve", str(tiny_dir), "--compile"]) == 2  # checked before the model loads
+    assert "C++ compiler" in capsys.readouterr().err

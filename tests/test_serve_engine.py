@@ -86,6 +86,21 @@ def test_decode_attention_in_place_and_gathered_agree(models, name, monkeypatch)
     assert exited[0.0] == exited[2.0]
 
 
+@pytest.mark.parametrize("name", ["relaxed", "gemma_relaxed"])
+def test_decode_with_every_row_busy_in_order_reads_in_place_without_a_scatter(models, name, monkeypatch):
+    """One request in a one-row cache (batch-1 serving): decode attention takes the no-scatter path and the
+    tokens equal full-depth greedy decoding."""
+    model, ps = models[name], prompts()[:1]
+    taken = []
+    original = Engine._attend_in_place
+    monkeypatch.setattr(Engine, "_attend_in_place",
+                        lambda self, attn, qd, groups, k, t: taken.append(groups[0][1] is None)
+                        or original(self, attn, qd, groups, k, t))
+    _, reqs = run(model, ps, [6], "sequence", max_batch=1)
+    assert reqs[0].output == full_depth_greedy(model, ps[0], 6)
+    assert taken and all(taken)
+
+
 def test_depth_batches_mix_loops_and_lora_slots(models):
     """In a depth-wise batch tokens at different loops share one call; the per-depth LoRA of each
     token is its own (grouped path), shown by exact agreement with per-token single-depth calls."""

@@ -367,11 +367,19 @@ class Block(nn.Module):
         ``attend_fn(q, k, v, attn)`` gets the rotated q [b, H, t, d], k, v [b, KV, t, d] of this
         block and returns the attention output [b, H, t, d]; norms, projections, per-depth LoRA
         (grouped when ``slot`` is a per-token tensor), MLP and residuals are exactly ``forward``'s."""
-        attn = self.attn
-        q, k, v = attn.project(self.attn_norm(h, slot), slot, cos, sin)
-        out = attend_fn(q, k, v, attn)
+        q, k, v = self.attention_inputs(h, slot, cos, sin)
+        return self.after_attention(h, attend_fn(q, k, v, self.attn), slot)
+
+    # The two halves of ``forward_attend``, around the attention core: a serving engine may compile them
+    # (serve/compiled.py) and keep the attention core, which reads its own cache, eager.
+    def attention_inputs(self, h, slot, cos, sin):
+        """Rotated q [b, H, t, d] and k, v [b, KV, t, d] of input ``h``."""
+        return self.attn.project(self.attn_norm(h, slot), slot, cos, sin)
+
+    def after_attention(self, h, out, slot):
+        """The block's output from its input ``h`` and the attention output ``out`` [b, H, t, d]."""
         b, _, t, _ = out.shape
-        a = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1), slot)
+        a = self.attn.o_proj(out.transpose(1, 2).reshape(b, t, -1), slot)
         if self.parallel:
             return h + a + self.mlp(self.mlp_norm(h, slot), slot)
         if self.attn_out_norm is not None:

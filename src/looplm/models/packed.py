@@ -59,9 +59,9 @@ class PackedWeight:
         return weight is self.source and weight._version == self.version
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Gradients off, a float32 CPU input, and ``weight`` matches."""
-        return (enabled and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-                and self.matches(weight))
+        """Gradients off, not under torch.compile, a float32 CPU input, and ``weight`` matches."""
+        return (enabled and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and x.device.type == "cpu" and x.dtype == torch.float32 and self.matches(weight))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -103,8 +103,8 @@ def pack_for_cpu(model: nn.Module) -> int:
 
 def unpack(model: nn.Module) -> None:
     """Drop every packed copy (frees their memory)."""
-    for m in model.modules():
-        if getattr(m, "packed", None) is not None:
+    for m in model.modules():  # only packed copies: an int4 weight's kernel layout is also named ``packed``
+        if isinstance(getattr(m, "packed", None), PackedWeight):
             m.packed = None
-    if getattr(model, "head_packed", None) is not None:
+    if isinstance(getattr(model, "head_packed", None), PackedWeight):
         model.head_packed = None

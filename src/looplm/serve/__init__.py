@@ -4,7 +4,7 @@ from .cache import KVCache
 from .engine import Engine, Request
 from .exits import ExitPolicy, parse_policy
 from .sampling import RequestError, SamplingParams
-from .schedulers import SCHEDULERS, make_scheduler, replay, generate
+from .schedulers import SCHEDULERS, make_scheduler, replay, generate, warm_up
 
 __all__ = ["KVCache", "Engine", "Request", "ExitPolicy", "parse_policy", "RequestError", "SamplingParams",
-           "SCHEDULERS", "make_scheduler", "replay", "generate"]
+           "SCHEDULERS", "make_scheduler", "replay", "generate", "warm_up"]

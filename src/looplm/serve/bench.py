@@ -21,7 +21,7 @@ from ..models.quantized import prepare, stored_format, weight_bytes
 from .engine import Engine, Request
 from .exits import ExitPolicy
 from .hypothetical import hypothetical
-from .schedulers import make_scheduler, replay, rss_mb
+from .schedulers import make_scheduler, replay, rss_mb, warm_up
 
 
 def heldout_text() -> str:
@@ -57,8 +57,10 @@ def percentile(xs, q):
 
 
 def run_trace(model, trace, scheduler: str, max_batch: int, max_seq_len: int, policy: ExitPolicy | None = None,
-              kv_mode: str = "copy") -> tuple[dict, list[Request], Engine]:
-    engine = Engine(model, max_batch=max_batch, max_seq_len=max_seq_len, exit_policy=policy, kv_mode=kv_mode)
+              kv_mode: str = "copy", compile: bool = False) -> tuple[dict, list[Request], Engine]:
+    engine = Engine(model, max_batch=max_batch, max_seq_len=max_seq_len, exit_policy=policy, kv_mode=kv_mode,
+                    compile=compile)
+    compile_s = warm_up(engine)  # compiled graphs are built before the clock starts
     reqs = [Request(r["prompt"], r["max_tokens"], arrival=r["arrival"]) for r in trace]
     rss0 = rss_mb()
     res = replay(make_scheduler(scheduler, engine), reqs)
@@ -81,6 +83,8 @@ def run_trace(model, trace, scheduler: str, max_batch: int, max_seq_len: int, po
         "kv_copy_tokens": stats["kv_copy_tokens"], "kv_later_items": stats["kv_later_items"],
         "failed": sum(r.status == "error" for r in reqs),
     }
+    if compile:
+        fig["compile_seconds"] = round(compile_s, 1)
     return fig, reqs, engine
 
 
@@ -275,7 +279,8 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                          ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
                          ("looped_depth_full_depth", looped, "depth", None, "copy")]
         for name, model, sched, pol, kv in plan:
-            fig, reqs, _ = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, kv)
+            fig, reqs, _ = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, kv,
+                                     getattr(args, "compile", False))
             if model is looped:
                 fig["agreement"] = round(agreement(looped, reqs), 4)
             fig["model"] = "vanilla" if model is vanilla else "looped"

@@ -28,10 +28,14 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _weights_arg(p) -> None:
+def _engine_args(p) -> None:
+    """Options of every command that builds an engine: weight format, compilation."""
     p.add_argument("--weights", default=None, choices=["fp32", "int8", "int4"],
                    help="weight format on CPU: int8 (per-channel) or int4 (group-wise) quantized at load, with "
                         "LoRA and norms in float on top (default: as stored; docs/SERVING.md)")
+    p.add_argument("--compile", action="store_true",
+                   help="run each layer's work around attention as torch.compile regions (needs a C++ compiler on "
+                        "CPU; compiles for seconds up to a minute before serving; docs/SERVING.md)")
 
 
 def register(sub) -> None:
@@ -73,7 +77,7 @@ def register(sub) -> None:
     p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    _weights_arg(p)
+    _engine_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -105,7 +109,7 @@ def register(sub) -> None:
     p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
     p.add_argument("--exit", default="none", help="exit policy[:threshold]")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"])
-    _weights_arg(p)
+    _engine_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
@@ -125,7 +129,7 @@ def register(sub) -> None:
     p.add_argument("--init", default="stepwise", help="init when converting on the fly")
     p.add_argument("--lora-rank", default="64", help="LoRA rank when converting on the fly (0 = recursive)")
     p.add_argument("--device", default=None, help="torch device (default: where the model loads)")
-    _weights_arg(p)
+    _engine_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish "
                    "after SIGINT/SIGTERM before they are failed")
@@ -144,6 +148,9 @@ def cmd_serve(args) -> int:
     if args.weights:  # before the model loads: a format this device cannot run is a usage error
         from ..models.quantized import check_format
         check_format(args.weights, args.device or "cpu")
+    if args.compile:
+        from .compiled import check_compile_available
+        check_compile_available(args.device or "cpu")
     from .server import main
     return main(args)
 
@@ -206,7 +213,7 @@ def cmd_generate(args) -> int:
     from .engine import Engine, Request
     from .exits import parse_policy
     from .sampling import SamplingParams
-    from .schedulers import make_scheduler, replay
+    from .schedulers import make_scheduler, replay, warm_up
     from ..models.quantized import prepare
     model, tok = load_model(args.model)
     model = prepare(model, args.weights)
@@ -215,7 +222,8 @@ def cmd_generate(args) -> int:
                     eos_token_id=tok.eos_token_id) for p in args.prompt]
     need = max(len(r.prompt) for r in reqs) + args.max_tokens
     engine = Engine(model, max_batch=max(1, min(len(reqs), 16)), max_seq_len=max(need, 64),
-                    exit_policy=parse_policy(args.exit), kv_mode=args.kv_mode)
+                    exit_policy=parse_policy(args.exit), kv_mode=args.kv_mode, compile=args.compile)
+    warm_up(engine)
     res = replay(make_scheduler(args.scheduler, engine), reqs)
     out = [{"prompt": p, "status": r.status, "error": r.error, "text": tok.decode(r.output), "tokens": len(r.output),
             "exit_loops": r.exit_loops} for p, r in zip(args.prompt, reqs)]

@@ -27,8 +27,9 @@ import torch
 
 from ..models.config import ConfigError
 from ..models.layers import prefix_columns
-from ..models.packed import pack_for_cpu
+from ..models.packed import pack_for_cpu, unpack
 from .cache import KVCache
+from .compiled import CompiledBlock
 from .exits import ExitPolicy
 from .sampling import RequestError, SamplingParams, sample
 
@@ -87,16 +88,23 @@ class Item:
 
 class Engine:
     def __init__(self, model, max_batch: int = 16, max_seq_len: int = 512, exit_policy: ExitPolicy | None = None,
-                 kv_mode: str = "copy", clock=None, pack_weights: bool = True):
+                 kv_mode: str = "copy", clock=None, pack_weights: bool = True, compile: bool = False):
         if kv_mode not in KV_MODES:
             raise ValueError(f"unknown kv mode {kv_mode!r}; use one of {KV_MODES}")
         self.model = model.eval()
-        # float32 on CPU: MKL-packed weight copies stream faster at decode-step sizes (models/packed.py)
-        self.packed_bytes = pack_for_cpu(model) if pack_weights else 0
-        c = self.config = model.config
-        self.K, self.B, self.L = c.num_shared_layers, c.num_loops, c.num_hidden_layers
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # compile: each layer's work around attention runs as a torch.compile region (serve/compiled.py);
+        # call schedulers.warm_up(engine) before serving, or the first requests pay for compiling
+        self.compiled = CompiledBlock(self.device) if compile else None
+        # float32 on CPU: MKL-packed weight copies stream faster at decode-step sizes (models/packed.py).
+        # Compiled regions cannot use them (and would be guarded on each copy, one graph per layer), so a
+        # compiled engine drops any the model holds.
+        if compile:
+            unpack(model)
+        self.packed_bytes = pack_for_cpu(model) if pack_weights and not compile else 0
+        c = self.config = model.config
+        self.K, self.B, self.L = c.num_shared_layers, c.num_loops, c.num_hidden_layers
         self.P = c.prefix_length
         self.cache = KVCache(self.L, max_batch, max_seq_len, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
                              prefix_len=self.P)
@@ -277,7 +285,10 @@ class Engine:
                     outs.append(attn.attend(q[:, :, s:s + t], ks, vs, mask))
                 return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-            h = layer.forward_attend(h, slot, cos, sin, attend)
+            if self.compiled is not None and uniform:
+                h = self.compiled.forward_attend(layer, h, slot, cos, sin, attend)
+            else:
+                h = layer.forward_attend(h, slot, cos, sin, attend)
         return h[0]
 
     # --- decode attention read in place -----------------------------------------------------------
@@ -288,9 +299,10 @@ class Engine:
     in_place_min_fraction = 0.5
 
     def _in_place_groups(self, dec_items, base_mask, win_mask):
-        """Per loop present among the single-token items: their indices, cache rows and [R, 1, 1, t]
-        masks (full and sliding; idle rows see position 0 only, so no softmax row is empty); None
-        when some loop has too few rows for in-place reading to pay."""
+        """Per loop present among the single-token items: their indices (None when the single loop's
+        tokens fill rows 0..R-1 in order), cache rows and [R, 1, 1, t] masks (full and sliding; idle rows
+        see position 0 only, so no softmax row is empty); None when some loop has too few rows for
+        in-place reading to pay."""
         R, dev = self.cache.num_rows, self.device
         by_loop: dict[int, list[int]] = {}
         for i, it in enumerate(dec_items):
@@ -299,8 +311,9 @@ class Engine:
             return None
         groups = []
         for loop, ix in by_loop.items():
+            row_ids = [dec_items[i].req.row for i in ix]
             sel = torch.tensor(ix, device=dev)
-            rows = torch.tensor([dec_items[i].req.row for i in ix], device=dev)
+            rows = torch.tensor(row_ids, device=dev)
             masks = {}
             for kind, m in (("full", base_mask), ("sliding", None if win_mask is None else base_mask & win_mask)):
                 if m is not None:
@@ -308,12 +321,18 @@ class Engine:
                     full[:, 0] = True
                     full.index_copy_(0, rows, m.index_select(0, sel))
                     masks[kind] = prefix_columns(full, self.P)[:, None, None, :]
-            groups.append((loop, sel, rows, masks))
+            identity = len(by_loop) == 1 and row_ids == list(range(R))  # then ix is 0..R-1 too
+            groups.append((loop, None if identity else sel, rows, masks))
         return groups
 
     def _attend_in_place(self, attn, qd, groups, k, t_dec):
         """Decode attention for layer k of every group, reading each depth's cache rows in place."""
         R = self.cache.num_rows
+        if len(groups) == 1 and groups[0][1] is None:  # every row busy, token i in row i: no scatter needed
+            loop, _, _, masks = groups[0]
+            d = loop * self.K + k
+            kf, vf = self.cache.depth_rows(d, t_dec)
+            return attn.attend_one(qd, kf, vf, masks[self.kinds[d]])
         out = torch.empty_like(qd)
         for loop, sel, rows, masks in groups:
             d = loop * self.K + k

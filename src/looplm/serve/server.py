@@ -34,6 +34,7 @@ from .engine import Engine, Request
 from .exits import ExitPolicy
 from .metrics import Metrics
 from .sampling import RequestError, SamplingParams
+from .schedulers import warm_up
 from .worker import Worker
 
 
@@ -81,6 +82,7 @@ class ServerOptions:
     kv_mode: str = "copy"
     scheduler: str = "depth"
     shutdown_timeout: float = 10.0
+    compile: bool = False  # torch.compile regions (serve/compiled.py), compiled before the server listens
 
 
 class LoopServer:
@@ -89,7 +91,8 @@ class LoopServer:
         self.config = model.config
         self.max_seq_len = opts.max_seq_len
         self.engine = Engine(model, max_batch=opts.max_concurrency, max_seq_len=opts.max_seq_len,
-                             exit_policy=opts.exit_policy, kv_mode=opts.kv_mode)
+                             exit_policy=opts.exit_policy, kv_mode=opts.kv_mode, compile=opts.compile)
+        warm_up(self.engine)
         self.metrics = Metrics(model.config.num_loops)
         self.worker = Worker(self.engine, opts.scheduler, self.metrics, opts.max_concurrency + opts.max_queue)
         self.created = int(time.time())
@@ -387,7 +390,8 @@ def main(args) -> int:
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     opts = ServerOptions(model_name=args.served_model_name or args.model, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, max_seq_len=max_seq_len, exit_policy=parse_policy(args.exit_policy),
-                         kv_mode=args.kv_mode, scheduler=args.scheduler, shutdown_timeout=args.shutdown_timeout)
+                         kv_mode=args.kv_mode, scheduler=args.scheduler, shutdown_timeout=args.shutdown_timeout,
+                         compile=getattr(args, "compile", False))
     server = LoopServer(model, tok, opts)
     print(f"looplm serve: {opts.model_name} (B={model.config.num_loops} loops, exit {server.engine.policy.kind}:"
           f"{server.engine.policy.threshold}, {opts.scheduler} scheduler, {opts.max_concurrency} slots, queue "
