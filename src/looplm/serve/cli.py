@@ -35,7 +35,7 @@ def _engine_args(p) -> None:
                         "LoRA and norms in float on top (default: as stored; docs/SERVING.md)")
     p.add_argument("--compile", action="store_true",
                    help="run each layer's work around attention as torch.compile regions (needs a C++ compiler on "
-                        "CPU; compiles for seconds up to a minute before serving; docs/SERVING.md)")
+                        "CPU; the graphs are built before serving starts; docs/SERVING.md)")
 
 
 def register(sub) -> None:

@@ -312,23 +312,24 @@ class Engine:
         groups = []
         for loop, ix in by_loop.items():
             row_ids = [dec_items[i].req.row for i in ix]
-            sel = torch.tensor(ix, device=dev)
+            identity = len(by_loop) == 1 and row_ids == list(range(R))  # then ix is 0..R-1 too
+            sel = None if identity else torch.tensor(ix, device=dev)
             rows = torch.tensor(row_ids, device=dev)
             masks = {}
             for kind, m in (("full", base_mask), ("sliding", None if win_mask is None else base_mask & win_mask)):
                 if m is not None:
-                    full = torch.zeros(R, m.shape[1], dtype=torch.bool, device=dev)
-                    full[:, 0] = True
-                    full.index_copy_(0, rows, m.index_select(0, sel))
-                    masks[kind] = prefix_columns(full, self.P)[:, None, None, :]
-            identity = len(by_loop) == 1 and row_ids == list(range(R))  # then ix is 0..R-1 too
-            groups.append((loop, None if identity else sel, rows, masks))
+                    if not identity:  # spread the tokens' masks over all R rows
+                        full = torch.zeros(R, m.shape[1], dtype=torch.bool, device=dev)
+                        full[:, 0] = True
+                        m = full.index_copy_(0, rows, m.index_select(0, sel))
+                    masks[kind] = prefix_columns(m, self.P)[:, None, None, :]
+            groups.append((loop, sel, rows, masks))
         return groups
 
     def _attend_in_place(self, attn, qd, groups, k, t_dec):
         """Decode attention for layer k of every group, reading each depth's cache rows in place."""
         R = self.cache.num_rows
-        if len(groups) == 1 and groups[0][1] is None:  # every row busy, token i in row i: no scatter needed
+        if groups[0][1] is None:  # one group, every row busy, token i in row i: no scatter needed
             loop, _, _, masks = groups[0]
             d = loop * self.K + k
             kf, vf = self.cache.depth_rows(d, t_dec)
