@@ -13,6 +13,7 @@ from looplm.models import LoopLMConfig, LoopLMForCausalLM
 from looplm.models import quantized as Q
 from looplm.serve import Engine, Request, make_scheduler, warm_up
 from looplm.serve import compiled as C
+from looplm.serve.schedulers import replay
 from conftest import arrive_one_per_step, full_depth_greedy
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -25,6 +26,27 @@ def _relaxed():
     torch.manual_seed(0)
     vanilla = LoopLMForCausalLM(LoopLMConfig(**SMALL)).eval()
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
+
+
+def _gemma_like():
+    """Sliding-window and full layers (window 4, shorter than the prompts), post-norms and q/k norms."""
+    torch.manual_seed(0)
+    vanilla = LoopLMForCausalLM(LoopLMConfig(
+        **SMALL, family="gemma3", norm_type="rms_plus1", sandwich_norms=True, qk_norm=True,
+        hidden_act="gelu_pytorch_tanh", sliding_window_size=4, depth_attention=["sliding", "full", "sliding", "full"],
+        rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}})).eval()
+    return convert(vanilla, loops=2, init="average", lora_ranks=8, norms="per-depth").eval()
+
+
+def _prefixed():
+    """Per-depth prefixes (appendix G): P entries in front of every cache row."""
+    torch.manual_seed(0)
+    model = LoopLMForCausalLM(LoopLMConfig(**SMALL, num_loops=2, lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2},
+                                           prefix_length=3)).eval()
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.attn.prefix.normal_(std=1.0)
+    return model
 
 
 def _prompts():
@@ -82,6 +104,43 @@ def test_compiled_engine_on_int4_weights_serves_the_eager_engines_tokens():
     engine = Engine(qm, max_batch=3, max_seq_len=64, compile=True)
     warm_up(engine)
     assert _serve(engine, prompts, 5, "sequence") == want
+
+
+@pytest.mark.parametrize("rows,make,lengths", [(1, _relaxed, (5,)), (1, _relaxed, (1,)), (3, _relaxed, (5, 11, 1)),
+                                               (3, _gemma_like, (5, 11, 1)), (2, _prefixed, (5, 1))])
+def test_a_decode_step_with_every_row_busy_runs_each_loop_as_one_compiled_call(rows, make, lengths):
+    """Batch 1, or one request per cache row at one loop: the whole-loop graph (cache writes and in-place
+    reads inside) gives the eager engine's tokens and writes the same keys and values into the engine's own
+    cache tensors; a one-token prompt compiles nothing after warm-up either."""
+    model = make()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    eager = Engine(model, max_batch=rows, max_seq_len=64)
+    engine = Engine(model, max_batch=rows, max_seq_len=64, compile=True)
+    warm_up(engine)
+    before = _frames()
+    calls = []
+    run = engine.compiled.decode_loop
+    engine.compiled.decode_loop = lambda *a: calls.append(1) or run(*a)
+    outputs, rows_of = [], []
+    for e in (eager, engine):
+        reqs = [Request(p, 6, full_depth=True) for p in prompts]
+        row = {}
+        start = e.start
+        e.start = lambda req, start=start, row=row: (start(req), row.setdefault(id(req), req.row))[0]
+        replay(make_scheduler("sequence", e), reqs)
+        outputs.append([r.output for r in reqs])
+        rows_of.append([row[id(r)] for r in reqs])  # the cache row each request held
+    assert outputs[0] == outputs[1] == [full_depth_greedy(model, p, 6) for p in prompts]
+    assert len(calls) == 2 * 5  # two loops for each of the five decoded tokens
+    assert _frames() == before, "serving after warm_up compiled again"
+    R, L = rows, model.config.num_hidden_layers
+    for i, p in enumerate(prompts):  # positions 0 .. len(p) + 4 of the request's row were written
+        n = model.config.prefix_length + len(p) + 5
+        for name in ("k", "v"):
+            got = getattr(engine.cache, name)[[d * R + rows_of[1][i] for d in range(L)]]
+            want = getattr(eager.cache, name)[[d * R + rows_of[0][i] for d in range(L)]]
+            torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_compile_without_a_cpp_compiler_is_a_usage_error(monkeypatch):

@@ -8,7 +8,12 @@ runs as one compiled region each: inductor fuses the elementwise work into a few
 replaces the Python between them. The attention core (cache writes and reads, SDPA) stays the engine's
 own eager code, so the cache layout, the in-place reads and the masks are unchanged.
 
-Regional, not whole-model: every layer runs the same compiled code (its parameters are graph inputs, not
+A decode step in which cache row i holds the step's token i for every row (batch 1, or every row busy at one
+loop) goes further: each loop is one compiled call (``decode_loop``) that runs every layer, the cache writes
+and the in-place attention reads included, with the cache tensors as graph inputs mutated in place. That
+removes the eager attention core and the Python between layers from the batch-1 token.
+
+Other steps are regional: every layer runs the same compiled code (its parameters are graph inputs, not
 constants), so compiling costs one layer's graphs, not L of them. Graphs are specialised on a step of one
 token (batch-1 decode) and dynamic in the token count otherwise, and on the quantized/float kind of the
 weights; ``schedulers.warm_up`` compiles them ahead of serving. Only single-depth steps take the compiled path: a step
@@ -57,6 +62,25 @@ def _after_attention(layer, h, out, slot):
     return layer.after_attention(h, out, slot)
 
 
+def _decode_loop(layers, slots, kinds, depths, h, tables, k_cache, v_cache, pos, masks, prefix_len):
+    """One loop of a decode step in which cache row i holds the step's token i for every row (batch 1, or
+    every row busy at one loop): each layer's projections, cache write, attention over its depth's rows
+    read in place, and MLP. The cache tensors are graph inputs written in place."""
+    R = h.shape[1]
+    rows = torch.arange(R, device=h.device)
+    for layer, slot, kind, d in zip(layers, slots, kinds, depths):
+        cos, sin = tables[kind]
+        q, k, v = layer.attention_inputs(h, slot, cos, sin)
+        k_cache[rows + d * R, :, pos + prefix_len] = k[0].transpose(0, 1)
+        v_cache[rows + d * R, :, pos + prefix_len] = v[0].transpose(0, 1)
+        mask = masks[kind]
+        n = mask.shape[-1]
+        o = layer.attn.attend_one(q[0].transpose(0, 1).unsqueeze(2), k_cache[d * R:(d + 1) * R, :, :n],
+                                  v_cache[d * R:(d + 1) * R, :, :n], mask)
+        h = layer.after_attention(h, o.squeeze(2).transpose(0, 1).unsqueeze(0), slot)
+    return h
+
+
 class CompiledBlock:
     """``Block.forward_attend`` with its two halves compiled; the attention core stays the caller's."""
 
@@ -66,6 +90,15 @@ class CompiledBlock:
         cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
         self.attention_inputs = torch.compile(_attention_inputs)
         self.after_attention = torch.compile(_after_attention)
+        self.decode_loop_fn = torch.compile(_decode_loop)
+
+    def decode_loop(self, layers, slots, kinds, depths, h, tables, cache, pos, masks):
+        """``_decode_loop`` compiled: one graph per loop of the model, dynamic in the cache length read."""
+        for m in masks.values():
+            if m.shape[-1] > 1:
+                torch._dynamo.mark_dynamic(m, 3)
+        return self.decode_loop_fn(layers, slots, kinds, depths, h, tables, cache.k, cache.v, pos, masks,
+                                   cache.prefix_len)
 
     def forward_attend(self, layer, h, slot, cos, sin, attend_fn):
         if h.shape[1] > 1:  # one graph for every multi-token step (a single token keeps its own)

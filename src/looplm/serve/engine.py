@@ -180,7 +180,9 @@ class Engine:
         items = [it for it in items if it.req.status == "running"]
         if not items:
             return [], []
-        items.sort(key=lambda it: it.length > 1)  # single tokens first, then prompt segments
+        # single tokens first, in cache-row order (a full batch then reads the cache in place, unscattered),
+        # then prompt segments
+        items.sort(key=lambda it: (it.length > 1, it.req.row if it.length == 1 else 0))
         t0 = time.perf_counter()
         mixed = len({it.loop for it in items}) > 1
         try:
@@ -236,6 +238,14 @@ class Engine:
         win_mask = ((pos_dec[:, None] - ar[None]) < self.window) if (n_dec and self.has_sliding) else None
         in_place = self._in_place_groups(items[:n_dec], base_mask, win_mask) if n_dec else None
         seg_starts = list(itertools.accumulate([n_dec] + [it.length for it in segs]))[:-1]
+        if (self.compiled is not None and uniform and in_place is not None and in_place[0][1] is None and not segs
+                and self.P + t_dec > 1):
+            # batch 1, or every row busy at one loop: the whole loop is one compiled call (dynamic in the
+            # cache length read; a lone first token, which reads one entry, stays regional)
+            ds = [next(iter(loops)) * K + k for k in range(K)]
+            return self.compiled.decode_loop([self.layers[self.layer_map[d]] for d in ds],
+                                             [self.slot_map[d] for d in ds], [self.kinds[d] for d in ds], ds,
+                                             h, tables, self.cache, pos, in_place[0][3])[0]
         for k in range(K):
             if uniform:
                 d = next(iter(loops)) * K + k

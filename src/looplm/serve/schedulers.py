@@ -178,14 +178,17 @@ def generate(engine: Engine, prompts, max_tokens: int = 16, scheduler: str = "de
 
 def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens: int = 3) -> float:
     """Build a compiled engine's graphs (serve/compiled.py) before it serves, so requests pay no compile
-    time: prompts of two lengths (the dynamic token count) decoded one at a time and together, at every
-    loop. Returns the seconds it took; the engine's statistics are reset afterwards. A no-op for an eager
-    engine."""
+    time: prompts of two lengths (the dynamic token count) decoded one at a time and together, then one
+    prompt per cache row (the whole-loop decode graph of a full batch), at every loop. Returns the seconds
+    it took; the engine's statistics are reset afterwards. A no-op for an eager engine."""
     if engine.compiled is None:
         return 0.0
     t0, clock = time.perf_counter(), engine.clock  # replay sets its own clock on the engine
-    for group in ([prompt_lengths[0]], list(prompt_lengths)):
-        group = group[:engine.max_batch]
+    R = engine.max_batch
+    groups = [[prompt_lengths[0]], list(prompt_lengths)[:R]]
+    if R > len(prompt_lengths):
+        groups.append([prompt_lengths[0]] * R)
+    for group in groups:
         reqs = [Request([1] * n, max_tokens, full_depth=True) for n in group]
         replay(make_scheduler("sequence", engine), reqs)
         bad = [r for r in reqs if r.status != "done"]
