@@ -178,14 +178,14 @@ def generate(engine: Engine, prompts, max_tokens: int = 16, scheduler: str = "de
 
 def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens: int = 3) -> float:
     """Build a compiled engine's graphs (serve/compiled.py) before it serves, so requests pay no compile
-    time: prompts of two lengths (the dynamic token count) decoded one at a time and together, then one
-    prompt per cache row (the whole-loop decode graph of a full batch), at every loop. Returns the seconds
-    it took; the engine's statistics are reset afterwards. A no-op for an eager engine."""
+    time: a one-token prompt, prompts of two lengths (the dynamic token count) decoded one at a time and
+    together, then one prompt per cache row (the whole-loop decode graph of a full batch), at every loop.
+    Returns the seconds it took; the engine's statistics are reset afterwards. A no-op for an eager engine."""
     if engine.compiled is None:
         return 0.0
     t0, clock = time.perf_counter(), engine.clock  # replay sets its own clock on the engine
     R = engine.max_batch
-    groups = [[prompt_lengths[0]], list(prompt_lengths)[:R]]
+    groups = [[1], [prompt_lengths[0]], list(prompt_lengths)[:R]]  # [1]: a lone first token, regional
     if R > len(prompt_lengths):
         groups.append([prompt_lengths[0]] * R)
     for group in groups:
