@@ -8,6 +8,8 @@
 #                 2 x 512, an hour of both cores in bf16 at the ~8 s per step measured that day)
 # Runs (RUNS, space separated; default all, in this order):
 #   b2-r64 b2-r128 b2-r0 b3-r64 paper-r64 gemma-b3-r64
+# A variant of a run is named <run>@<tag> (e.g. b2-r128@local65 with HEAL_ARGS="--local-share 0.65"): it heals
+# the base run's conversion into out/heal/runs/<run>@<tag>, so two recipes start from the same weights.
 # Resumable: rerun to continue a killed run; finished runs are skipped. Environment: OUT, MINUTES, RUNS,
 # HEAL_ARGS, THREADS (OMP threads; default both cores).
 set -euo pipefail
@@ -28,7 +30,8 @@ corpus() {  # corpus for a model: SmolLM2 and Gemma tokenise differently
 }
 
 for r in $RUNS; do
-  case $r in
+  base=${r%%@*}
+  case $base in
     b2-r64)  model=smollm2-135m loops=2 rank=64 ;;
     b2-r128) model=smollm2-135m loops=2 rank=128 ;;
     b2-r0)   model=smollm2-135m loops=2 rank=0 ;;
@@ -38,8 +41,8 @@ for r in $RUNS; do
     *) echo "unknown run $r" >&2; exit 2 ;;
   esac
   data=$(corpus $model)
-  student="$OUT/models/$r" run="$OUT/runs/$r"
-  if [ "$r" = paper-r64 ]; then
+  student="$OUT/models/$base" run="$OUT/runs/$r"
+  if [ "$base" = paper-r64 ]; then
     [ -f "$student/config.json" ] || $LOOPLM convert --model $model --loops $loops --lora-rank $rank \
         --init average --lora-init svd --ppl-tokens 0 --out "$student"
     if [ -d "$run/final" ]; then echo "$r: done"; continue; fi

@@ -143,6 +143,20 @@ def test_a_decode_step_with_every_row_busy_runs_each_loop_as_one_compiled_call(r
             torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-5, atol=1e-5)
 
 
+def test_engines_on_other_weights_in_one_process_never_share_a_whole_loop_graph():
+    """The whole-loop graphs run without guards on the modules they read; each engine compiles its own copy
+    of the function, so a float engine and an int4 engine of one architecture, served in turns, each keep
+    their eager engine's tokens (one shared graph would run one engine's code on the other's modules)."""
+    model = _relaxed()
+    qm = Q.quantize_model(copy.deepcopy(model), "int4")
+    prompts = [[7, 3, 9, 1, 4]]
+    want = [_serve(Engine(m, max_batch=1, max_seq_len=64), prompts, 5, "sequence") for m in (model, qm)]
+    engines = [Engine(m, max_batch=1, max_seq_len=64, compile=True) for m in (model, qm)]
+    assert want[0] != want[1]  # int4 weights change this small model's tokens, so a mix-up would show
+    for _ in range(2):
+        assert [_serve(e, prompts, 5, "sequence") for e in engines] == want
+
+
 def test_compile_without_a_cpp_compiler_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(C.shutil, "which", lambda name: None)
     with pytest.raises(UsageError, match="C\\+\\+ compiler"):

@@ -11,7 +11,8 @@ own eager code, so the cache layout, the in-place reads and the masks are unchan
 A decode step in which cache row i holds the step's token i for every row (batch 1, or every row busy at one
 loop) goes further: each loop is one compiled call (``decode_loop``) that runs every layer, the cache writes
 and the in-place attention reads included, with the cache tensors as graph inputs mutated in place. That
-removes the eager attention core and the Python between layers from the batch-1 token.
+removes the eager attention core and the Python between layers from the batch-1 token. Those calls skip
+dynamo's guards on the modules they read, and on CPU their wrapper is C++ (``_decode_loop_options``).
 
 Other steps are regional: every layer runs the same compiled code (its parameters are graph inputs, not
 constants), so compiling costs one layer's graphs, not L of them. Graphs are specialised on a step of one
@@ -28,6 +29,7 @@ same PyTorch ops as the eager engine (models/quantized.py).
 from __future__ import annotations
 
 import shutil
+import types
 
 import torch
 
@@ -62,23 +64,40 @@ def _after_attention(layer, h, out, slot):
     return layer.after_attention(h, out, slot)
 
 
-def _decode_loop(layers, slots, kinds, depths, h, tables, k_cache, v_cache, pos, masks, prefix_len):
+def _decode_loop(layers, slots, kinds, depths, h, tables, cache, pos, masks):
     """One loop of a decode step in which cache row i holds the step's token i for every row (batch 1, or
     every row busy at one loop): each layer's projections, cache write, attention over its depth's rows
-    read in place, and MLP. The cache tensors are graph inputs written in place."""
-    R = h.shape[1]
-    rows = torch.arange(R, device=h.device)
+    read in place, and MLP. The cache's tensors are graph inputs written in place (its own ``write`` and
+    ``depth_rows``, traced)."""
+    rows = torch.arange(h.shape[1], device=h.device)
     for layer, slot, kind, d in zip(layers, slots, kinds, depths):
         cos, sin = tables[kind]
         q, k, v = layer.attention_inputs(h, slot, cos, sin)
-        k_cache[rows + d * R, :, pos + prefix_len] = k[0].transpose(0, 1)
-        v_cache[rows + d * R, :, pos + prefix_len] = v[0].transpose(0, 1)
+        cache.write(cache.flat(d, rows), pos, k[0].transpose(0, 1), v[0].transpose(0, 1))
         mask = masks[kind]
-        n = mask.shape[-1]
-        o = layer.attn.attend_one(q[0].transpose(0, 1).unsqueeze(2), k_cache[d * R:(d + 1) * R, :, :n],
-                                  v_cache[d * R:(d + 1) * R, :, :n], mask)
+        kk, vv = cache.depth_rows(d, mask.shape[-1] - cache.prefix_len)
+        o = layer.attn.attend_one(q[0].transpose(0, 1).unsqueeze(2), kk, vv, mask)
         h = layer.after_attention(h, o.squeeze(2).transpose(0, 1).unsqueeze(0), slot)
     return h
+
+
+def _own_copy(fn):
+    """``fn`` with a code object of its own: dynamo keeps compiled graphs per code object, so graphs compiled
+    through this copy are never offered to another caller's arguments."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _decode_loop_options(device) -> dict:
+    """The whole-loop graph runs without dynamo's guards on the modules it reads. Checking them cost 1.7 ms of
+    a 10.9 ms batch-1 int4 token (hundreds of parameters and module attributes, on every call; measured in
+    docs/BENCHMARKS.md). Dropping them is safe here: an engine's model is frozen for the engine's life, each
+    engine compiles its own copy of the function (``_own_copy``), and the guards on the call's own arguments
+    (depths, slots, kinds, shapes, the cache) stay, so loops and shapes still get their own graphs. On CPU the
+    graph's wrapper is C++ (``cpp_wrapper``): the ~200 kernel and matmul calls of a token skip Python."""
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if torch.device(device).type == "cpu":
+        options["cpp_wrapper"] = True
+    return options
 
 
 class CompiledBlock:
@@ -90,15 +109,14 @@ class CompiledBlock:
         cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
         self.attention_inputs = torch.compile(_attention_inputs)
         self.after_attention = torch.compile(_after_attention)
-        self.decode_loop_fn = torch.compile(_decode_loop)
+        self.decode_loop_fn = torch.compile(_own_copy(_decode_loop), options=_decode_loop_options(device))
 
     def decode_loop(self, layers, slots, kinds, depths, h, tables, cache, pos, masks):
         """``_decode_loop`` compiled: one graph per loop of the model, dynamic in the cache length read."""
         for m in masks.values():
             if m.shape[-1] > 1:
                 torch._dynamo.mark_dynamic(m, 3)
-        return self.decode_loop_fn(layers, slots, kinds, depths, h, tables, cache.k, cache.v, pos, masks,
-                                   cache.prefix_len)
+        return self.decode_loop_fn(layers, slots, kinds, depths, h, tables, cache, pos, masks)
 
     def forward_attend(self, layer, h, slot, cos, sin, attend_fn):
         if h.shape[1] > 1:  # one graph for every multi-token step (a single token keeps its own)
