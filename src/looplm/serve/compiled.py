@@ -88,9 +88,9 @@ def _own_copy(fn):
 
 
 def _decode_loop_options(device) -> dict:
-    """The whole-loop graph runs without dynamo's guards on the modules it reads. Checking them cost 1.7 ms of
-    a 10.9 ms batch-1 int4 token (hundreds of parameters and module attributes, on every call; measured in
-    docs/BENCHMARKS.md). Dropping them is safe here: an engine's model is frozen for the engine's life, each
+    """The whole-loop graph runs without dynamo's guards on the modules it reads. Checking them cost 1.6 ms of
+    a 10.7 ms batch-1 int4 token (hundreds of parameters and module attributes, on every call;
+    benchmarks/bench_compiled_b1.py). Dropping them is safe here: an engine's model is frozen for the engine's life, each
     engine compiles its own copy of the function (``_own_copy``), and the guards on the call's own arguments
     (depths, slots, kinds, shapes, the cache) stay, so loops and shapes still get their own graphs. On CPU the
     graph's wrapper is C++ (``cpp_wrapper``): the ~200 kernel and matmul calls of a token skip Python."""
