@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from looplm.train.losses import ce_loss, divergence, exit_weights, kd_loss, objective
+from looplm.train.losses import ce_loss, divergence, exit_weights, head_kd_loss, kd_loss, objective
 
 
 def _probs(row, T=1.0):
@@ -106,3 +106,40 @@ def test_self_distillation_target_is_detached():
     e2.grad = None
     ce_loss(e2, ids).backward()  # the final exit's gradient is its own CE's, nothing from distillation
     assert torch.allclose(g2, e2.grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("softcap, T, masked", [(None, 1.0, False), (30.0, 2.0, True)])
+def test_head_kd_loss_matches_kd_loss_on_materialised_logits(softcap, T, masked):
+    """The chunked head + forward-KL gives kd_loss's value and gradient on the logits it never stores whole
+    (chunks of 5 rows over 2 x 9 - 2 positions, so the last chunk is partial)."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(2, 9, 6, generator=g, requires_grad=True)
+    zt = torch.randn(2, 9, 6, generator=g)
+    w, wt = torch.randn(11, 6, generator=g) * 2, torch.randn(11, 6, generator=g) * 2
+    ids = torch.randint(0, 11, (2, 9), generator=g)
+    if masked:
+        ids[0, 3:6] = -100
+
+    def head(x, weight):
+        x = x @ weight.t()
+        return torch.tanh(x / softcap) * softcap if softcap else x
+
+    want = kd_loss(head(z, w), head(zt, wt), ids if masked else None, "fkl", T)
+    (want_grad,) = torch.autograd.grad(want, z)
+    got = head_kd_loss(z, w, zt, wt, ids if masked else None, softcap=softcap, temperature=T, chunk_rows=5)
+    (got_grad,) = torch.autograd.grad(got * 3.0, z)  # an outer factor reaches the gradient
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    torch.testing.assert_close(got_grad, want_grad * 3.0, rtol=1e-4, atol=1e-6)
+
+
+def test_head_kd_loss_under_autocast_and_frozen_heads_only():
+    z = torch.randn(1, 4, 6, requires_grad=True)
+    w = torch.randn(11, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        zb = z.to(torch.bfloat16)
+        loss = head_kd_loss(zb, w, zb.detach(), w)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(0.0, abs=1e-6)  # float32 math throughout
+    loss.backward()
+    assert z.grad is not None and z.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="frozen head"):
+        head_kd_loss(z, w.requires_grad_(), z.detach(), w.detach())

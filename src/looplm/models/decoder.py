@@ -174,20 +174,29 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             return self.head_packed.linear(x)
         return (head.weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], -1)
 
+    def exit_states(self, h: torch.Tensor, loop: int | torch.Tensor | None = None) -> torch.Tensor:
+        """What the LM head reads at an exit (``exit_logits``' loop argument): the exit adapter's change of
+        the hidden state, if it has one, then the final norm."""
+        if isinstance(loop, int) and not 0 <= loop < self.config.num_loops:
+            raise ConfigError(f"exit after loop index {loop}: this model has loops 0..{self.config.num_loops - 1}")
+        if loop is not None and self.exit_adapter is not None:
+            h = self.exit_adapter.adapt_hidden(h, loop)
+        return self.model.norm(h)
+
+    def exit_logits_are_head(self, loop: int | None = None) -> bool:
+        """Whether an exit's logits are the plain LM head (and soft-cap) of ``exit_states``: no adapter
+        acts on the logits themselves (losses can then fuse the head, train/losses.py head_kd_loss)."""
+        return loop is None or self.exit_adapter is None or self.exit_adapter.kind != "head-lora"
+
     def exit_logits(self, h: torch.Tensor, loop: int | torch.Tensor | None = None) -> torch.Tensor:
         """The exit after any loop: final norm, LM head, and Gemma 2's logit soft-cap. ``loop`` is the 0-based
         loop ``h`` comes from (an int, or a LongTensor with one loop per row of ``h`` when a batch mixes
         loops); the model's exit adapter, if any, applies to the loops before the last. None or the last
         loop: the plain exit, the model's normal output."""
-        adapter = self.exit_adapter if loop is not None else None
-        if isinstance(loop, int) and not 0 <= loop < self.config.num_loops:
-            raise ConfigError(f"exit after loop index {loop}: this model has loops 0..{self.config.num_loops - 1}")
-        if adapter is not None:
-            h = adapter.adapt_hidden(h, loop)
-        z = self.model.norm(h)
+        z = self.exit_states(h, loop)
         logits = self._lm_head(z)
-        if adapter is not None:
-            logits = adapter.adapt_logits(logits, z, loop)
+        if loop is not None and self.exit_adapter is not None:
+            logits = self.exit_adapter.adapt_logits(logits, z, loop)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

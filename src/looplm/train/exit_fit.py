@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from .losses import divergence
+from .optim import adamw
 
 
 def fit_exit_adapter(model, states: list[torch.Tensor], targets: torch.Tensor, steps: int = 200,
@@ -40,7 +41,7 @@ def fit_exit_adapter(model, states: list[torch.Tensor], targets: torch.Tensor, s
         raise UsageError("steps and batch_rows must be at least 1")
     params = list(adapter.parameters())
     trainable = [p.requires_grad for p in params]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    opt = adamw(params, lr=lr, weight_decay=weight_decay)
     g = torch.Generator().manual_seed(seed)
     states = [s.detach() for s in states[:n_exits]]
     losses = []

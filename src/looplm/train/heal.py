@@ -66,7 +66,8 @@ from ..models.decoder import attention_masks
 from ..models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter, parse_exit_adapter
 from ..util import write_json_atomic, write_text_atomic
 from .loop import resolve_precision
-from .losses import kd_loss
+from .losses import head_kd_loss, kd_loss
+from .optim import adamw
 from .teacher_cache import build_cache
 
 LOCAL_MODES = ("parallel", "sequential")
@@ -263,12 +264,13 @@ class Healer:
             self.local_stage()
             self.state.update(stage="e2e", step=0)
             self._save(None)
-            self._log_eval(tag="local")
+            if self.plan["local_steps_per_layer"]:
+                self._log_eval(tag="local")
         if self.state["stage"] == "e2e":
             self.e2e_stage()
             self.state.update(stage="exit", step=0)
             self._save(None)
-            if self.plan.get("exit_steps"):
+            if self.plan["e2e_steps"] and self.plan.get("exit_steps"):
                 self._log_eval(tag="e2e")  # the body's final state, before the exit adapters
         if self.state["stage"] == "exit":
             self.exit_stage()
@@ -334,7 +336,7 @@ class Healer:
         import copy
         probe = copy.deepcopy(self.student)
         layer = 0
-        opt = torch.optim.AdamW(probe.model.layers[layer].parameters(), lr=0.0)
+        opt = adamw(probe.model.layers[layer].parameters(), lr=0.0)
         idx = np.arange(self.cfg.local_batch)
         times = []
         for _ in range(3):  # the first step warms up; the faster of the next two counts
@@ -342,7 +344,7 @@ class Healer:
             self._local_step(probe, layer, idx, opt, inputs={}, lr=0.0)
             times.append(time.perf_counter() - t0)
         t_local = min(times[1:])
-        opt = torch.optim.AdamW(self._trainable(probe), lr=0.0)
+        opt = adamw(self._trainable(probe), lr=0.0)
         times = []
         for s in range(2):  # end-to-end steps are long: the second counts
             t0 = time.perf_counter()
@@ -351,7 +353,7 @@ class Healer:
         t_e2e = times[-1]
         t_exit = 0.0
         if self.exit_spec:
-            opt = torch.optim.AdamW(self._exit_trainable(probe), lr=0.0)
+            opt = adamw(self._exit_trainable(probe), lr=0.0)
             times = []
             for s in range(2):
                 t0 = time.perf_counter()
@@ -438,7 +440,7 @@ class Healer:
                         inputs[d] = self._propagate(model, d - 1, inputs[d - 1])
                 block = model.model.layers[layer]
                 block.requires_grad_(True)
-                opt = torch.optim.AdamW(block.parameters(), lr=c.local_lr, weight_decay=0.0)
+                opt = adamw(block.parameters(), lr=c.local_lr, weight_decay=0.0)
                 first = last = None
                 for s in range(per_visit):
                     idx = rng.choice(len(self.rows), size=c.local_batch, replace=False)
@@ -476,11 +478,10 @@ class Healer:
         cfg = model.config
         L, K = cfg.num_hidden_layers, cfg.num_shared_layers
         with torch.no_grad():
-            teacher_logits = self.teacher.exit_logits(self.cache.boundary(L, idx).to(self.device))
+            teacher_z = self.teacher.exit_states(self.cache.boundary(L, idx).to(self.device))
         with self.autocast():
             _, depth_states, _ = model.model(ids, output_depth_states=True)
-            final_logits = model.exit_logits(depth_states[-1])
-        parts = {"kd": kd_loss(final_logits, teacher_logits)}
+        parts = {"kd": self._kd(model, depth_states[-1], None, teacher_z, self.teacher)}
         loss = parts["kd"]
         if c.hidden_weight:
             # The state after an intermediate loop is an exit too: with an exit term it is left free to
@@ -492,9 +493,7 @@ class Healer:
             loss = loss + c.hidden_weight * hid
         if c.exit_weight and cfg.num_loops > 1:
             for i in range(1, cfg.num_loops):
-                with self.autocast():
-                    exit_logits = model.exit_logits(depth_states[i * K - 1], loop=i - 1)
-                parts[f"kd_exit{i}"] = kd_loss(exit_logits, teacher_logits)
+                parts[f"kd_exit{i}"] = self._kd(model, depth_states[i * K - 1], i - 1, teacher_z, self.teacher)
                 loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
         for grp in opt.param_groups:
             grp["lr"] = lr
@@ -503,6 +502,21 @@ class Healer:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.grad_clip)
         opt.step()
         return {"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in parts.items()}}
+
+    def _kd(self, model, h: torch.Tensor, loop: int | None, target_z: torch.Tensor, target_model) -> torch.Tensor:
+        """Forward KL of ``model``'s exit after ``loop`` (None: the final output) from state ``h`` against
+        ``target_model``'s plain head on its final-normed states ``target_z``. The head is fused into the
+        loss (head_kd_loss: no [rows, vocab] logits kept for the backward pass) unless an adapter changes
+        the exit's logits themselves."""
+        softcap = model.config.final_logit_softcap
+        with self.autocast():
+            if model.exit_logits_are_head(loop):
+                return head_kd_loss(model.exit_states(h, loop), model.lm_head.weight, target_z,
+                                    target_model.lm_head.weight, softcap=softcap)
+            logits = model.exit_logits(h, loop)
+        target = target_z @ target_model.lm_head.weight.t()
+        target = target if softcap is None else torch.tanh(target / softcap) * softcap
+        return kd_loss(logits, target)
 
     def e2e_stage(self) -> None:
         total = self.plan["e2e_steps"]
@@ -522,7 +536,7 @@ class Healer:
         ``replan``, the step count is fixed again at the ``replan_due`` steps (``_replan_e2e``)."""
         from tqdm import tqdm
         c, model = self.cfg, self.student
-        opt = torch.optim.AdamW(params, lr=base_lr, weight_decay=0.0)
+        opt = adamw(params, lr=base_lr, weight_decay=0.0)
         if self.state["step"] > 0:
             opt.load_state_dict(torch.load(self._latest_dir() / "optimizer.pt", map_location=self.device))
         bar = tqdm(total=total, initial=self.state["step"], desc=desc, unit="step", disable=not c.progress)
@@ -583,11 +597,8 @@ class Healer:
         ids = self.cache.tokens(self.corpus, idx).to(self.device)
         with torch.no_grad(), self.autocast():
             _, states, _ = model.model(ids, output_loop_states=True)
-            target = model.exit_logits(states[-1])
-        parts = {}
-        with self.autocast():
-            for i in range(len(states) - 1):
-                parts[f"exit{i + 1}"] = kd_loss(model.exit_logits(states[i], loop=i), target)
+            target = model.exit_states(states[-1])
+        parts = {f"exit{i + 1}": self._kd(model, states[i], i, target, model) for i in range(len(states) - 1)}
         loss = sum(parts.values()) / len(parts)
         for grp in opt.param_groups:
             grp["lr"] = lr

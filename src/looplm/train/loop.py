@@ -39,6 +39,7 @@ from ..data.corpus import PackedCorpus
 from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, truncate_metrics
 from .data_order import batch_indices, micro_batch, rows_read
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
+from .optim import adamw
 
 BUDGET_TIMED = 3        # steps timed (after the first, which warms up) before a time budget becomes a step count
 BUDGET_WARMUP = 20      # warm-up steps assumed until then
@@ -438,8 +439,7 @@ class Trainer(Checkpoints):
         torch.manual_seed(c.seed)
         np.random.seed(c.seed)
         module = TrainModule(self.model, c)
-        optimizer = torch.optim.AdamW(param_groups(self.model, c.weight_decay), lr=c.lr, betas=(c.beta1, c.beta2),
-                                      eps=1e-8)
+        optimizer = adamw(param_groups(self.model, c.weight_decay), lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self._lr_factor(s))
         module, optimizer = acc.prepare(module, optimizer)
         acc.register_for_checkpointing(scheduler)

@@ -64,6 +64,68 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_id
     return d * temperature ** 2
 
 
+class _HeadKD(torch.autograd.Function):
+    """Forward KL through a frozen LM head, chunked over rows: the [rows, vocab] logits of the student
+    and the teacher exist one chunk at a time, and each chunk's gradient with respect to the student's
+    normed states is computed in the same pass, as fused linear cross-entropy kernels do (Liger).
+
+    d/ds T^2 KL(softmax(t/T) || softmax(s/T)) = T (softmax(s/T) - softmax(t/T)); with a logit soft-cap
+    c tanh(x/c) the chain rule adds a factor 1 - tanh(x/c)^2."""
+
+    @staticmethod
+    def forward(ctx, z, weight, teacher_z, teacher_weight, keep, softcap, temperature, chunk_rows):
+        ctx.z_dtype = z.dtype
+        with torch.autocast(z.device.type, enabled=False):  # float32 math, whatever autocast is on
+            return _HeadKD._loss(ctx, z, weight, teacher_z, teacher_weight, keep, softcap, temperature, chunk_rows)
+
+    @staticmethod
+    def _loss(ctx, z, weight, teacher_z, teacher_weight, keep, softcap, temperature, chunk_rows):
+        rows = z.shape[0]
+        total = keep.sum().clamp_min(1) if keep is not None else torch.tensor(float(rows), device=z.device)
+        loss = torch.zeros((), dtype=torch.float32, device=z.device)
+        grad_z = torch.empty_like(z, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        w, wt = weight.float(), teacher_weight.float()
+        for s in range(0, rows, chunk_rows):
+            zc = z[s:s + chunk_rows].float()
+            logits, t_logits = zc @ w.t(), teacher_z[s:s + chunk_rows].float() @ wt.t()
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+                t_logits = torch.tanh(t_logits / softcap) * softcap
+            log_q = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+            log_p = torch.log_softmax(t_logits / temperature if temperature != 1.0 else t_logits, dim=-1)
+            p = log_p.exp()
+            row_kl = (p * (log_p - log_q)).sum(-1)
+            scale = (keep[s:s + chunk_rows] if keep is not None else 1.0) / total
+            loss += (row_kl * scale).sum()
+            if grad_z is not None:
+                g = log_q.exp_().sub_(p).mul_(temperature * (scale[:, None] if keep is not None else scale))
+                if softcap is not None:
+                    g.mul_(1 - (logits / softcap).pow_(2))  # logits / c is tanh(x / c) here
+                grad_z[s:s + chunk_rows] = g @ w
+        ctx.save_for_backward(grad_z)
+        return loss * temperature ** 2
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_z,) = ctx.saved_tensors
+        return (grad_z * grad_loss).to(ctx.z_dtype), None, None, None, None, None, None, None
+
+
+def head_kd_loss(z: torch.Tensor, weight: torch.Tensor, teacher_z: torch.Tensor, teacher_weight: torch.Tensor,
+                 input_ids: torch.Tensor | None = None, softcap: float | None = None, temperature: float = 1.0,
+                 chunk_rows: int = 256) -> torch.Tensor:
+    """``kd_loss`` (forward KL) of the logits ``z W^T`` against ``teacher_z W_t^T``, without materialising
+    either [batch, seq, vocab] tensor: ``z`` and ``teacher_z`` are final-normed states [batch, seq, hidden],
+    the head weights frozen. Same value and gradient as ``kd_loss(head(z), head_t(teacher_z), input_ids)``;
+    on SmolLM2's 49,152-word head it needs a fraction of the memory and time
+    (benchmarks/bench_kd_loss.py)."""
+    if weight.requires_grad or teacher_weight.requires_grad:
+        raise ValueError("head_kd_loss needs frozen head weights; use kd_loss on the logits to train a head")
+    keep = None if input_ids is None else (input_ids[:, 1:].flatten() != -100).float()
+    return _HeadKD.apply(z[:, :-1].flatten(0, 1), weight, teacher_z[:, :-1].flatten(0, 1).detach(),
+                         teacher_weight, keep, softcap, temperature, chunk_rows)
+
+
 def exit_weights(num_exits: int, mode: str, coef: float = 0.1) -> list[float]:
     """alpha_i for exits i = 1..B. weighted: i / sum_j j; aggressive: c for i < B, 1 for the last;
     none: only the final exit."""
