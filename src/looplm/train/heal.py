@@ -458,7 +458,7 @@ class Healer:
                               "err_last": last, "time": round(self.state["time"], 2),
                               "local_tokens": self.state["local_tokens"], "tokens": self.state["tokens"]})
                 self._save(None)
-                if self._eval_due():
+                if self._eval_due() and v + 1 < len(order):  # the stage's end is evaluated by run()
                     self._log_eval(tag="local")
         finally:
             bar.close()
