@@ -117,8 +117,8 @@ def head_kd_loss(z: torch.Tensor, weight: torch.Tensor, teacher_z: torch.Tensor,
     """``kd_loss`` (forward KL) of the logits ``z W^T`` against ``teacher_z W_t^T``, without materialising
     either [batch, seq, vocab] tensor: ``z`` and ``teacher_z`` are final-normed states [batch, seq, hidden],
     the head weights frozen. Same value and gradient as ``kd_loss(head(z), head_t(teacher_z), input_ids)``;
-    on SmolLM2's 49,152-word head and a 2 x 512 batch it takes 300 MiB at its peak against 1,635 MiB, and 1.18x
-    less time on a 2-core CPU, where the three head matmuls are 70% of either (benchmarks/bench_kd_loss.py)."""
+    on SmolLM2's 49,152-word head and a 2 x 512 batch it takes 300 MiB at its peak against 1,635 MiB, and runs 1.18x
+    faster on a 2-core CPU, where the three head matmuls are about 70% of either (benchmarks/bench_kd_loss.py)."""
     if weight.requires_grad or teacher_weight.requires_grad:
         raise ValueError("head_kd_loss needs frozen head weights; use kd_loss on the logits to train a head")
     keep = None if input_ids is None else (input_ids[:, 1:].flatten() != -100).float()
