@@ -39,7 +39,8 @@ against the grouped-query matmuls the engine uses on CPU (`attend_one`).
 
 `--fusion` instead times every layer's input projections, matmuls only, on the model's own weights: q, k, v,
 gate and up as five `F.linear` calls (what the engine does) against two calls on concatenated weights
-(q|k|v and gate|up, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do).
+(q|k|v and gate|up, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do). `--weights int8|int4`
+times the engine's quantized matmuls instead of float32 `F.linear`.
 """
 
 from __future__ import annotations
@@ -134,24 +135,34 @@ def head_layouts(model, sizes: list[int], rounds: int, reps: int, log) -> list[d
 
 
 @torch.no_grad()
-def projection_fusion(model, sizes: list[int], rounds: int, reps: int, log) -> list[dict]:
+def projection_fusion(model, sizes: list[int], rounds: int, reps: int, log, weights: str = "fp32") -> list[dict]:
     """All layers' q, k, v, gate, up projections on n rows: five separate matmuls per layer against two
     on concatenated weights (q|k|v, gate|up), interleaved, median ms. Matmuls only: the split of the
-    fused output into views costs nothing."""
+    fused output into views costs nothing. ``weights`` int8/int4: the engine's quantized matmuls
+    (models/quantized.py) on the weights quantized separately and concatenated."""
     if any(l.mlp.gate_proj is None for l in model.model.layers):
         raise SystemExit("--fusion needs a GLU model (gate and up projections)")
     sep = [[m.weight for m in (l.attn.q_proj, l.attn.k_proj, l.attn.v_proj, l.mlp.gate_proj, l.mlp.up_proj)]
            for l in model.model.layers]
     fused = [[torch.cat(ws[:3]), torch.cat(ws[3:])] for ws in sep]
+    if weights == "fp32":
+        mm = F.linear
+    else:
+        from looplm.models import quantized as q
+        q.check_format(weights, "cpu")
+        as_q = lambda w: q.make_weight(q.portable(w, weights), q.DEFAULT_ACT)  # noqa: E731
+        sep = [[as_q(w) for w in ws] for ws in sep]
+        fused = [[as_q(w) for w in ws] for ws in fused]
+        mm = lambda x, w: w.linear(x)  # noqa: E731
 
     def run(weights, x):
         for ws in weights:
             for w in ws:
-                F.linear(x, w)
+                mm(x, w)
 
     rows = []
     for n in sizes:
-        x = torch.randn(1, n, sep[0][0].shape[1], dtype=sep[0][0].dtype, device=sep[0][0].device)
+        x = torch.randn(1, n, model.config.hidden_size, device=model.lm_head.weight.device)
         a_t, b_t = [], []
         for _ in range(rounds):
             a_t.append(timed(lambda: run(sep, x), reps))
@@ -159,7 +170,7 @@ def projection_fusion(model, sizes: list[int], rounds: int, reps: int, log) -> l
         a, b = statistics.median(a_t), statistics.median(b_t)
         rows.append({"rows": n, "separate_ms": round(a * 1e3, 2), "fused_ms": round(b * 1e3, 2),
                      "speedup": round(a / b, 2)})
-        log(f"projections on {n} rows: 5 separate {a * 1e3:.2f} ms, 2 fused {b * 1e3:.2f} ms, {a / b:.2f}x")
+        log(f"{weights} projections on {n} rows: 5 separate {a * 1e3:.2f} ms, 2 fused {b * 1e3:.2f} ms, {a / b:.2f}x")
     return rows
 
 
@@ -294,6 +305,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--head", action="store_true", help="time only the LM head's two layouts")
     p.add_argument("--fusion", action="store_true", help="time only separate against fused input projections")
+    p.add_argument("--weights", default="fp32", choices=("fp32", "int8", "int4"),
+                   help="with --fusion: the weight format of the timed matmuls")
     p.add_argument("--attention", action="store_true", help="time only single-token attention: SDPA against "
                    "grouped-query matmuls")
     p.add_argument("--packed", action="store_true", help="time only a vanilla step with packed weights against F.linear")
@@ -322,8 +335,9 @@ def main() -> int:
     chosen = next((m for m in mode if getattr(args, m)), None)
     if chosen:
         key, fn, cols = mode[chosen]
-        rows = fn(vanilla, [int(s) for s in args.sizes.split(",")], args.rounds, args.reps, log)
-        out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
+        extra = {"weights": args.weights} if chosen == "fusion" else {}
+        rows = fn(vanilla, [int(s) for s in args.sizes.split(",")], args.rounds, args.reps, log, **extra)
+        out = {**extra, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
                "torch_threads": torch.get_num_threads(), "decode_position": POS, key: rows}
         print(json.dumps(out, indent=1) if args.json else "\n".join(
             f"| {r['rows']} | " + " | ".join(str(r[c]) for c in cols) + f" | {r['speedup']}x |" for r in rows))

@@ -1,6 +1,7 @@
 """int8/int4 weights (models/quantized.py): products within the quantization bound, the engine on quantized
 weights equal to a float model built from the dequantized weights, LoRA on top, no float copy kept, refusal
-of formats a platform cannot run, and quantized checkpoints (round trip, corruption refused)."""
+of formats a platform cannot run, stacked input projections equal to separate ones, and quantized checkpoints
+(round trip, corruption refused)."""
 
 import copy
 
@@ -92,6 +93,28 @@ def test_forward_equals_the_dequantized_float_model_with_lora_on_top(fmt, head):
         assert lin.lora_B.dtype == torch.float32 and lin.weight is None and lin.quant is not None
         lin.lora_B.zero_()
         assert not torch.allclose(qm(ids).logits, out, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stacked_input_projections_equal_separate_ones(fmt):
+    """q|k|v and gate|up as one stacked weight each (the default): the same logits and engine output as five
+    separate matmuls, biases and LoRA per projection on top, and no byte more."""
+    model = _relaxed(attention_bias=True)
+    fused = Q.quantize_model(copy.deepcopy(model), fmt, act_dtype=torch.float32)
+    plain = Q.quantize_model(copy.deepcopy(model), fmt, act_dtype=torch.float32, fuse=False)
+    attn, mlp = fused.model.layers[0].attn, fused.model.layers[0].mlp
+    assert attn.qkv.sizes == [64, 32, 32] and mlp.gate_up.sizes == [128, 128]
+    assert isinstance(attn.k_proj.quant, Q.QuantSlice) and attn.k_proj.quant.stacked is attn.qkv
+    assert plain.model.layers[0].attn.qkv is None and isinstance(attn.o_proj.quant, Q.QuantWeight)
+    assert Q.weight_bytes(fused) == Q.weight_bytes(plain)
+    assert torch.equal(attn.v_proj.merged_weight(1), plain.model.layers[0].attn.v_proj.merged_weight(1))
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(fused(ids).logits, plain(ids).logits, atol=1e-5)
+        assert torch.allclose(attn.k_proj(torch.ones(1, 64), 1), plain.model.layers[0].attn.k_proj(torch.ones(1, 64), 1),
+                              atol=1e-5)  # a member called alone (a prefix's keys) reads its slice
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    assert _serve(fused, prompts, 6)[1] == _serve(plain, prompts, 6)[1]
 
 
 def _serve(model, prompts, n, scheduler="depth", **kw):

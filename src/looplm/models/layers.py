@@ -76,11 +76,15 @@ class LoopLinear(nn.Module):
             self.register_parameter("lora_A", None)
             self.register_parameter("lora_B", None)
 
-    def forward(self, x: torch.Tensor, slot: Slot = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slot: Slot = 0, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """``shared``: W' x when the caller already has it (a fused q|k|v or gate|up matmul, see
+        ``fused_inputs``); the bias and the depth's LoRA are added to it."""
         bias = None if self.bias is None else _select(self.bias, slot)
-        if isinstance(slot, int) and self.lora_A is not None and self.quant is None and self._merge_pays(x):
+        if shared is not None:
+            y = shared if bias is None else shared + bias
+        elif isinstance(slot, int) and self.lora_A is not None and self.quant is None and self._merge_pays(x):
             return F.linear(x, self.weight + self.lora_B[slot] @ self.lora_A[slot], bias)
-        if bias is None or bias.dim() == 1:
+        elif bias is None or bias.dim() == 1:
             y = self._shared(x, bias)
         else:  # one bias row per token (per-depth biases in a mixed-depth batch)
             y = self._shared(x, None) + bias
@@ -128,6 +132,15 @@ class LoopLinear(nn.Module):
         if self.lora_A is None:
             return w.clone()
         return (w + self.lora_B[slot] @ self.lora_A[slot]).detach()
+
+
+def fused_inputs(fused: nn.Module | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor | None, ...]:
+    """The shared outputs W'x of linears that read the same input, from one matmul on their stacked
+    weights (``fused.linear``, split by ``fused.sizes``), or ``n`` Nones when there is no fused weight. On CPU
+    with int4/int8 weights one call replaces three (q|k|v) or two (gate|up): docs/BENCHMARKS.md."""
+    if fused is None:
+        return (None,) * n
+    return fused.linear(x).split(fused.sizes, -1)
 
 
 # --- rotary embeddings ------------------------------------------------------------------------
@@ -228,15 +241,17 @@ class Attention(nn.Module):
         # Per-depth prefix (paper appendix G): P learned vectors per depth in the attention's input space,
         # [B, P, hidden]; their keys and values come from that depth's k/v projections (``prefix_kv``).
         self.prefix = nn.Parameter(torch.empty(B, c.prefix_length, c.hidden_size)) if c.prefix_length else None
+        self.qkv = None  # the stacked q|k|v weight of quantized serving (models/quantized.py), never saved
 
     def project(self, x: torch.Tensor, slot: Slot, cos: torch.Tensor, sin: torch.Tensor):
         """x [b, t, hidden] -> rotated q [b, H, t, d] and k, v [b, KV, t, d]."""
         b, t, _ = x.shape
         if not isinstance(slot, int):
             slot_h = slot.unsqueeze(-1)  # per-token slot broadcast over heads for q/k norms
-        q = self.q_proj(x, slot).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, slot).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, slot).view(b, t, self.num_kv_heads, self.head_dim)
+        sq, sk, sv = fused_inputs(self.qkv, x, 3)
+        q = self.q_proj(x, slot, sq).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, slot, sk).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, slot, sv).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             s = slot if isinstance(slot, int) else slot_h.expand(b, t, self.num_heads)
             q = self.q_norm(q, s)
@@ -325,11 +340,13 @@ class MLP(nn.Module):
         self.gate_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r) if c.mlp_type == "glu" else None
         self.up_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r)
         self.down_proj = LoopLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, B, S, r)
+        self.gate_up = None  # the stacked gate|up weight of quantized serving (models/quantized.py), never saved
 
     def forward(self, x: torch.Tensor, slot: Slot) -> torch.Tensor:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x, slot)), slot)
-        return self.down_proj(self.act(self.gate_proj(x, slot)) * self.up_proj(x, slot), slot)
+        sg, su = fused_inputs(self.gate_up, x, 2)
+        return self.down_proj(self.act(self.gate_proj(x, slot, sg)) * self.up_proj(x, slot, su), slot)
 
 
 class Block(nn.Module):

@@ -18,7 +18,9 @@ Every shared linear weight of a LoopLinear and the LM head are quantized; the pe
 norms stay float (float32, or bfloat16 with ``dtype``) and are applied on top. The token embedding
 becomes an int8 row table (a lookup reads one row per token, so only its memory matters); the LM head is
 int8 by default under both formats (``head="int4"`` makes it int4), and a tied int8 head and that table
-are one tensor. The float weights are dropped: no float copy, no MKL-packed copy.
+are one tensor. The float weights are dropped: no float copy, no MKL-packed copy. The linears that read one
+input are stacked into one weight each (q|k|v, gate|up: ``attach``), so a step makes two kernel calls where
+it made five.
 
 Two forms: the *portable* one (plain tensors: int8 values and scales; 4-bit values two per byte, scales
 and minima) is what ``looplm quantize`` stores and what a checkpoint loads; the kernel's form (the int4
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, UsageError
-from .layers import LoopLinear
+from .layers import MLP, Attention, LoopLinear
 from .packed import PackedWeight
 
 FORMATS = ("fp32", "int8", "int4")
@@ -198,6 +200,25 @@ def make_weight(t: dict, dtype: torch.dtype) -> QuantWeight:
     return Int8Weight(t["q"], t["scale"], dtype) if "q" in t else Int4Weight(t, dtype)
 
 
+class QuantSlice(nn.Module):
+    """Output rows [start, stop) of a stacked weight (q|k|v or gate|up, see ``attach``): what a linear whose
+    matmul was fused into its neighbours' keeps, for a call that needs it alone (a prefix's keys,
+    ``merged_weight``). A view, no second copy."""
+
+    def __init__(self, stacked: QuantWeight, start: int, stop: int):
+        super().__init__()
+        self.stacked, self.start, self.stop = stacked, start, stop
+        self.fmt, self.dtype = stacked.fmt, stacked.dtype
+        self.out_features, self.in_features = stop - start, stacked.in_features
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.stacked.linear(x)[..., self.start:self.stop]
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return self.stacked.dequantize()[self.start:self.stop]
+
+
 class QuantEmbedding(nn.Module):
     """The token embedding as int8 rows (one per-row scale each)."""
 
@@ -244,6 +265,10 @@ def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, he
     return out
 
 
+def _portable_shape(t: dict) -> tuple[int, int]:
+    return tuple(t["q"].shape) if "q" in t else (t["q4"].shape[0], 2 * t["q4"].shape[1])
+
+
 def _checked(t: dict, name: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantWeight:
     w = make_weight(t, dtype)
     if (w.out_features, w.in_features) != shape:
@@ -252,12 +277,46 @@ def _checked(t: dict, name: str, shape: tuple[int, int], dtype: torch.dtype) -> 
     return w
 
 
-def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_dtype: torch.dtype = DEFAULT_ACT) -> None:
+def input_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[tuple[str, LoopLinear]]]]:
+    """The linears that read one input: each attention's q, k, v (stacked as its ``qkv``) and each GLU
+    MLP's gate and up (its ``gate_up``), as (owner, attribute, [(name, linear)])."""
+    groups = []
+    for n, m in model.named_modules():
+        if isinstance(m, Attention):
+            groups.append((m, "qkv", [(f"{n}.{p}", getattr(m, p)) for p in ("q_proj", "k_proj", "v_proj")]))
+        elif isinstance(m, MLP) and m.gate_proj is not None:
+            groups.append((m, "gate_up", [(f"{n}.{p}", getattr(m, p)) for p in ("gate_proj", "up_proj")]))
+    return groups
+
+
+def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_dtype: torch.dtype = DEFAULT_ACT,
+           fuse: bool = True) -> None:
     """Put quantized weights built from portable ``tensors`` in place of the float ones (which are dropped),
-    multiplying in ``act_dtype``. The model's other parameters must already be in ``dtype``."""
+    multiplying in ``act_dtype``. The model's other parameters must already be in ``dtype``. With ``fuse``
+    the linears of each ``input_groups`` group are one stacked weight, one matmul a step instead of three
+    (q|k|v) or two (gate|up): fewer calls into the kernel at batch 1 (docs/BENCHMARKS.md); each linear keeps
+    a ``QuantSlice`` of it, and its bias and LoRA. The stored (portable) form is the same either way."""
+    for owner, attr, members in input_groups(model) if fuse else []:
+        parts = [tensors[f"{n}.weight"] for n, _ in members]
+        for (n, m), p in zip(members, parts):
+            if _portable_shape(p) != (m.out_features, m.in_features):
+                raise ConfigError(f"quantized {n}.weight is {_portable_shape(p)[0]} x {_portable_shape(p)[1]}, "
+                                  f"the model needs {m.out_features} x {m.in_features}")
+        if len({frozenset(p) for p in parts}) > 1 or len({p["scale"].shape[1:] for p in parts}) > 1:
+            continue  # mixed formats or group sizes: separate matmuls
+        outs = [m.out_features for _, m in members]
+        stacked = _checked({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, "+".join(n for n, _ in members),
+                           (sum(outs), members[0][1].in_features), act_dtype)
+        stacked.sizes = outs
+        setattr(owner, attr, stacked)
+        start = 0
+        for _, m in members:
+            m.quant, m.weight = QuantSlice(stacked, start, start + m.out_features), None
+            start += m.out_features
     for n, m in linears(model):
-        m.quant = _checked(tensors[f"{n}.weight"], f"{n}.weight", (m.out_features, m.in_features), act_dtype)
-        m.weight = None
+        if m.quant is None:
+            m.quant = _checked(tensors[f"{n}.weight"], f"{n}.weight", (m.out_features, m.in_features), act_dtype)
+            m.weight = None
     c = model.config
     emb = _checked(tensors["model.embed_tokens.weight"], "embedding", (c.vocab_size, c.hidden_size), act_dtype)
     if not isinstance(emb, Int8Weight):
@@ -278,10 +337,11 @@ def release_freed_memory() -> None:
 
 
 def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
-                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT):
+                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT, fuse: bool = True):
     """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged).
     ``dtype``: the float parameters left (LoRA, norms, biases); ``act_dtype``: the quantized matmuls'
-    activations; ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable)."""
+    activations; ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable);
+    ``fuse``: stack q|k|v and gate|up (``attach``)."""
     device = next(model.parameters()).device
     check_format(fmt, device)
     if fmt == "fp32" or is_quantized(model):
@@ -293,7 +353,7 @@ def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype
         for p in model.parameters():
             if id(p) not in keep:
                 p.data = p.data.to(dtype)
-    attach(model, tensors, dtype, act_dtype)
+    attach(model, tensors, dtype, act_dtype, fuse)
     del tensors
     release_freed_memory()
     model.config.quantization = record(fmt, group, dtype, head, act_dtype)
