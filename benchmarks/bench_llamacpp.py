@@ -10,9 +10,10 @@ from) and a Q8_0 file exported from our float32 model (`looplm export-gguf --typ
 continuous batching (`llama_decode` over one batch holding every running sequence's next token and new
 prompts, as llama.cpp's `parallel` example), greedy by argmax over its logits, as our engine.
 
-Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act][-c]: the whole model in bfloat16 (default:
+Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act][-m][-c]: the whole model in bfloat16 (default:
 float32 outside the quantized matmuls), int4 group size N (default 32), int4 LM head (default int8),
-float32 activations into the quantized matmuls (default bfloat16), the compiled engine (`--compile`,
+float32 activations into the quantized matmuls (default bfloat16), a looped model's LoRA merged into one
+quantized weight per depth (`--lora merged`; default: shared weights with the float LoRA on top), the compiled engine (`--compile`,
 serve/compiled.py; its graphs are built before timing starts). Agreement: the fraction of a configuration's generated
 tokens equal to the float32 model's greedy choice given the same prefix (teacher-forced). Memory: each
 format served in a fresh process (`--child`), from a `looplm quantize` directory and quantized at load.
@@ -137,7 +138,7 @@ class LlamaCpp:
 def parse_spec(spec: str) -> dict:
     parts = spec.split("-")
     out = {"format": parts[0], "dtype": torch.float32, "group": Q.DEFAULT_GROUP, "head": "int8",
-           "act_dtype": Q.DEFAULT_ACT, "compile": False}
+           "act_dtype": Q.DEFAULT_ACT, "compile": False, "lora": "shared"}
     for p in parts[1:]:
         if p == "c":
             out["compile"] = True
@@ -149,6 +150,8 @@ def parse_spec(spec: str) -> dict:
             out["group"] = int(p[1:])
         elif p == "h4":
             out["head"] = "int4"
+        elif p == "m":
+            out["lora"] = "merged"
         else:
             raise SystemExit(f"unknown configuration part {p!r} in {spec!r}")
     return out
@@ -163,7 +166,8 @@ def engine_model(vanilla, spec: str):
     s = parse_spec(spec)
     if s["format"] == "fp32":
         return vanilla if s["dtype"] == torch.float32 else copy.deepcopy(vanilla).to(s["dtype"])
-    return Q.quantize_model(copy.deepcopy(vanilla), s["format"], s["group"], s["dtype"], s["head"], s["act_dtype"])
+    return Q.quantize_model(copy.deepcopy(vanilla), s["format"], s["group"], s["dtype"], s["head"], s["act_dtype"],
+                            lora=s["lora"])
 
 
 def engine_serve(model, trace, max_batch, scheduler="sequence", policy=None, compile=False):
@@ -291,7 +295,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default="fp32,int8,int4,int8-bf16,int4-bf16",
-                   help="engine configurations: FORMAT[-bf16][-gN][-h4]")
+                   help="engine configurations: FORMAT[-bf16][-gN][-h4][-f32act][-m][-c] (see the top)")
     p.add_argument("--q4-gguf", default=None, help="llama.cpp Q4_1 file (default: the embedded model's own)")
     p.add_argument("--q8-gguf", default=None, help="llama.cpp Q8_0 file (default: exported from --model)")
     p.add_argument("--looped", default=None, help="a looped model served at batch 1 with --exit (depth-wise); "
@@ -360,6 +364,7 @@ def main() -> int:
         else:
             base, _ = load_model(args.looped)
         looped = {s: engine_model(base, s) for s in args.looped_configs.split(",")}
+        result["looped_weights_mb"] = {s: round(Q.weight_bytes(m) / 2 ** 20, 1) for s, m in looped.items()}
         policy = parse_policy(args.exit)
     outputs = {}
     times: dict[str, dict[str, list]] = {"batch1": {}, "trace": {}}
@@ -400,6 +405,10 @@ def main() -> int:
             result["quality"].setdefault(s, {})["perplexity"] = heldout_perplexity(models[s], tok, args.data,
                                                                                   args.ppl_tokens)
             log(f"  quality   {s:<28} {result['quality'][s]}")
+        for s in looped or {}:  # the final exit's perplexity: what merging each depth's LoRA before quantizing costs
+            result["quality"][f"looped {s}"] = {"perplexity": heldout_perplexity(looped[s], tok, args.data,
+                                                                                 args.ppl_tokens)}
+            log(f"  quality   looped {s:<21} {result['quality'][f'looped {s}']}")
     if "memory" not in skip:
         cases = {}
         src = str(tmp / "fp32")
@@ -458,6 +467,9 @@ def table(path: str) -> str:
         lines += ["\nquality:\n", "| configuration | agreement with float32 (trace) | held-out perplexity |", "|---|---:|---:|"]
         for name, q in r["quality"].items():
             lines.append(f"| {name} | {q.get('agreement', '')} | {q.get('perplexity', '')} |")
+    if r.get("looped_weights_mb"):
+        lines += ["\nlooped model, weight tensors held (MB):\n", "| configuration | MB |", "|---|---:|"]
+        lines += [f"| looped {name} | {mb} |" for name, mb in r["looped_weights_mb"].items()]
     if r.get("memory"):
         lines += ["\nmemory (one process each):\n", "| configuration | weight tensors MB | RSS serving MB | peak RSS MB |",
                   "|---|---:|---:|---:|"]

@@ -181,6 +181,8 @@ def test_quantized_checkpoint_round_trip(tmp_path, fmt):
     back, _ = load_model(tmp_path / "q")
     assert Q.stored_format(back) == fmt and Q.is_quantized(back)
     assert not any(p.device.type == "meta" for p in list(back.parameters()) + list(back.buffers()))
+    from looplm.convert import count_parameters
+    assert count_parameters(back) == count_parameters(model)  # `looplm info` counts quantized weights too
     mem = Q.quantize_model(copy.deepcopy(model), fmt)  # bfloat16 activations by default, stored and loaded alike
     assert back.model.layers[0].mlp.up_proj.quant.dtype == torch.bfloat16
     ids = torch.randint(0, 256, (1, 13))
@@ -225,3 +227,102 @@ def test_a_corrupt_or_truncated_quantized_dir_is_refused(tmp_path, capsys):
         load_model(d)
     assert main(["info", str(d)]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# --- the LoRA merged into one quantized weight per depth (lora="merged") ------------------------------------
+
+class _FloatPerDepth(torch.nn.Module):
+    """A hand-written reference for PerDepthWeight: float weights, every depth computed for every row and
+    each row's own depth selected (no grouping)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.w = weights
+
+    def linear(self, x, bias=None, slot=0):
+        if isinstance(slot, int):
+            y = torch.nn.functional.linear(x, self.w[slot])
+        else:
+            every = torch.stack([torch.nn.functional.linear(x, w) for w in self.w])  # [S, ..., out]
+            y = every.gather(0, slot[None, ..., None].expand(1, *x.shape[:-1], every.shape[-1]))[0]
+        return y if bias is None else y + bias
+
+    def dequantize(self, slot=0):
+        return self.w[slot]
+
+
+def merged_reference(model, fmt):
+    """A float model whose linears multiply with the dequantized W' + B_s A_s of their depth s, the LoRA
+    gone, and the embedding and head dequantized as the quantized model holds them."""
+    ref = dequantized_reference(model, fmt)  # embedding, head (and shared weights, replaced below)
+    tensors = Q.quantize_portable(model, fmt, lora="merged")
+    for n, lin in Q.linears(ref):
+        names = Q.weight_names(n, lin, "merged")
+        lin.quant = _FloatPerDepth([Q.dequantize(tensors[name]) for name in names])
+        lin.weight, lin.lora_A, lin.lora_B = None, None, None
+    return ref
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_merged_lora_equals_per_depth_dequantized_weights(fmt):
+    """With lora="merged" each depth multiplies with its own quantized W' + B_s A_s: the model's logits, a
+    linear called with one depth or with a per-row mix of depths, and the engine's greedy output (mixed-depth
+    steps included) equal a float model built from those weights; no LoRA is left, and stacking holds."""
+    model = _relaxed(attention_bias=True)
+    ref = merged_reference(model, fmt)
+    qm = Q.quantize_model(copy.deepcopy(model), fmt, act_dtype=torch.float32, lora="merged")
+    assert qm.config.quantization["lora"] == "merged"
+    assert not any("lora" in n for n, _ in qm.named_parameters())
+    attn = qm.model.layers[0].attn
+    assert isinstance(attn.qkv, Q.PerDepthWeight) and len(attn.qkv.depths) == 2 and attn.qkv.sizes == [64, 32, 32]
+    # the merged weight is the float model's depth weight, quantized
+    lin, float_lin = qm.model.layers[1].mlp.down_proj, model.model.layers[1].mlp.down_proj
+    for s in range(2):
+        want = Q.dequantize(Q.portable(float_lin.merged_weight(s), fmt))
+        assert torch.allclose(lin.merged_weight(s), want, atol=1e-5)
+    assert not torch.allclose(lin.merged_weight(0), lin.merged_weight(1))
+    x, mix = torch.randn(2, 5, 128), torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]])
+    ref_lin = ref.model.layers[1].mlp.down_proj
+    with torch.no_grad():
+        for slot in (0, 1, mix):
+            assert torch.allclose(lin(x, slot), ref_lin(x, slot), atol=1e-4)
+        ids = torch.randint(0, 256, (2, 11))
+        assert torch.allclose(qm(ids).logits, ref(ids).logits, atol=1e-4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (L,), generator=g).tolist() for L in (5, 11, 1, 8)]
+    engine, got = _serve(qm, prompts, 7)
+    assert engine.stats["mixed_stages"] > 0
+    assert got == [full_depth_greedy(ref, p, 7) for p in prompts]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_merged_lora_checkpoint_round_trip_and_refusals(tmp_path, fmt, capsys):
+    model = _relaxed()
+    src = save_model(model, None, tmp_path / "float")
+    assert main(["quantize", str(src), "--out", str(tmp_path / "q"), "--weights", fmt, "--lora", "merged"]) == 0
+    back, _ = load_model(tmp_path / "q")
+    assert Q.stored_lora(back) == "merged" and Q.stored_format(back) == fmt
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert not any("lora" in k for k in keys) and any(".depth1.weight." in k for k in keys)
+    from looplm.convert import count_parameters
+    got, want = count_parameters(back), count_parameters(model)
+    shared = sum(m.out_features * m.in_features for _, m in Q.linears(model))  # one more copy per extra depth
+    assert got["lora"] == 0 and got["n_emb"] == want["n_emb"] - want["lora"] + shared
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "q")]) == 0 and "each depth's LoRA merged" in capsys.readouterr().out
+    mem = Q.quantize_model(copy.deepcopy(model), fmt, lora="merged")
+    ids = torch.randint(0, 256, (1, 13))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, mem(ids).logits)
+    # served as stored; asking for the other LoRA mode, or merging float weights, is refused
+    assert Q.prepare(back, None) is back and Q.prepare(back, fmt, lora="merged") is back
+    with pytest.raises(UsageError, match="stored with merged LoRA"):
+        Q.prepare(back, fmt, lora="shared")
+    with pytest.raises(UsageError, match="needs quantized weights"):
+        Q.prepare(copy.deepcopy(model), None, lora="merged")
+    capsys.readouterr()
+    assert main(["generate", "x", "--model", str(src), "--weights", "fp32", "--lora", "merged"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs quantized weights" in err

@@ -97,13 +97,17 @@ def test_compiled_regions_match_the_eager_layer_outputs():
 
 
 @pytest.mark.skipif("int4" not in Q.supported_formats("cpu"), reason="this torch build lacks the int4 CPU op")
-def test_compiled_engine_on_int4_weights_serves_the_eager_engines_tokens():
-    qm = Q.quantize_model(copy.deepcopy(_relaxed()), "int4")
+@pytest.mark.parametrize("lora", ["shared", "merged"])
+def test_compiled_engine_on_int4_weights_serves_the_eager_engines_tokens(lora):
+    """Shared weights with the LoRA on top, or one merged weight per depth: the compiled engine (regional
+    graphs, and the whole-loop graph at batch 1) serves the eager engine's tokens."""
+    qm = Q.quantize_model(copy.deepcopy(_relaxed()), "int4", lora=lora)
     prompts = _prompts()
-    want = _serve(Engine(qm, max_batch=3, max_seq_len=64), prompts, 5, "sequence")
-    engine = Engine(qm, max_batch=3, max_seq_len=64, compile=True)
-    warm_up(engine)
-    assert _serve(engine, prompts, 5, "sequence") == want
+    for rows, batch in ((3, prompts), (1, prompts[:1])):
+        want = _serve(Engine(qm, max_batch=rows, max_seq_len=64), batch, 5, "sequence")
+        engine = Engine(qm, max_batch=rows, max_seq_len=64, compile=True)
+        warm_up(engine)
+        assert _serve(engine, batch, 5, "sequence") == want
 
 
 @pytest.mark.parametrize("rows,make,lengths", [(1, _relaxed, (5,)), (1, _relaxed, (1,)), (3, _relaxed, (5, 11, 1)),

@@ -59,6 +59,9 @@ def register(sub) -> None:
                    help="dtype of the float parameters left (LoRA, norms, biases) and of the residual stream")
     p.add_argument("--act-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="activations of the quantized matmuls (float32 ran 10-60x slower on this CPU)")
+    p.add_argument("--lora", default="shared", choices=["shared", "merged"],
+                   help="a relaxed model's LoRA: kept in float on the shared weights, or merged into one quantized "
+                        "weight per depth (docs/SERVING.md)")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("export-gguf", help="write a looped model, unrolled (LoRA merged per depth), as a "
@@ -188,6 +191,10 @@ def cmd_info(args) -> int:
     print(f"total      {info['total']:>13,}")
     print(f"LoRA ranks {info['lora_ranks']}, prefix length {info['prefix_length']}, "
           f"per-depth norms: {info['per_depth_vectors']}")
+    if info["quantization"]:
+        q = info["quantization"]
+        print(f"weights    {q['format']}" + (", each depth's LoRA merged into its own weight (counted in N-emb)"
+                                            if q.get("lora") == "merged" else ""))
     print("layer map  " + " ".join(f"{d}->{k}" for d, k in enumerate(info["layer_map"])))
     return 0
 
@@ -215,10 +222,12 @@ def cmd_quantize(args) -> int:
     if stored_format(model) != "fp32":
         raise UsageError(f"{args.model} is already quantized ({stored_format(model)}); quantize its float checkpoint")
     before = weight_bytes(model)
-    save_quantized(model, tok, args.out, args.weights, group, DTYPES[args.dtype], act_dtype=DTYPES[args.act_dtype])
+    save_quantized(model, tok, args.out, args.weights, group, DTYPES[args.dtype], act_dtype=DTYPES[args.act_dtype],
+                   lora=args.lora)
     from ..models.checkpoint import WEIGHTS
     size = (Path(args.out) / WEIGHTS).stat().st_size
     print(f"quantized {args.model} to {args.weights}" + (f" (groups of {group})" if args.weights == "int4" else "")
+          + (", LoRA merged per depth" if args.lora == "merged" else "")
           + f": {before / 2 ** 20:.0f} MB of float weights -> {size / 2 ** 20:.0f} MB; wrote {args.out}")
     return 0
 

@@ -296,14 +296,18 @@ def count_parameters(model: LoopLMForCausalLM) -> dict:
     The exit adapter (models/exit_adapter.py) counts in the total only, not in N-emb: it serves intermediate
     exits at the head, and the paper's appendix-I table gives its frozen-body head-LoRA row the base model's
     N-emb."""
+    from ..models.quantized import QuantWeight
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel()
-    emb = model.model.embed_tokens.weight.numel()
-    if not model.config.tie_word_embeddings:
-        emb += model.lm_head.weight.numel()
+    # a quantized model (looplm quantize) holds its weights as buffers: count each [out, in] weight once
+    total += sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantWeight))
+    c = model.config
+    emb = c.vocab_size * c.hidden_size
+    if not c.tie_word_embeddings:
+        emb += c.vocab_size * c.hidden_size
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     adapter = sum(p.numel() for p in model.exit_adapter.parameters()) if model.exit_adapter is not None else 0
     prefix = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".attn.prefix"))
@@ -319,6 +323,7 @@ def describe(model: LoopLMForCausalLM) -> dict:
         "sharing": c.sharing, "per_depth_vectors": c.per_depth_vectors, "lora_ranks": c.lora_ranks,
         "exit_adapter_spec": copy.deepcopy(c.exit_adapter),
         "prefix_length": c.prefix_length,
+        "quantization": {k: v for k, v in (getattr(c, "quantization", None) or {}).items() if k != "sha256"} or None,
         "layer_map": c.layer_map, "depth_attention": c.depth_attention, "conversion": copy.deepcopy(c.conversion),
         **count_parameters(model),
     }

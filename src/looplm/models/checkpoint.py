@@ -82,20 +82,23 @@ def _sha256(path: Path) -> str:
 
 
 def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, fmt: str, group: int,
-                              dtype: torch.dtype, head: str = "int8", act_dtype: torch.dtype = q.DEFAULT_ACT) -> None:
-    """config.json (with a ``quantization`` record: format, group size, float dtype, the weights file's
-    sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
-    ``NAME.q4``/``.scale``/``.min`` for int4) and every other tensor in ``dtype``."""
+                              dtype: torch.dtype, head: str = "int8", act_dtype: torch.dtype = q.DEFAULT_ACT,
+                              lora: str = "shared") -> None:
+    """config.json (with a ``quantization`` record: format, group size, float dtype, LoRA mode, the weights
+    file's sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
+    ``NAME.q4``/``.scale``/``.min`` for int4; with ``lora="merged"`` one per depth, and no LoRA tensors) and
+    every other tensor in ``dtype``."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = q.quantize_portable(model, fmt, group, head)
+    tensors = q.quantize_portable(model, fmt, group, head, lora)
+    merged = {f"{n}.{p}" for n, m in q.linears(model) if q.merges(m, lora) for p in ("weight", "lora_A", "lora_B")}
     sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
-          if k not in tensors and k != "lm_head.weight"}  # lm_head: quantized, or tied to the embedding
+          if k not in tensors and k not in merged and k != "lm_head.weight"}  # lm_head: quantized, or tied
     for name, parts in tensors.items():
         sd.update({f"{name}.{part}": v.contiguous() for part, v in parts.items()})
     save_file(sd, str(d / WEIGHTS), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
-    config.quantization = {**q.record(fmt, group, dtype, head, act_dtype), "sha256": _sha256(d / WEIGHTS)}
+    config.quantization = {**q.record(fmt, group, dtype, head, act_dtype, lora), "sha256": _sha256(d / WEIGHTS)}
     config.save_pretrained(str(d))
 
 
@@ -104,7 +107,8 @@ def _load_quantized(d: Path, config: LoopLMConfig, sd: dict) -> LoopLMForCausalL
     copy of a quantized weight is ever made."""
     rec = config.quantization
     fmt, dtype, act = rec.get("format"), q.DTYPES.get(rec.get("dtype")), q.DTYPES.get(rec.get("act_dtype"))
-    if fmt not in ("int8", "int4") or dtype is None or act is None or "sha256" not in rec:
+    lora = rec.get("lora", "shared")  # records written before the LoRA could be merged have no key
+    if fmt not in ("int8", "int4") or dtype is None or act is None or "sha256" not in rec or lora not in q.LORA_MODES:
         raise ConfigError(f"{d / 'config.json'}: unreadable quantization record {rec}; re-run `looplm quantize`")
     q.check_format(fmt, "cpu")
     if _sha256(d / WEIGHTS) != rec["sha256"]:
@@ -112,7 +116,7 @@ def _load_quantized(d: Path, config: LoopLMConfig, sd: dict) -> LoopLMForCausalL
                           f"re-run `looplm quantize`")
     with torch.device("meta"):
         model = LoopLMForCausalLM(config)
-    names = [f"{n}.weight" for n, _ in q.linears(model)] + ["model.embed_tokens.weight"]
+    names = [name for n, m in q.linears(model) for name in q.weight_names(n, m, lora)] + ["model.embed_tokens.weight"]
     names += ["lm_head.weight"] if any(k.startswith("lm_head.weight.") for k in sd) else []
     tensors = {}
     for name in names:
@@ -121,7 +125,7 @@ def _load_quantized(d: Path, config: LoopLMConfig, sd: dict) -> LoopLMForCausalL
             raise ConfigError(f"{d / WEIGHTS}: {name} is missing or incomplete; re-run `looplm quantize`")
         tensors[name] = parts
     try:
-        q.attach(model, tensors, dtype, act)
+        q.attach(model, tensors, dtype, act, lora=lora)
         # copies: tensors straight from load_file may keep the whole file's pages resident (measured ~100 MB)
         model.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True, assign=True)
     except (RuntimeError, KeyError, ValueError, IndexError) as e:

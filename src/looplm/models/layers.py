@@ -85,19 +85,20 @@ class LoopLinear(nn.Module):
         elif isinstance(slot, int) and self.lora_A is not None and self.quant is None and self._merge_pays(x):
             return F.linear(x, self.weight + self.lora_B[slot] @ self.lora_A[slot], bias)
         elif bias is None or bias.dim() == 1:
-            y = self._shared(x, bias)
+            y = self._shared(x, bias, slot)
         else:  # one bias row per token (per-depth biases in a mixed-depth batch)
-            y = self._shared(x, None) + bias
+            y = self._shared(x, None, slot) + bias
         if self.lora_A is None:
             return y
         if isinstance(slot, int):
             return y + F.linear(F.linear(x, self.lora_A[slot]), self.lora_B[slot])
         return y + self._grouped_lora(x, slot)
 
-    def _shared(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """W' x + b through the quantized weight, the MKL-packed copy or F.linear."""
+    def _shared(self, x: torch.Tensor, bias: torch.Tensor | None, slot: Slot = 0) -> torch.Tensor:
+        """W' x + b through the quantized weight (one per depth when quantized with the LoRA merged: ``slot``
+        picks it), the MKL-packed copy or F.linear."""
         if self.quant is not None:
-            return self.quant.linear(x, bias)
+            return self.quant.linear(x, bias, slot)
         return _packed.linear(x, self.weight, bias, self.packed)
 
     def _merge_pays(self, x: torch.Tensor) -> bool:
@@ -128,19 +129,20 @@ class LoopLinear(nn.Module):
 
     def merged_weight(self, slot: int) -> torch.Tensor:
         """The dense weight depth ``slot`` effectively uses: W' + B_s A_s."""
-        w = self.weight.detach() if self.quant is None else self.quant.dequantize()
+        w = self.weight.detach() if self.quant is None else self.quant.dequantize(slot)
         if self.lora_A is None:
             return w.clone()
         return (w + self.lora_B[slot] @ self.lora_A[slot]).detach()
 
 
-def fused_inputs(fused: nn.Module | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor | None, ...]:
+def fused_inputs(fused: nn.Module | None, x: torch.Tensor, n: int, slot: Slot = 0) -> tuple[torch.Tensor | None, ...]:
     """The shared outputs W'x of linears that read the same input, from one matmul on their stacked
-    weights (``fused.linear``, split by ``fused.sizes``), or ``n`` Nones when there is no fused weight. On CPU
-    with int4/int8 weights one call replaces three (q|k|v) or two (gate|up): docs/BENCHMARKS.md."""
+    weights (``fused.linear``, split by ``fused.sizes``; depth ``slot``'s when the LoRA is merged per depth),
+    or ``n`` Nones when there is no fused weight. On CPU with int4/int8 weights one call replaces three
+    (q|k|v) or two (gate|up): docs/BENCHMARKS.md."""
     if fused is None:
         return (None,) * n
-    return fused.linear(x).split(fused.sizes, -1)
+    return fused.linear(x, slot=slot).split(fused.sizes, -1)
 
 
 # --- rotary embeddings ------------------------------------------------------------------------
@@ -248,7 +250,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if not isinstance(slot, int):
             slot_h = slot.unsqueeze(-1)  # per-token slot broadcast over heads for q/k norms
-        sq, sk, sv = fused_inputs(self.qkv, x, 3)
+        sq, sk, sv = fused_inputs(self.qkv, x, 3, slot)
         q = self.q_proj(x, slot, sq).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x, slot, sk).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, slot, sv).view(b, t, self.num_kv_heads, self.head_dim)
@@ -265,8 +267,9 @@ class Attention(nn.Module):
         projections (bias, LoRA and k-norm included), not rotated: a prefix has no position."""
         x = self.prefix[slot][None]
         P = x.shape[1]
-        k = self.k_proj(x, slot).view(1, P, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, slot).view(1, P, self.num_kv_heads, self.head_dim)
+        _, sk, sv = fused_inputs(self.qkv, x, 3, slot)  # with a stacked q|k|v weight: one matmul, not two full ones
+        k = self.k_proj(x, slot, sk).view(1, P, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, slot, sv).view(1, P, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k, slot)
         return k.transpose(1, 2), v.transpose(1, 2)
@@ -345,7 +348,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, slot: Slot) -> torch.Tensor:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x, slot)), slot)
-        sg, su = fused_inputs(self.gate_up, x, 2)
+        sg, su = fused_inputs(self.gate_up, x, 2, slot)
         return self.down_proj(self.act(self.gate_proj(x, slot, sg)) * self.up_proj(x, slot, su), slot)
 
 

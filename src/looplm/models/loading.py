@@ -153,12 +153,13 @@ def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:
 
 
 def save_quantized(model: LoopLMForCausalLM, tokenizer, out: str | Path, fmt: str, group: int,
-                   dtype=torch.float32, head: str = "int8", act_dtype=torch.bfloat16) -> Path:
-    """``save_model`` for a float model stored with int8/int4 weights (models/quantized.py); it loads back
-    with ``load_model`` as a quantized model."""
+                   dtype=torch.float32, head: str = "int8", act_dtype=torch.bfloat16, lora: str = "shared") -> Path:
+    """``save_model`` for a float model stored with int8/int4 weights (models/quantized.py; ``lora``: the
+    LoRA kept in float on the shared weights, or merged into one weight per depth); it loads back with
+    ``load_model`` as a quantized model."""
     from .checkpoint import save_quantized_checkpoint
     return _write_atomic(model, tokenizer, out,
-                         lambda m, d: save_quantized_checkpoint(m, d, fmt, group, dtype, head, act_dtype))
+                         lambda m, d: save_quantized_checkpoint(m, d, fmt, group, dtype, head, act_dtype, lora))
 
 
 def _write_atomic(model, tokenizer, out, write) -> Path:

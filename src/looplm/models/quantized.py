@@ -20,7 +20,9 @@ becomes an int8 row table (a lookup reads one row per token, so only its memory 
 int8 by default under both formats (``head="int4"`` makes it int4), and a tied int8 head and that table
 are one tensor. The float weights are dropped: no float copy, no MKL-packed copy. The linears that read one
 input are stacked into one weight each (q|k|v, gate|up: ``attach``), so a step makes two kernel calls where
-it made five.
+it made five. With ``lora="merged"`` a relaxed model's LoRA is not kept: each depth s of a shared linear gets
+its own quantized W' + B_s A_s (``PerDepthWeight``), no LoRA matmul at serving time, and at SmolLM2's rank 64
+fewer bytes than the float LoRA (docs/SERVING.md).
 
 Two forms: the *portable* one (plain tensors: int8 values and scales; 4-bit values two per byte, scales
 and minima) is what ``looplm quantize`` stores and what a checkpoint loads; the kernel's form (the int4
@@ -145,11 +147,12 @@ class QuantWeight(nn.Module):
             raise UsageError(f"{self.fmt} weights run on CPU only; supported on {x.device.type}: fp32")
         return x.reshape(-1, x.shape[-1]).to(self.dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, slot=0) -> torch.Tensor:
+        """F.linear with the dequantized weight; ``slot`` (the depth) matters only to ``PerDepthWeight``."""
         y = self._mm(self._rows(x)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if bias is None else y + bias
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, slot: int = 0) -> torch.Tensor:
         """The float weight the kernel uses, read back through the kernel itself (identity rows: the int4
         op's packed layout is private to it)."""
         return self._mm(torch.eye(self.in_features, dtype=self.dtype)).t().float().contiguous()
@@ -211,12 +214,40 @@ class QuantSlice(nn.Module):
         self.fmt, self.dtype = stacked.fmt, stacked.dtype
         self.out_features, self.in_features = stop - start, stacked.in_features
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.stacked.linear(x)[..., self.start:self.stop]
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, slot=0) -> torch.Tensor:
+        y = self.stacked.linear(x, slot=slot)[..., self.start:self.stop]
         return y if bias is None else y + bias
 
-    def dequantize(self) -> torch.Tensor:
-        return self.stacked.dequantize()[self.start:self.stop]
+    def dequantize(self, slot: int = 0) -> torch.Tensor:
+        return self.stacked.dequantize(slot)[self.start:self.stop]
+
+
+class PerDepthWeight(nn.Module):
+    """One quantized weight per depth of a shared linear, each W' + B_s A_s merged before quantizing
+    (``lora="merged"``): the depth's LoRA costs no matmul and no float bytes at serving time. A depth-s
+    call multiplies with weight s; a step that mixes depths groups its rows by depth (as LoopLinear's
+    grouped LoRA does)."""
+
+    def __init__(self, weights: list[QuantWeight]):
+        super().__init__()
+        self.depths = nn.ModuleList(weights)
+        w = weights[0]
+        self.fmt, self.dtype, self.out_features, self.in_features = w.fmt, w.dtype, w.out_features, w.in_features
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, slot=0) -> torch.Tensor:
+        if isinstance(slot, int):
+            return self.depths[slot].linear(x, bias)
+        flat_x, flat_s = x.reshape(-1, x.shape[-1]), slot.reshape(-1)
+        y = flat_x.new_empty(flat_x.shape[0], self.out_features)
+        for s, w in enumerate(self.depths):
+            idx = (flat_s == s).nonzero(as_tuple=True)[0]
+            if idx.numel():
+                y.index_copy_(0, idx, w.linear(flat_x[idx]))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
+
+    def dequantize(self, slot: int = 0) -> torch.Tensor:
+        return self.depths[slot].dequantize()
 
 
 class QuantEmbedding(nn.Module):
@@ -252,12 +283,36 @@ def is_quantized(model: nn.Module) -> bool:
     return isinstance(model.model.embed_tokens, QuantEmbedding)
 
 
-def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, head: str = "int8") -> dict[str, dict]:
-    """Portable tensors for every weight ``fmt`` replaces, by state-dict name: each LoopLinear's weight,
+LORA_MODES = ("shared", "merged")
+
+
+def merges(lin: LoopLinear, lora: str) -> bool:
+    """Whether ``lora`` mode stores this linear as one merged weight per depth."""
+    if lora not in LORA_MODES:
+        raise UsageError(f"unknown LoRA mode {lora!r}; use one of {', '.join(LORA_MODES)}")
+    return lora == "merged" and lin.lora_A is not None
+
+
+def weight_names(name: str, lin: LoopLinear, lora: str) -> list[str]:
+    """The portable tensors' names of linear ``name``: its shared weight, or with ``lora="merged"`` one
+    weight per depth (``NAME.depthS.weight``)."""
+    if merges(lin, lora):
+        return [f"{name}.depth{s}.weight" for s in range(lin.lora_A.shape[0])]
+    return [f"{name}.weight"]
+
+
+def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, head: str = "int8",
+                      lora: str = "shared") -> dict[str, dict]:
+    """Portable tensors for every weight ``fmt`` replaces, by name (``weight_names``): each LoopLinear's
+    weight (``lora="shared"``: the shared weight, its LoRA left in float; ``"merged"``: W' + B_s A_s per depth s),
     the embedding (int8 rows) and the LM head in ``head`` format, unless it is tied and int8 (then the
     embedding's table serves as the head: one tensor, as llama.cpp's SmolLM2 Q4_1 file keeps a Q8_0
     embedding for its tied head)."""
-    out = {f"{n}.weight": portable(m.weight, fmt, group) for n, m in linears(model)}
+    out = {}
+    for n, m in linears(model):
+        names = weight_names(n, m, lora)
+        weights = [m.merged_weight(s) for s in range(len(names))] if merges(m, lora) else [m.weight]
+        out.update({name: portable(w, fmt, group) for name, w in zip(names, weights)})
     emb = model.model.embed_tokens.weight
     out["model.embed_tokens.weight"] = int8_portable(emb)
     if not (head == "int8" and model.lm_head.weight is emb):
@@ -289,34 +344,57 @@ def input_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[tuple[str,
     return groups
 
 
+def _per_depth(weights: list[QuantWeight]) -> QuantWeight | PerDepthWeight:
+    return weights[0] if len(weights) == 1 else PerDepthWeight(weights)
+
+
+def _drop_float(lin: LoopLinear, merged: bool) -> None:
+    """The float weight is replaced; a merged LoRA lives in the per-depth weights."""
+    lin.weight = None
+    if merged:
+        lin.lora_A = lin.lora_B = None
+
+
 def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_dtype: torch.dtype = DEFAULT_ACT,
-           fuse: bool = True) -> None:
-    """Put quantized weights built from portable ``tensors`` in place of the float ones (which are dropped),
-    multiplying in ``act_dtype``. The model's other parameters must already be in ``dtype``. With ``fuse``
-    the linears of each ``input_groups`` group are one stacked weight, one matmul a step instead of three
-    (q|k|v) or two (gate|up): fewer calls into the kernel at batch 1 (docs/BENCHMARKS.md); each linear keeps
-    a ``QuantSlice`` of it, and its bias and LoRA. The stored (portable) form is the same either way."""
-    for owner, attr, members in input_groups(model) if fuse else []:
-        parts = [tensors[f"{n}.weight"] for n, _ in members]
-        for (n, m), p in zip(members, parts):
+           fuse: bool = True, lora: str = "shared") -> None:
+    """Put quantized weights built from portable ``tensors`` (``quantize_portable``'s, in ``lora`` mode) in
+    place of the float ones (which are dropped, and with ``lora="merged"`` the LoRA too), multiplying in
+    ``act_dtype``. The model's other parameters must already be in ``dtype``. With ``fuse`` the linears of
+    each ``input_groups`` group are one stacked weight (per depth when merged), one matmul a step instead of
+    three (q|k|v) or two (gate|up): fewer calls into the kernel at batch 1 (docs/BENCHMARKS.md); each linear
+    keeps a ``QuantSlice`` of it, and its bias and LoRA. The stored (portable) form is the same either way."""
+    def parts_of(n, m):  # the portable tensors of one linear, one per depth when merged, shapes checked
+        parts = [tensors[name] for name in weight_names(n, m, lora)]
+        for p in parts:
             if _portable_shape(p) != (m.out_features, m.in_features):
                 raise ConfigError(f"quantized {n}.weight is {_portable_shape(p)[0]} x {_portable_shape(p)[1]}, "
                                   f"the model needs {m.out_features} x {m.in_features}")
-        if len({frozenset(p) for p in parts}) > 1 or len({p["scale"].shape[1:] for p in parts}) > 1:
-            continue  # mixed formats or group sizes: separate matmuls
+        return parts
+
+    for owner, attr, members in input_groups(model) if fuse else []:
+        per_member = [parts_of(n, m) for n, m in members]
+        flat = [p for parts in per_member for p in parts]
+        if (len({len(parts) for parts in per_member}) > 1 or len({frozenset(p) for p in flat}) > 1
+                or len({p["scale"].shape[1:] for p in flat}) > 1):
+            continue  # mixed formats, group sizes or LoRA modes: separate matmuls
         outs = [m.out_features for _, m in members]
-        stacked = _checked({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, "+".join(n for n, _ in members),
-                           (sum(outs), members[0][1].in_features), act_dtype)
+        name = "+".join(n for n, _ in members)
+        stacked = _per_depth([_checked({k: torch.cat([parts[d][k] for parts in per_member]) for k in flat[0]}, name,
+                                       (sum(outs), members[0][1].in_features), act_dtype)
+                              for d in range(len(per_member[0]))])
         stacked.sizes = outs
         setattr(owner, attr, stacked)
         start = 0
         for _, m in members:
-            m.quant, m.weight = QuantSlice(stacked, start, start + m.out_features), None
+            _drop_float(m, merges(m, lora))
+            m.quant = QuantSlice(stacked, start, start + m.out_features)
             start += m.out_features
     for n, m in linears(model):
         if m.quant is None:
-            m.quant = _checked(tensors[f"{n}.weight"], f"{n}.weight", (m.out_features, m.in_features), act_dtype)
-            m.weight = None
+            merged = merges(m, lora)
+            m.quant = _per_depth([_checked(p, f"{n}.weight", (m.out_features, m.in_features), act_dtype)
+                                  for p in parts_of(n, m)])
+            _drop_float(m, merged)
     c = model.config
     emb = _checked(tensors["model.embed_tokens.weight"], "embedding", (c.vocab_size, c.hidden_size), act_dtype)
     if not isinstance(emb, Int8Weight):
@@ -337,32 +415,34 @@ def release_freed_memory() -> None:
 
 
 def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
-                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT, fuse: bool = True):
+                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT, fuse: bool = True, lora: str = "shared"):
     """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged).
     ``dtype``: the float parameters left (LoRA, norms, biases); ``act_dtype``: the quantized matmuls'
     activations; ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable);
-    ``fuse``: stack q|k|v and gate|up (``attach``)."""
+    ``fuse``: stack q|k|v and gate|up (``attach``); ``lora``: "shared" keeps each shared weight once with
+    its per-depth LoRA in float on top, "merged" quantizes W' + B_s A_s once per depth (``PerDepthWeight``)."""
     device = next(model.parameters()).device
     check_format(fmt, device)
     if fmt == "fp32" or is_quantized(model):
         return model
     check_format(head, device)
-    tensors = quantize_portable(model, fmt, group, head)
+    tensors = quantize_portable(model, fmt, group, head, lora)
     keep = {id(m.weight) for _, m in linears(model)} | {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
     with torch.no_grad():
         for p in model.parameters():
             if id(p) not in keep:
                 p.data = p.data.to(dtype)
-    attach(model, tensors, dtype, act_dtype, fuse)
+    attach(model, tensors, dtype, act_dtype, fuse, lora)
     del tensors
     release_freed_memory()
-    model.config.quantization = record(fmt, group, dtype, head, act_dtype)
+    model.config.quantization = record(fmt, group, dtype, head, act_dtype, lora)
     return model.eval()
 
 
-def record(fmt: str, group: int, dtype: torch.dtype, head: str, act_dtype: torch.dtype) -> dict:
+def record(fmt: str, group: int, dtype: torch.dtype, head: str, act_dtype: torch.dtype, lora: str = "shared") -> dict:
     name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
-    return {"format": fmt, "group_size": group, "dtype": name(dtype), "act_dtype": name(act_dtype), "head": head}
+    return {"format": fmt, "group_size": group, "dtype": name(dtype), "act_dtype": name(act_dtype), "head": head,
+            "lora": lora}
 
 
 def stored_format(model: nn.Module) -> str:
@@ -377,12 +457,23 @@ def prepare(model: nn.Module, fmt: str | None, **options):
     stored = stored_format(model)
     fmt = fmt or stored
     check_format(fmt, next(model.parameters()).device)
+    lora = options.pop("lora", None)
+    if stored != "fp32" and lora and lora != stored_lora(model):
+        raise UsageError(f"this model is stored with {stored_lora(model)} LoRA weights; serve it with --lora "
+                         f"{stored_lora(model)}, or quantize its float checkpoint with --lora {lora}")
     if fmt == stored:
+        if fmt == "fp32" and lora == "merged":
+            raise UsageError("--lora merged needs quantized weights (--weights int8 or int4)")
         return model
     if stored != "fp32":
         raise UsageError(f"this model is stored with {stored} weights; serve it with --weights {stored}, or "
                          f"quantize its float checkpoint to {fmt}")
-    return quantize_model(model, fmt, **options)
+    return quantize_model(model, fmt, lora=lora or "shared", **options)
+
+
+def stored_lora(model: nn.Module) -> str:
+    rec = getattr(model.config, "quantization", None)
+    return rec.get("lora", "shared") if rec else "shared"
 
 
 def weight_bytes(model: nn.Module) -> int:

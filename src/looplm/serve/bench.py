@@ -248,7 +248,7 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                 "transformers": hf_comparison(args, base, vanilla, max_seq_len, log)}
     looped, looped_desc = _looped_model(args, vanilla)
     weights = getattr(args, "weights", None)
-    vanilla, looped = prepare(vanilla, weights), prepare(looped, weights)
+    vanilla, looped = prepare(vanilla, weights), prepare(looped, weights, lora=getattr(args, "lora", None))
     policy = parse_policy(args.exit).bind(looped)  # the probe policy: the looped model's fitted probe
     limits = machine_limits()
     result = {"model": args.model, "looped": looped_desc, "exit_policy": f"{policy.kind}:{policy.threshold}",

@@ -33,9 +33,26 @@ def _engine_args(p) -> None:
     p.add_argument("--weights", default=None, choices=["fp32", "int8", "int4"],
                    help="weight format on CPU: int8 (per-channel) or int4 (group-wise) quantized at load, with "
                         "LoRA and norms in float on top (default: as stored; docs/SERVING.md)")
+    p.add_argument("--lora", default=None, choices=["shared", "merged"],
+                   help="with --weights int8|int4: keep each shared weight once with its per-depth LoRA in float on "
+                        "top (shared, the default), or quantize W + B_s A_s once per depth (merged: no LoRA matmuls, "
+                        "fewer bytes at rank 64 on SmolLM2; docs/SERVING.md)")
     p.add_argument("--compile", action="store_true",
                    help="run each layer's work around attention as torch.compile regions (needs a C++ compiler on "
                         "CPU; the graphs are built before serving starts; docs/SERVING.md)")
+
+
+def check_engine_args(args, device: str = "cpu") -> None:
+    """Before the model loads: a weight format this device cannot run, merging a LoRA into float weights, or
+    compiling without a compiler is a one-line usage error."""
+    if args.weights:
+        from ..models.quantized import check_format
+        check_format(args.weights, device)
+    if args.lora == "merged" and args.weights == "fp32":
+        raise UsageError("--lora merged needs quantized weights (--weights int8 or int4)")
+    if args.compile:
+        from .compiled import check_compile_available
+        check_compile_available(device)
 
 
 def register(sub) -> None:
@@ -145,12 +162,7 @@ def cmd_serve(args) -> int:
     if policy.kind == "oracle":
         raise UsageError("the oracle policy is for analysis (it never exits); use softmax, margin, entropy, "
                          "cosine, probe or none")
-    if args.weights:  # before the model loads: a format this device cannot run is a usage error
-        from ..models.quantized import check_format
-        check_format(args.weights, args.device or "cpu")
-    if args.compile:
-        from .compiled import check_compile_available
-        check_compile_available(args.device or "cpu")
+    check_engine_args(args, args.device or "cpu")
     from .server import main
     return main(args)
 
@@ -215,8 +227,9 @@ def cmd_generate(args) -> int:
     from .sampling import SamplingParams
     from .schedulers import make_scheduler, replay, warm_up
     from ..models.quantized import prepare
+    check_engine_args(args)
     model, tok = load_model(args.model)
-    model = prepare(model, args.weights)
+    model = prepare(model, args.weights, lora=args.lora)
     sp = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     reqs = [Request(tok(p, add_special_tokens=bool(model.config.add_bos_token))["input_ids"], args.max_tokens, sp,
                     eos_token_id=tok.eos_token_id) for p in args.prompt]
@@ -245,6 +258,7 @@ def cmd_bench_serve(args) -> int:
         raise UsageError(f"--arrivals takes a comma list of all, poisson; got {args.arrivals!r}")
     if args.requests < 1 or args.max_batch < 1:
         raise UsageError("--requests and --max-batch must be >= 1")
+    check_engine_args(args)
     import functools
     import sys
     log = functools.partial(print, file=sys.stderr, flush=True) if args.json else print

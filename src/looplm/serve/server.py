@@ -386,7 +386,7 @@ def main(args) -> int:
     if args.device:
         model = model.to(args.device)
     from ..models.quantized import prepare
-    model = prepare(model, getattr(args, "weights", None)).eval()
+    model = prepare(model, getattr(args, "weights", None), lora=getattr(args, "lora", None)).eval()
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     opts = ServerOptions(model_name=args.served_model_name or args.model, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, max_seq_len=max_seq_len, exit_policy=parse_policy(args.exit_policy),
