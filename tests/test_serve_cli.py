@@ -80,8 +80,10 @@ def test_weights_flag_quantizes_and_reports_memory(tiny_dir, capsys):
     for fmt in ("fp32", "int8"):
         assert main(flags + ["--weights", fmt]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["weights"] == {"vanilla": fmt, "looped": fmt}
+        assert out["weights"] == {"vanilla": fmt, "looped": fmt} and out["looped_lora"] == "shared"
         figs[fmt] = out["runs"]
+    assert main(flags + ["--weights", "int8", "--lora", "merged"]) == 0  # the looped model's LoRA merged per depth
+    assert json.loads(capsys.readouterr().out)["looped_lora"] == "merged"
     # the vocabulary-sized embedding dominates this tiny model: int8 rows without a packed copy
     assert figs["int8"]["static"]["weights_mb"] * 3 < figs["fp32"]["static"]["weights_mb"]
     assert figs["int8"]["static"]["packed_weights_mb"] == 0

@@ -17,7 +17,7 @@ from importlib import resources
 
 import torch
 
-from ..models.quantized import prepare, stored_format, weight_bytes
+from ..models.quantized import prepare, stored_format, stored_lora, weight_bytes
 from .engine import Engine, Request
 from .exits import ExitPolicy
 from .hypothetical import hypothetical
@@ -253,6 +253,7 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
     limits = machine_limits()
     result = {"model": args.model, "looped": looped_desc, "exit_policy": f"{policy.kind}:{policy.threshold}",
               "weights": {"vanilla": stored_format(vanilla), "looped": stored_format(looped)},
+              "looped_lora": stored_lora(looped),  # shared, or merged per depth (--lora)
               "kv_mode": args.kv_mode, "max_batch": args.max_batch, "torch_threads": torch.get_num_threads(),
               "machine": limits, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     say(f"vanilla {args.model}; looped: {looped_desc}; exit {result['exit_policy']}, kv {args.kv_mode}")
