@@ -15,7 +15,8 @@ float32 outside the quantized matmuls), int4 group size N (default 32), int4 LM 
 float32 activations into the quantized matmuls (default bfloat16), a looped model's LoRA merged into one
 quantized weight per depth (`--lora merged`; default: shared weights with the float LoRA on top), the compiled engine (`--compile`,
 serve/compiled.py; its graphs are built before timing starts). Agreement: the fraction of a configuration's generated
-tokens equal to the float32 model's greedy choice given the same prefix (teacher-forced). Memory: each
+tokens equal to the float32 model's greedy choice given the same prefix (teacher-forced); for a looped model
+with exits (`--looped`), against the float32 looped model at full depth. Memory: each
 format served in a fresh process (`--child`), from a `looplm quantize` directory and quantized at load.
 
 llama-cpp-python is the optional `bench` extra (pip install -e .[bench]); CI does not install it.
@@ -170,10 +171,10 @@ def engine_model(vanilla, spec: str):
                             lora=s["lora"])
 
 
-def engine_serve(model, trace, max_batch, scheduler="sequence", policy=None, compile=False):
+def engine_serve(model, trace, max_batch, scheduler="sequence", policy=None, compile=False, kv_mode="copy"):
     """(tokens/s from first arrival to last finish, outputs)."""
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in trace)
-    fig, reqs, _ = run_trace(model, trace, scheduler, max_batch, max_len, policy, "later", compile)
+    fig, reqs, _ = run_trace(model, trace, scheduler, max_batch, max_len, policy, kv_mode, compile)
     return fig["tokens_per_s"], [r.output for r in reqs]
 
 
@@ -301,7 +302,11 @@ def main() -> int:
     p.add_argument("--looped", default=None, help="a looped model served at batch 1 with --exit (depth-wise); "
                    "'convert': --model converted on the fly (B=2, stepwise, LoRA rank 64, not uptrained)")
     p.add_argument("--looped-configs", default="fp32,int4")
-    p.add_argument("--exit", default="margin:0.05")
+    p.add_argument("--exit", default="margin:0.6", help="the looped model's exit policies, comma separated "
+                   "(margin:0.6: 95%% teacher-forced agreement for the healed B=2 rank-64 model, docs/FINDINGS.md; "
+                   "probe: the probe fitted into the model directory, `looplm fit-exit-probe`)")
+    p.add_argument("--kv-mode", default="copy", choices=["copy", "later"],
+                   help="the looped model's KV of skipped loops (as `looplm serve --kv-mode`)")
     p.add_argument("--b1-requests", type=int, default=4)
     p.add_argument("--b1-output", type=int, default=64)
     p.add_argument("--requests", type=int, default=64)
@@ -365,8 +370,9 @@ def main() -> int:
             base, _ = load_model(args.looped)
         looped = {s: engine_model(base, s) for s in args.looped_configs.split(",")}
         result["looped_weights_mb"] = {s: round(Q.weight_bytes(m) / 2 ** 20, 1) for s, m in looped.items()}
-        policy = parse_policy(args.exit)
-    outputs = {}
+        exits = args.exit.split(",")
+        result["looped_exit"] = {"policies": exits, "kv_mode": args.kv_mode}
+    outputs, looped_outputs = {}, {}
     times: dict[str, dict[str, list]] = {"batch1": {}, "trace": {}}
     for rnd in range(args.rounds):
         log(f"round {rnd + 1}")
@@ -374,11 +380,13 @@ def main() -> int:
             runs = [(s, lambda s=s: engine_serve(models[s], b1, 1, compile=compiled(s))) for s in specs]
             runs += [(k, lambda k=k: llama_serve(llamas_b1[k], b1)) for k in llamas_b1]
             if looped:
-                runs += [(f"looped {s} {args.exit}", lambda s=s: engine_serve(looped[s], b1, 1, "depth",
-                                                                            policy.bind(looped[s]), compiled(s)))
-                         for s in looped]
+                runs += [(f"looped {s} {e}", lambda s=s, e=e: engine_serve(
+                    looped[s], b1, 1, "depth", parse_policy(e).bind(looped[s]), compiled(s), args.kv_mode))
+                         for s in looped for e in exits]
             for name, fn in runs:
-                tps, _ = fn()
+                tps, out = fn()
+                if name.startswith("looped "):
+                    looped_outputs.setdefault(name, out)
                 times["batch1"].setdefault(name, []).append(tps)
                 log(f"  batch 1   {name:<28} {tps:7.1f} tok/s")
         if "trace" not in skip:
@@ -409,6 +417,9 @@ def main() -> int:
             result["quality"][f"looped {s}"] = {"perplexity": heldout_perplexity(looped[s], tok, args.data,
                                                                                  args.ppl_tokens)}
             log(f"  quality   looped {s:<21} {result['quality'][f'looped {s}']}")
+        for name, out in looped_outputs.items():  # exits and weights against the float model at full depth
+            result["quality"][name] = {"agreement_full_depth": round(outputs_agreement(base, b1, out), 4)}
+            log(f"  quality   {name:<28} {result['quality'][name]}")
     if "memory" not in skip:
         cases = {}
         src = str(tmp / "fp32")
@@ -464,9 +475,11 @@ def table(path: str) -> str:
             lines.append(f"| {name} | {v['tokens_per_s']} | {', '.join(map(str, v['rounds']))} | "
                          + " | ".join("" if x is None else f"{x}x" for x in ratios) + " |")
     if r.get("quality"):
-        lines += ["\nquality:\n", "| configuration | agreement with float32 (trace) | held-out perplexity |", "|---|---:|---:|"]
+        lines += ["\nquality:\n", "| configuration | agreement with float32 (trace; looped with exits: batch-1 "
+                  "requests, against full depth) | held-out perplexity |", "|---|---:|---:|"]
         for name, q in r["quality"].items():
-            lines.append(f"| {name} | {q.get('agreement', '')} | {q.get('perplexity', '')} |")
+            agree = q.get("agreement", q.get("agreement_full_depth", ""))
+            lines.append(f"| {name} | {agree} | {q.get('perplexity', '')} |")
     if r.get("looped_weights_mb"):
         lines += ["\nlooped model, weight tensors held (MB):\n", "| configuration | MB |", "|---|---:|"]
         lines += [f"| looped {name} | {mb} |" for name, mb in r["looped_weights_mb"].items()]

@@ -13,6 +13,7 @@ from looplm.models import LoopLMConfig, LoopLMForCausalLM
 from looplm.models import quantized as Q
 from looplm.serve import Engine, Request, make_scheduler, warm_up
 from looplm.serve import compiled as C
+from looplm.serve.exits import ExitPolicy
 from looplm.serve.schedulers import replay
 from conftest import arrive_one_per_step, full_depth_greedy
 
@@ -141,6 +142,46 @@ def test_a_decode_step_with_every_row_busy_runs_each_loop_as_one_compiled_call(r
     R, L = rows, model.config.num_hidden_layers
     for i, p in enumerate(prompts):  # positions 0 .. len(p) + 4 of the request's row were written
         n = model.config.prefix_length + len(p) + 5
+        for name in ("k", "v"):
+            got = getattr(engine.cache, name)[[d * R + rows_of[1][i] for d in range(L)]]
+            want = getattr(eager.cache, name)[[d * R + rows_of[0][i] for d in range(L)]]
+            torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,make,lengths", [(1, _relaxed, (5,)), (3, _relaxed, (5, 11, 1)),
+                                               (3, _gemma_like, (5, 11, 1))])
+def test_the_kv_fill_of_exited_tokens_is_one_compiled_call_that_writes_the_eager_entries(rows, make, lengths):
+    """kv mode copy: every decoded token leaves after loop 1 (softmax threshold 0), so each decode step fills
+    the skipped depths' cache entries, one compiled call per exit (one token, or several in one step). The
+    compiled engine emits the eager engine's tokens and writes the same keys and values, and compiles nothing
+    after warm-up. Gemma-like: sliding-window and full depths, each with its own rotary table."""
+    model = make()
+    policy = ExitPolicy("softmax", 0.0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    eager = Engine(model, max_batch=rows, max_seq_len=64, exit_policy=policy)
+    engine = Engine(model, max_batch=rows, max_seq_len=64, exit_policy=policy, compile=True)
+    warm_up(engine)
+    before = _frames()
+    calls = []
+    run = engine.compiled.fill_kv
+    engine.compiled.fill_kv = lambda *a: calls.append(a[4].shape[1]) or run(*a)
+    outputs, rows_of = [], []
+    for e in (eager, engine):
+        reqs = [Request(p, 6) for p in prompts]
+        row = {}
+        start = e.start
+        e.start = lambda req, start=start, row=row: (start(req), row.setdefault(id(req), req.row))[0]
+        replay(make_scheduler("depth", e), reqs)
+        outputs.append([r.output for r in reqs])
+        rows_of.append([row[id(r)] for r in reqs])
+        assert all(r.exit_loops[1:] == [1] * 5 for r in reqs)  # the first token comes from the prompt: full depth
+    assert outputs[0] == outputs[1]
+    assert sum(calls) == 5 * len(prompts) and (rows == 1 or max(calls) > 1)
+    assert _frames() == before, "serving after warm_up compiled again"
+    R, L = rows, model.config.num_hidden_layers
+    for i, p in enumerate(prompts):
+        n = len(p) + 5
         for name in ("k", "v"):
             got = getattr(engine.cache, name)[[d * R + rows_of[1][i] for d in range(L)]]
             want = getattr(eager.cache, name)[[d * R + rows_of[0][i] for d in range(L)]]

@@ -14,6 +14,10 @@ and the in-place attention reads included, with the cache tensors as graph input
 removes the eager attention core and the Python between layers from the batch-1 token. Those calls skip
 dynamo's guards on the modules they read, and on CPU their wrapper is C++ (``_decode_loop_options``).
 
+The KV entries an early-exited token skipped (kv mode ``copy``) are filled by one compiled call per exit
+(``fill_kv``): every skipped depth's k/v projections and cache writes. Eager, those 15 small projections
+cost 7.7 ms of a 28 ms looped batch-1 token (int4, SmolLM2 B=2, docs/BENCHMARKS.md).
+
 Other steps are regional: every layer runs the same compiled code (its parameters are graph inputs, not
 constants), so compiling costs one layer's graphs, not L of them. Graphs are specialised on a step of one
 token (batch-1 decode) and dynamic in the token count otherwise, and on the quantized/float kind of the
@@ -81,6 +85,15 @@ def _decode_loop(layers, slots, kinds, depths, h, tables, cache, pos, masks):
     return h
 
 
+def _fill_kv(layers, slots, kinds, depths, h, tables, cache, rows, pos):
+    """The cache entries of the depths an early-exited token skipped (kv mode ``copy``): each skipped depth's
+    k/v projections of the exit state h [1, n, hidden], written at the tokens' cache rows and positions."""
+    for layer, slot, kind, d in zip(layers, slots, kinds, depths):
+        cos, sin = tables[kind]
+        k, v = layer.project_kv(h, slot, cos, sin)
+        cache.write(cache.flat(d, rows), pos, k[0].transpose(0, 1), v[0].transpose(0, 1))
+
+
 def _own_copy(fn):
     """``fn`` with a code object of its own: dynamo keeps compiled graphs per code object, so graphs compiled
     through this copy are never offered to another caller's arguments."""
@@ -110,6 +123,7 @@ class CompiledBlock:
         self.attention_inputs = torch.compile(_attention_inputs)
         self.after_attention = torch.compile(_after_attention)
         self.decode_loop_fn = torch.compile(_own_copy(_decode_loop), options=_decode_loop_options(device))
+        self.fill_kv_fn = torch.compile(_own_copy(_fill_kv), options=_decode_loop_options(device))
 
     def decode_loop(self, layers, slots, kinds, depths, h, tables, cache, pos, masks):
         """``_decode_loop`` compiled: one graph per loop of the model, dynamic in the cache length read."""
@@ -117,6 +131,15 @@ class CompiledBlock:
             if m.shape[-1] > 1:
                 torch._dynamo.mark_dynamic(m, 3)
         return self.decode_loop_fn(layers, slots, kinds, depths, h, tables, cache, pos, masks)
+
+    def fill_kv(self, layers, slots, kinds, depths, h, tables, cache, rows, pos):
+        """``_fill_kv`` compiled: one graph per exit loop for one token, one dynamic in the token count."""
+        if h.shape[1] > 1:
+            for t in (h, *(x for cs in tables.values() for x in cs)):
+                torch._dynamo.mark_dynamic(t, 1)
+            for t in (rows, pos):
+                torch._dynamo.mark_dynamic(t, 0)
+        self.fill_kv_fn(layers, slots, kinds, depths, h, tables, cache, rows, pos)
 
     def forward_attend(self, layer, h, slot, cos, sin, attend_fn):
         if h.shape[1] > 1:  # one graph for every multi-token step (a single token keeps its own)

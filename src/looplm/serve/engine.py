@@ -459,19 +459,27 @@ class Engine:
                 cont.append(kv)
                 self.stats["kv_later_items"] += 1
             return
-        R, K = self.cache.num_rows, self.K
         by_loop: dict[int, list] = {}
         for it, r in exited:
             by_loop.setdefault(it.loop, []).append((it, r))
         for l, group in by_loop.items():
-            rows_h = torch.tensor([r for _, r in group], device=self.device)
-            h = h_out.index_select(0, rows_h)[None]
-            pos = torch.tensor([it.pos for it, _ in group], device=self.device)
-            row = torch.tensor([it.req.row for it, _ in group], device=self.device)
-            tables = self.model.model.rotary(pos[None], h.dtype)
-            for d in range((l + 1) * K, self.L):
-                layer = self.layers[self.layer_map[d]]
-                cos, sin = tables[self.kinds[d]]
-                k, v = layer.project_kv(h, self.slot_map[d], cos, sin)
-                self.cache.write(d * R + row, pos, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            h = h_out.index_select(0, torch.tensor([r for _, r in group], device=self.device))[None]
+            self.fill_copy(l, h, torch.tensor([it.pos for it, _ in group], device=self.device),
+                           torch.tensor([it.req.row for it, _ in group], device=self.device))
             self.stats["kv_copy_tokens"] += len(group)
+
+    @torch.no_grad()
+    def fill_copy(self, loop: int, h: torch.Tensor, pos: torch.Tensor, row: torch.Tensor) -> None:
+        """KV ``copy``: the cache entries of every depth after ``loop`` for tokens that left after it, their
+        exit states h [1, n, hidden] projected through each skipped depth's k/v (one compiled call when the
+        engine is compiled)."""
+        ds = list(range((loop + 1) * self.K, self.L))
+        tables = self.model.model.rotary(pos[None], h.dtype)
+        layers, slots, kinds = [self.layers[self.layer_map[d]] for d in ds], [self.slot_map[d] for d in ds], \
+            [self.kinds[d] for d in ds]
+        if self.compiled is not None:
+            self.compiled.fill_kv(layers, slots, kinds, ds, h, tables, self.cache, row, pos)
+            return
+        for layer, slot, kind, d in zip(layers, slots, kinds, ds):
+            k, v = layer.project_kv(h, slot, *tables[kind])
+            self.cache.write(self.cache.flat(d, row), pos, k[0].transpose(0, 1), v[0].transpose(0, 1))

@@ -15,6 +15,8 @@ import os
 import time
 from collections import deque
 
+import torch
+
 from ..models.config import ConfigError
 from .engine import Engine, Item, Request
 from .sampling import RequestError
@@ -179,8 +181,9 @@ def generate(engine: Engine, prompts, max_tokens: int = 16, scheduler: str = "de
 def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens: int = 3) -> float:
     """Build a compiled engine's graphs (serve/compiled.py) before it serves, so requests pay no compile
     time: a one-token prompt, prompts of two lengths (the dynamic token count) decoded one at a time and
-    together, then one prompt per cache row (the whole-loop decode graph of a full batch), at every loop.
-    Returns the seconds it took; the engine's statistics are reset afterwards. A no-op for an eager engine."""
+    together, then one prompt per cache row (the whole-loop decode graph of a full batch), at every loop;
+    with exits in kv mode ``copy``, the KV fill of one and of two exited tokens after each loop. Returns the
+    seconds it took; the engine's statistics are reset afterwards. A no-op for an eager engine."""
     if engine.compiled is None:
         return 0.0
     t0, clock = time.perf_counter(), engine.clock  # replay sets its own clock on the engine
@@ -194,6 +197,15 @@ def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens
         bad = [r for r in reqs if r.status != "done"]
         if bad:
             raise RuntimeError(f"compiling the engine failed: {bad[0].error}")
+    if engine.policy.active and engine.kv_mode == "copy":  # the KV fill of exited tokens: one and two tokens
+        for loop in range(engine.B - 1):
+            for n in sorted({1, min(2, R)}):
+                rows = [engine.cache.allocate() for _ in range(n)]  # free rows: their stale entries are never read
+                h = torch.zeros(1, n, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
+                engine.fill_copy(loop, h, torch.zeros(n, dtype=torch.long, device=engine.device),
+                                 torch.tensor(rows, device=engine.device))
+                for r in rows:
+                    engine.cache.release(r)
     engine.clock = clock
     engine.reset_stats()
     return time.perf_counter() - t0
