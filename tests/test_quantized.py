@@ -55,19 +55,46 @@ def test_quantized_matmul_within_the_rounding_bound(fmt, rows):
     deq = Q.dequantize(t)
     # the kernel multiplies by exactly the dequantized weight (float32 summation order aside)
     assert torch.allclose(y, x @ deq.t() + b, rtol=1e-5, atol=1e-4)
-    # and every weight is within half a quantization step of the float one, so the product is within
-    # sum_k |x_k| * step_k / 2 of the float product
-    if fmt == "int8":
+    if fmt == "int8":  # every weight within half a step, so the product within sum_k |x_k| * step_k / 2
         step = t["scale"][:, None].expand_as(w)
-    else:
-        g = 128 // t["scale"].shape[1]
-        step = t["scale"].repeat_interleave(g, dim=1)
-    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
-    bound = x.abs() @ (step / 2).t()
-    assert ((y - (x @ w.t() + b)).abs() <= bound + 1e-4).all()
+        assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+        bound = x.abs() @ (step / 2).t()
+        assert ((y - (x @ w.t() + b)).abs() <= bound + 1e-4).all()
+    else:  # int4 fits each group's range to the weight (next test): no group worse than its [min, max] grid
+        assert (_group_sq_err(w, deq) <= _group_sq_err(w, _round_to_nearest_int4(w)) + 1e-6).all()
     assert (y - (x @ w.t() + b)).abs().max() > 0  # it is quantized
     # the kernel's own form reads back as the portable one
     assert torch.allclose(qw.dequantize(), deq, atol=1e-5)
+
+
+def _round_to_nearest_int4(w, g=32):
+    """Plain round-to-nearest over each group's [min, max] range (what int4 did before its ranges were fitted)."""
+    wg = w.reshape(w.shape[0], -1, g)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    return (torch.round((wg - lo) / scale).clamp(0, 15) * scale + lo).reshape(w.shape)
+
+
+def _group_sq_err(w, deq, g=32):
+    return ((deq - w) ** 2).reshape(w.shape[0], -1, g).sum(-1)
+
+
+def test_int4_ranges_are_fitted_to_the_float_weight():
+    """Each group's scale and minimum are chosen against the float weight: heavy-tailed weights (as trained
+    ones are) lose less than round-to-nearest over [min, max], no group loses more, and weights already on a
+    4-bit grid (like the embedded Q4_1 model's) still round-trip exactly."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((64, 256)) * 0.02
+    t = Q.int4_portable(w)
+    fitted, plain = _group_sq_err(w, Q.dequantize(t)), _group_sq_err(w, _round_to_nearest_int4(w))
+    assert (fitted <= plain + 1e-9).all()
+    assert fitted.sum() < 0.95 * plain.sum(), (fitted.sum() / plain.sum()).item()  # 0.92 here
+    codes = torch.randint(0, 16, (64, 256), generator=g).float()
+    codes[:, 0::32], codes[:, 1::32] = 0, 15  # each group spans the whole grid, as a dequantized Q4_1 block may
+    scale, lo = torch.rand(64, 8, 1, generator=g) * 0.01 + 1e-3, torch.randn(64, 8, 1, generator=g) * 0.05
+    on_grid = (codes.reshape(64, 8, 32) * scale + lo).reshape(64, 256)
+    assert torch.allclose(Q.dequantize(Q.int4_portable(on_grid)), on_grid, atol=1e-6)
 
 
 def test_int4_group_falls_back_to_a_size_that_divides():

@@ -4,7 +4,8 @@ A decode step on CPU is bound by how fast the matmuls stream weights, so fewer b
 lever. The kernels are PyTorch's own CPU ops, no hand-made one:
 
 * ``int8``: symmetric, one scale per output channel, ``torch.ops.aten._weight_int8pack_mm``.
-* ``int4``: asymmetric groups of G input columns (a scale and a minimum per group, as llama.cpp's Q4_1),
+* ``int4``: asymmetric groups of G input columns (a scale and a minimum per group, as llama.cpp's Q4_1,
+  chosen per group against the float weight among clipped ranges and least-squares fits: ``int4_portable``),
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout ``_convert_weight_to_int4pack_for_cpu``
   makes. G is 32 by default (the measured error/speed choice, docs/BENCHMARKS.md); a linear whose input
   width G does not divide takes the largest of 32/64/128/256 that does.
@@ -102,16 +103,48 @@ def group_for(in_features: int, group: int) -> int:
     return max(fits)
 
 
+# int4 ranges tried per group: the group's [min, max] shrunk toward zero by these factors (clipping outliers)
+INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def _int4_codes(wg: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15)
+
+
 def int4_portable(w: torch.Tensor, group: int = DEFAULT_GROUP) -> dict:
     """Asymmetric group-wise 4-bit: w ~ q * scale + min per group of ``group`` input columns; q in [0, 15],
-    two per byte (even column in the low nibble)."""
+    two per byte (even column in the low nibble).
+
+    Scale and minimum are chosen against the float weight, per group: each range in ``INT4_CLIPS`` gives codes,
+    a least-squares fit of (scale, min) to those codes is tried beside the range's own, and the pair with the
+    smallest squared error is kept. The plain [min, max] range is among the candidates, so no group is worse
+    than round-to-nearest over its range (weights already on a 4-bit grid, like the embedded Q4_1 model's,
+    still round-trip exactly)."""
     w = w.detach().float()
     n, k = w.shape
     g = group_for(k, group)
     wg = w.reshape(n, k // g, g)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
-    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    lo0, hi0 = wg.amin(-1), wg.amax(-1)
+    best = None  # (squared error, codes, scale, min)
+    for clip in INT4_CLIPS:
+        lo, hi = lo0 * clip, hi0 * clip
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = _int4_codes(wg, lo, scale)
+        # least squares for w ~ q * s + m given the codes; groups whose codes do not vary keep the range's pair
+        qm, wm = q.mean(-1), wg.mean(-1)
+        var = ((q - qm[..., None]) ** 2).sum(-1)
+        s_fit = ((q - qm[..., None]) * (wg - wm[..., None])).sum(-1) / var.clamp_min(1e-12)
+        ok = (var > 0) & (s_fit > 1e-12)
+        for sc, mn in ((scale, lo), (torch.where(ok, s_fit, scale), torch.where(ok, wm - s_fit * qm, lo))):
+            err = ((q * sc[..., None] + mn[..., None] - wg) ** 2).sum(-1)
+            if best is None:
+                best = [err, q, sc, mn]
+                continue
+            better = err < best[0]
+            best = [torch.where(better, err, best[0]), torch.where(better[..., None], q, best[1]),
+                    torch.where(better, sc, best[2]), torch.where(better, mn, best[3])]
+    _, q, scale, lo = best
+    q = q.to(torch.uint8).reshape(n, k)
     return {"q4": q[:, 0::2] | (q[:, 1::2] << 4), "scale": scale, "min": lo}
 
 
