@@ -372,6 +372,7 @@ def main() -> int:
         result["looped_weights_mb"] = {s: round(Q.weight_bytes(m) / 2 ** 20, 1) for s, m in looped.items()}
         exits = args.exit.split(",")
         result["looped_exit"] = {"policies": exits, "kv_mode": args.kv_mode}
+        policies = {(s, e): parse_policy(e).bind(looped[s]) for s in looped for e in exits}  # a missing probe fails here
     outputs, looped_outputs = {}, {}
     times: dict[str, dict[str, list]] = {"batch1": {}, "trace": {}}
     for rnd in range(args.rounds):
@@ -381,7 +382,7 @@ def main() -> int:
             runs += [(k, lambda k=k: llama_serve(llamas_b1[k], b1)) for k in llamas_b1]
             if looped:
                 runs += [(f"looped {s} {e}", lambda s=s, e=e: engine_serve(
-                    looped[s], b1, 1, "depth", parse_policy(e).bind(looped[s]), compiled(s), args.kv_mode))
+                    looped[s], b1, 1, "depth", policies[(s, e)], compiled(s), args.kv_mode))
                          for s in looped for e in exits]
             for name, fn in runs:
                 tps, out = fn()
