@@ -1,4 +1,4 @@
-"""The weight matmuls of one batch-1 decode token, kernel by kernel: what each CPU kernel that ships with PyTorch
+"""The weight matmuls of one decode step, kernel by kernel: what each CPU kernel that ships with PyTorch
 costs at SmolLM2-135M's shapes (30 layers of q|k|v, o, gate|up and down, and the 49,152-word LM head).
 
 Each layer gets its own random weights (30 distinct copies, as in the model), and a "token" runs the 30 layers'
@@ -6,10 +6,12 @@ four products one after another and then the head, so weights stream from memory
 than staying in cache. Kernels: PyTorch's weight-only int4 (`_weight_int4pack_mm_for_cpu`, groups of 32) and int8
 (`_weight_int8pack_mm`, per channel), each fed bfloat16 (the engine's default) or float32 activations; float32
 `F.linear`; FBGEMM's dynamically quantized int8 linear (`torch.ao` dynamic quantization: int8 activations per
-tensor, a different numerical contract from weight-only). Reports milliseconds per token for the layers and
-for the head, and the rate of weight bytes read.
+tensor, a different numerical contract from weight-only). Reports milliseconds per step for the layers and
+for the head, and the rate of weight bytes read. ``--batch N`` makes a step N tokens (N rows through every
+product: a batched decode step of the serving engine); the default is batch 1.
 
     PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_decode_kernels.py --rounds 5 --json
+    PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_decode_kernels.py --batch 64 --tokens 5
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--tokens", type=int, default=20, help="tokens per round")
+    p.add_argument("--tokens", type=int, default=20, help="steps per round")
+    p.add_argument("--batch", type=int, default=1, help="tokens per step (rows through every product)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
@@ -76,8 +79,8 @@ def main() -> int:
         head = make(torch.randn(*HEAD_SHAPE, generator=g) * 0.02)
         built[name] = ([[f for f, _ in layer] for layer in layers], head[0])
         nbytes[name] = (sum(b for layer in layers for _, b in layer), head[1])
-    xs = {k: torch.randn(1, s[1], generator=g) for k, s in LAYER_SHAPES.items()}
-    xh = torch.randn(1, HEAD_SHAPE[1], generator=g)
+    xs = {k: torch.randn(args.batch, s[1], generator=g) for k, s in LAYER_SHAPES.items()}
+    xh = torch.randn(args.batch, HEAD_SHAPE[1], generator=g)
     times = {n: {"layers": [], "head": []} for n in names}
 
     @torch.no_grad()
@@ -100,14 +103,16 @@ def main() -> int:
             times[name]["head"].append(statistics.median(b for _, b in lt))
         log(f"round {rnd + 1}: " + ", ".join(f"{n} {times[n]['layers'][-1] * 1e3:.2f}+{times[n]['head'][-1] * 1e3:.2f} ms"
                                              for n in names))
-    flops_layers = 2 * args.layers * sum(o * i for o, i in LAYER_SHAPES.values())
+    flops_layers = 2 * args.batch * args.layers * sum(o * i for o, i in LAYER_SHAPES.values())
     result = {"cpu": _cpu(), "torch": torch.__version__, "threads": args.threads, "layers": args.layers,
+              "batch": args.batch,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv[1:]),
               "kernels": {}}
     for name in names:
         lay, hd = statistics.median(times[name]["layers"]), statistics.median(times[name]["head"])
         result["kernels"][name] = {
-            "layers_ms": round(lay * 1e3, 3), "head_ms": round(hd * 1e3, 3), "token_ms": round((lay + hd) * 1e3, 3),
+            "layers_ms": round(lay * 1e3, 3), "head_ms": round(hd * 1e3, 3), "step_ms": round((lay + hd) * 1e3, 3),
+            "token_ms": round((lay + hd) * 1e3 / args.batch, 3),
             "layer_weights_mb": round(nbytes[name][0] / 2 ** 20, 1), "head_weights_mb": round(nbytes[name][1] / 2 ** 20, 1),
             "layers_gb_per_s": round(nbytes[name][0] / lay / 1e9, 2), "layers_gflop_per_s": round(flops_layers / lay / 1e9, 1),
             "head_gb_per_s": round(nbytes[name][1] / hd / 1e9, 2)}

@@ -107,10 +107,6 @@ def group_for(in_features: int, group: int) -> int:
 INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
-def _int4_codes(wg: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15)
-
-
 def int4_portable(w: torch.Tensor, group: int = DEFAULT_GROUP) -> dict:
     """Asymmetric group-wise 4-bit: w ~ q * scale + min per group of ``group`` input columns; q in [0, 15],
     two per byte (even column in the low nibble).
@@ -124,14 +120,14 @@ def int4_portable(w: torch.Tensor, group: int = DEFAULT_GROUP) -> dict:
     n, k = w.shape
     g = group_for(k, group)
     wg = w.reshape(n, k // g, g)
-    lo0, hi0 = wg.amin(-1), wg.amax(-1)
+    lo0, hi0, wm = wg.amin(-1), wg.amax(-1), wg.mean(-1)
     best = None  # (squared error, codes, scale, min)
     for clip in INT4_CLIPS:
         lo, hi = lo0 * clip, hi0 * clip
         scale = ((hi - lo) / 15).clamp_min(1e-12)
-        q = _int4_codes(wg, lo, scale)
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15)
         # least squares for w ~ q * s + m given the codes; groups whose codes do not vary keep the range's pair
-        qm, wm = q.mean(-1), wg.mean(-1)
+        qm = q.mean(-1)
         var = ((q - qm[..., None]) ** 2).sum(-1)
         s_fit = ((q - qm[..., None]) * (wg - wm[..., None])).sum(-1) / var.clamp_min(1e-12)
         ok = (var > 0) & (s_fit > 1e-12)
