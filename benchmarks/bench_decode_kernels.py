@@ -6,7 +6,8 @@ four products one after another and then the head, so weights stream from memory
 than staying in cache. Kernels: PyTorch's weight-only int4 (`_weight_int4pack_mm_for_cpu`, groups of 32) and int8
 (`_weight_int8pack_mm`, per channel), each fed bfloat16 (the engine's default) or float32 activations; float32
 `F.linear`; FBGEMM's dynamically quantized int8 linear (`torch.ao` dynamic quantization: int8 activations per
-tensor, a different numerical contract from weight-only). Reports milliseconds per step for the layers and
+tensor, a different numerical contract from weight-only); int8 x int8 with activations quantized per row through
+``torch._int_mm``. Reports milliseconds per step for the layers and
 for the head, and the rate of weight bytes read. ``--batch N`` makes a step N tokens (N rows through every
 product: a batched decode step of the serving engine); the default is batch 1.
 
@@ -53,9 +54,21 @@ def fbgemm_dynamic(w):
     return q, w.numel()  # int8 weights; FBGEMM's packed form adds a little
 
 
+def int8_per_row(w):
+    """int8 weights per output channel, activations quantized to int8 per row, ``torch._int_mm`` (the product a
+    per-request int8 path would need: no scale shared between rows)."""
+    t = Q.int8_portable(w)
+    qt, scale = t["q"].t().contiguous(), t["scale"]
+
+    def f(x):
+        xs = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+        return torch._int_mm(torch.round(x / xs).to(torch.int8), qt) * xs * scale
+    return f, w.numel()
+
+
 KERNELS = {"int4 (bf16 act)": weight_only("int4", torch.bfloat16), "int4 (fp32 act)": weight_only("int4", torch.float32),
            "int8 (bf16 act)": weight_only("int8", torch.bfloat16), "int8 (fp32 act)": weight_only("int8", torch.float32),
-           "fp32": fp32, "fbgemm dynamic int8": fbgemm_dynamic}
+           "fp32": fp32, "fbgemm dynamic int8": fbgemm_dynamic, "int8 x int8 per row": int8_per_row}
 
 
 def main() -> int:
