@@ -1,0 +1,115 @@
+"""Where the quantized engine's disagreement with float32 comes from: the weights' rounding or the activations'.
+Teacher-forced on held-out corpus rows (every position's greedy token against the float32 model's, and the
+held-out perplexity), one row per variant:
+
+  fp32                    the reference
+  fp32, bf16 activations  float32 weights; every linear's input and output rounded to bfloat16 (hooks)
+  int8 head dequantized   only the LM head (and the embeddings tied to it) rounded to int8, float32 math
+  FMT dequantized         the quantized weights expanded back to float32, float32 math: the weights' rounding alone
+  FMT layers dequantized  the same with the head left in float32
+  FMT, bf16 activations   the engine's kernels as served (`looplm serve --weights FMT`, the default act dtype)
+  FMT, fp32 activations   the same kernels fed float32 activations (for the formats in --fp32-activations: the
+                          kernels convert them per call, 4-13x slower on an AVX2-only CPU)
+
+    PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python scripts/quant_agreement.py smollm2-135m \
+        --data out/heal/corpus-smollm2-135m-512 --rows 16 --formats int8,int4 --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from looplm.data.corpus import PackedCorpus
+from looplm.models import load_model
+from looplm.models import quantized as Q
+
+
+def _round_bf16(module, args, output=None):
+    if output is None:  # forward pre-hook: the input
+        return (args[0].to(torch.bfloat16).float(), *args[1:])
+    return output.to(torch.bfloat16).float()
+
+
+def bf16_activations(model):
+    """Round every linear's input and output (the LM head's too) to bfloat16, as the bf16-activation kernels do."""
+    mods = [lin for _, lin in Q.linears(model)] + [model.lm_head]
+    for m in mods:
+        m.register_forward_pre_hook(_round_bf16)
+        m.register_forward_hook(_round_bf16)
+    return model
+
+
+def dequantized(model, fmt: str | None, head: bool = True):
+    """The layers' linears (``fmt``; None leaves them) and the head (int8, as quantize_model stores it; tied to the
+    embeddings in SmolLM2, so both move, as served) replaced by their quantized weights, in float32."""
+    with torch.no_grad():
+        for _, lin in Q.linears(model) if fmt else ():
+            lin.weight.copy_(Q.dequantize(Q.portable(lin.weight, fmt)))
+        if head:
+            model.lm_head.weight.copy_(Q.dequantize(Q.int8_portable(model.lm_head.weight)))
+    return model
+
+
+@torch.no_grad()
+def score(model, rows: torch.Tensor, reference: list[torch.Tensor] | None):
+    """(greedy tokens per row, summed NLL, predicted tokens, agreement with ``reference``)."""
+    greedy, nll, n, same = [], 0.0, 0, 0
+    for i, row in enumerate(rows):
+        logits = model(row[None]).logits[0].float()
+        nll += float(F.cross_entropy(logits[:-1], row[1:], reduction="sum"))
+        n += len(row) - 1
+        g = logits.argmax(-1)
+        greedy.append(g)
+        if reference is not None:
+            same += int((g == reference[i]).sum())
+    agree = same / (len(rows) * rows.shape[1]) if reference is not None else 1.0
+    return greedy, nll, n, agree
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model name or saved model directory (float32)")
+    p.add_argument("--data", required=True, help="corpus directory (its held-out split is read)")
+    p.add_argument("--rows", type=int, default=16, help="held-out rows (x the corpus's sequence length)")
+    p.add_argument("--formats", default="int8,int4")
+    p.add_argument("--fp32-activations", default="int8", help="formats also run with float32 activations")
+    p.add_argument("--json", help="write the results here (after every row)")
+    args = p.parse_args()
+    held = PackedCorpus(args.data).splits["heldout"]
+    rows = torch.from_numpy(np.array(held[:args.rows], dtype=np.int64))
+    fresh = lambda: load_model(args.model)[0].float().eval()  # noqa: E731
+    variants = [("fp32", fresh), ("fp32, bf16 activations", lambda: bf16_activations(fresh())),
+                ("int8 head dequantized", lambda: dequantized(fresh(), None))]
+    for fmt in args.formats.split(","):
+        variants += [(f"{fmt} dequantized", lambda f=fmt: dequantized(fresh(), f)),
+                     (f"{fmt} layers dequantized", lambda f=fmt: dequantized(fresh(), f, head=False)),
+                     (f"{fmt}, bf16 activations", lambda f=fmt: Q.quantize_model(fresh(), f))]
+        if fmt in args.fp32_activations.split(","):
+            variants += [(f"{fmt}, fp32 activations",
+                          lambda f=fmt: Q.quantize_model(fresh(), f, act_dtype=torch.float32))]
+    reference, results = None, []
+    print(f"| {args.model}, {rows.numel():,} held-out positions | greedy agreement with fp32 | held-out perplexity |")
+    print("|---|---:|---:|")
+    for name, make in variants:
+        greedy, nll, n, agree = score(make(), rows, reference)
+        reference = reference or greedy
+        se = math.sqrt(agree * (1 - agree) / rows.numel())
+        results.append({"variant": name, "agreement": round(agree, 4), "agreement_se": round(se, 4),
+                        "perplexity": round(math.exp(nll / n), 3)})
+        print(f"| {name} | {agree:.4f} (+-{se:.4f}) | {math.exp(nll / n):.2f} |", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "data": args.data, "positions": rows.numel(), "rows": results}, f,
+                          indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
