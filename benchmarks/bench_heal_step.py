@@ -34,10 +34,9 @@ def main() -> None:
     model.train().requires_grad_(False)
     model.model.layers.requires_grad_(True)
     shared = [m.weight for m in model.model.layers.modules() if isinstance(m, LoopLinear)]
-    opts = {False: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)}
-    ids_shared = {id(p) for p in shared}
-    opts[True] = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad and id(p) not in ids_shared],
-                                   lr=1e-6)
+    trainable, shared_ids = [p for p in model.parameters() if p.requires_grad], {id(p) for p in shared}
+    opts = {False: torch.optim.AdamW(trainable, lr=1e-6),  # keyed by "shared weights frozen"
+            True: torch.optim.AdamW([p for p in trainable if id(p) not in shared_ids], lr=1e-6)}
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     print(f"threads {torch.get_num_threads()}, bf16 matmuls: {torch.cpu._is_avx512_bf16_supported()}")
     for r in range(args.rounds):

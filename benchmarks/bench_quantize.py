@@ -19,6 +19,7 @@ import json
 import platform
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -26,27 +27,28 @@ from looplm.models import load_model
 from looplm.models import quantized as qz
 
 
+@contextmanager
+def int4_ranges(clips: tuple[float, ...]):
+    """int4_portable reads the module's INT4_CLIPS at each call: set it for the block."""
+    saved, qz.INT4_CLIPS = qz.INT4_CLIPS, clips
+    try:
+        yield
+    finally:
+        qz.INT4_CLIPS = saved
+
+
 def quantize_seconds(model, fmt: str, lora: str, clips: tuple[float, ...]) -> float:
     fresh = copy.deepcopy(model)
-    saved, qz.INT4_CLIPS = qz.INT4_CLIPS, clips  # int4_portable reads the module's tuple at each call
-    try:
+    with int4_ranges(clips):
         t0 = time.perf_counter()
         qz.quantize_model(fresh, fmt, lora=lora)
         return time.perf_counter() - t0
-    finally:
-        qz.INT4_CLIPS = saved
 
 
 def weight_error(model, clips: tuple[float, ...]) -> float:
-    """The shared int4 weights' relative Frobenius error ||W - Q(W)|| / ||W||, averaged over the linears
-    (the measure of scripts/quant_error.py)."""
-    saved, qz.INT4_CLIPS = qz.INT4_CLIPS, clips
-    try:
-        errs = [float((qz.dequantize(qz.int4_portable(w)) - w).norm() / w.norm())
-                for w in (lin.weight.detach().float() for _, lin in qz.linears(model))]
-        return statistics.fmean(errs)
-    finally:
-        qz.INT4_CLIPS = saved
+    """The shared int4 weights' relative error, averaged over the linears (as scripts/quant_error.py reports it)."""
+    with int4_ranges(clips):
+        return statistics.fmean(qz.relative_error(lin.weight, "int4") for _, lin in qz.linears(model))
 
 
 def main() -> None:

@@ -31,18 +31,17 @@ from looplm.models import load_model
 from looplm.models import quantized as Q
 
 
-def _round_bf16(module, args, output=None):
-    if output is None:  # forward pre-hook: the input
-        return (args[0].to(torch.bfloat16).float(), *args[1:])
-    return output.to(torch.bfloat16).float()
-
-
 def bf16_activations(model):
     """Round every linear's input and output (the LM head's too) to bfloat16, as the bf16-activation kernels do."""
-    mods = [lin for _, lin in Q.linears(model)] + [model.lm_head]
-    for m in mods:
-        m.register_forward_pre_hook(_round_bf16)
-        m.register_forward_hook(_round_bf16)
+    def round_input(module, args):
+        return (args[0].to(torch.bfloat16).float(), *args[1:])
+
+    def round_output(module, args, output):
+        return output.to(torch.bfloat16).float()
+
+    for m in [lin for _, lin in Q.linears(model)] + [model.lm_head]:
+        m.register_forward_pre_hook(round_input)
+        m.register_forward_hook(round_output)
     return model
 
 

@@ -18,19 +18,14 @@ from looplm.models import load_model
 from looplm.models import quantized as Q
 
 
-def relative_error(w: torch.Tensor, fmt: str, group: int) -> float:
-    w = w.float()
-    return ((w - Q.dequantize(Q.portable(w, fmt, group))).norm() / w.norm()).item()
-
-
 def weight_errors(model, fmt: str, group: int) -> dict:
     shared, merged, update = [], [], []
     for _, lin in Q.linears(model):
         w = lin.weight.detach()
-        shared.append(relative_error(w, fmt, group))
+        shared.append(Q.relative_error(w, fmt, group))
         if lin.lora_A is not None:
             for s in range(lin.lora_A.shape[0]):
-                merged.append(relative_error(lin.merged_weight(s), fmt, group))
+                merged.append(Q.relative_error(lin.merged_weight(s), fmt, group))
                 update.append(((lin.lora_B[s] @ lin.lora_A[s]).norm() / w.norm()).item())
     mean = lambda xs: round(statistics.fmean(xs), 4) if xs else None  # noqa: E731
     return {"linears": len(shared), "shared": mean(shared), "merged_per_depth": mean(merged),

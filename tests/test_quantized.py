@@ -97,6 +97,15 @@ def test_int4_ranges_are_fitted_to_the_float_weight():
     assert torch.allclose(Q.dequantize(Q.int4_portable(on_grid)), on_grid, atol=1e-6)
 
 
+def test_relative_error_is_the_frobenius_ratio_of_the_rounding():
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    for fmt in ("int8", "int4"):
+        want = ((w - Q.dequantize(Q.portable(w, fmt))).norm() / w.norm()).item()
+        assert Q.relative_error(w, fmt) == pytest.approx(want, rel=1e-6)
+    assert 0 < Q.relative_error(w, "int8") < Q.relative_error(w, "int4") < 0.2
+    assert Q.relative_error(torch.full((4, 32), 0.5), "int8") == pytest.approx(0.0, abs=1e-7)
+
+
 def test_int4_group_falls_back_to_a_size_that_divides():
     t = Q.int4_portable(torch.randn(8, 96), group=64)  # 96 = 3 x 32: groups of 32
     assert t["scale"].shape == (8, 3)

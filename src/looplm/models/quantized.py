@@ -163,6 +163,12 @@ def portable(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> dict:
     return int8_portable(w) if fmt == "int8" else int4_portable(w, group)
 
 
+def relative_error(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> float:
+    """||W - Q(W)|| / ||W||: how far quantizing to ``fmt`` moves a weight (Frobenius norms, float32)."""
+    w = w.detach().float()
+    return ((w - dequantize(portable(w, fmt, group))).norm() / w.norm()).item()
+
+
 # --- kernel form: what the engine multiplies with ---------------------------------------------
 
 class QuantWeight(nn.Module):
