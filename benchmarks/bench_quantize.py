@@ -23,18 +23,18 @@ from contextlib import contextmanager
 
 import torch
 
-from looplm.models import load_model
+from looplm.models import grids, load_model
 from looplm.models import quantized as qz
 
 
 @contextmanager
 def int4_ranges(clips: tuple[float, ...]):
-    """int4_portable reads the module's INT4_CLIPS at each call: set it for the block."""
-    saved, qz.INT4_CLIPS = qz.INT4_CLIPS, clips
+    """int4_portable reads grids.INT4_CLIPS at each call: set it for the block (the grid-step candidate stays)."""
+    saved, grids.INT4_CLIPS = grids.INT4_CLIPS, clips
     try:
         yield
     finally:
-        qz.INT4_CLIPS = saved
+        grids.INT4_CLIPS = saved
 
 
 def quantize_seconds(model, fmt: str, lora: str, clips: tuple[float, ...]) -> float:
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    variants = {"fitted": tuple(qz.INT4_CLIPS), "single": (1.0,)} if args.format == "int4" else {"int8": ()}
+    variants = {"fitted": tuple(grids.INT4_CLIPS), "single": (1.0,)} if args.format == "int4" else {"int8": ()}
     rows = []
     for name in args.models.split(","):
         model, _ = load_model(name)

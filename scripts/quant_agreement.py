@@ -13,11 +13,15 @@ held-out perplexity), one row per variant:
 
     PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python scripts/quant_agreement.py smollm2-135m \
         --data out/heal/corpus-smollm2-135m-512 --rows 16 --formats int8,int4 --json OUT.json
+
+With ``--gptq-rows N`` the quantized rows come again with GPTQ rounding (models/gptq.py), calibrated on the
+first N rows of the corpus's training split: the head alone, the layers alone, both, and as served.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from looplm.data.corpus import PackedCorpus
 from looplm.models import load_model
+from looplm.models import gptq
 from looplm.models import quantized as Q
 
 
@@ -45,14 +50,17 @@ def bf16_activations(model):
     return model
 
 
-def dequantized(model, fmt: str | None, head: bool = True):
+def dequantized(model, fmt: str | None, head: bool = True, moments: dict | None = None):
     """The layers' linears (``fmt``; None leaves them) and the head (int8, as quantize_model stores it; tied to the
-    embeddings in SmolLM2, so both move, as served) replaced by their quantized weights, in float32."""
+    embeddings in SmolLM2, so both move, as served) replaced by their quantized weights, in float32; rounded to
+    nearest, or by GPTQ with ``moments``."""
+    tensors = Q.quantize_portable(model, fmt or "int8", moments=moments)
     with torch.no_grad():
-        for _, lin in Q.linears(model) if fmt else ():
-            lin.weight.copy_(Q.dequantize(Q.portable(lin.weight, fmt)))
+        for name, lin in Q.linears(model) if fmt else ():
+            lin.weight.copy_(Q.dequantize(tensors[f"{name}.weight"]))
         if head:
-            model.lm_head.weight.copy_(Q.dequantize(Q.int8_portable(model.lm_head.weight)))
+            key = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+            model.lm_head.weight.copy_(Q.dequantize(tensors[key]))
     return model
 
 
@@ -79,11 +87,18 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=16, help="held-out rows (x the corpus's sequence length)")
     p.add_argument("--formats", default="int8,int4")
     p.add_argument("--fp32-activations", default="int8", help="formats also run with float32 activations")
+    p.add_argument("--gptq-rows", type=int, default=0,
+                   help="also round by GPTQ, calibrated on this many rows of the corpus's training split")
     p.add_argument("--json", help="write the results here (after every row)")
     args = p.parse_args()
     held = PackedCorpus(args.data).splits["heldout"]
     rows = torch.from_numpy(np.array(held[:args.rows], dtype=np.int64))
     fresh = lambda: load_model(args.model)[0].float().eval()  # noqa: E731
+
+    @functools.cache
+    def moments():  # calibration inputs' moments for GPTQ, from training rows (never the held-out ones)
+        train = PackedCorpus(args.data).splits["train"]
+        return gptq.input_moments(fresh(), torch.from_numpy(np.array(train[:args.gptq_rows], dtype=np.int64)))
     variants = [("fp32", fresh), ("fp32, bf16 activations", lambda: bf16_activations(fresh())),
                 ("int8 head dequantized", lambda: dequantized(fresh(), None))]
     for fmt in args.formats.split(","):
@@ -93,6 +108,15 @@ def main() -> int:
         if fmt in args.fp32_activations.split(","):
             variants += [(f"{fmt}, fp32 activations",
                           lambda f=fmt: Q.quantize_model(fresh(), f, act_dtype=torch.float32))]
+        if args.gptq_rows:
+            variants += [(f"{fmt} GPTQ layers dequantized", lambda f=fmt: dequantized(fresh(), f, False, moments())),
+                         (f"{fmt} GPTQ dequantized", lambda f=fmt: dequantized(fresh(), f, True, moments())),
+                         (f"{fmt} GPTQ, bf16 activations", lambda f=fmt: Q.quantize_model(fresh(), f, moments=moments()))]
+            if fmt in args.fp32_activations.split(","):
+                variants += [(f"{fmt} GPTQ, fp32 activations", lambda f=fmt: Q.quantize_model(
+                    fresh(), f, act_dtype=torch.float32, moments=moments()))]
+    if args.gptq_rows:
+        variants.insert(3, ("int8 GPTQ head dequantized", lambda: dequantized(fresh(), None, moments=moments())))
     reference, results = None, []
     print(f"| {args.model}, {rows.numel():,} held-out positions | greedy agreement with fp32 | held-out perplexity |")
     print("|---|---:|---:|")

@@ -184,6 +184,29 @@ def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
     assert healed.config.exit_adapter == {"kind": "affine"} and healed.exit_adapter.weight.abs().sum() > 0
 
 
+def test_rounded_base_weights_stay_on_their_grid_while_the_rest_learns(setup):
+    """--base-weights int4: the shared weights are rounded by GPTQ before the first stage and stay frozen on
+    the int4 grid through both stages (quantizing the result rounds nothing new); the LoRA and norms learn."""
+    from looplm.models import quantized as Q
+    tmp, models, corpus = setup
+    out = tmp / "int4-base"
+    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
+                     tokens=64 * 40, local_lr=3e-3, e2e_lr=1e-3, exit_adapter="none", base_weights="int4",
+                     seq_len=32, cache_rows=16, local_batch=2, e2e_batch=2, eval_rows=4, progress=False,
+                     cache=str(tmp / "cache-int4"))
+    heal(cfg, log=lambda *a: None)
+    before, _ = load_model(models["student"])
+    after, _ = load_model(out / "final")
+    shared = dict(Q.linears(after))
+    for name, lin in Q.linears(before):
+        w = shared[name].weight
+        assert Q.relative_error(w, "int4") < 1e-6  # on its grid: serving it as int4 rounds nothing new
+        assert Q.relative_error(lin.weight, "int4") > 1e-3 and not torch.allclose(w, lin.weight)
+        assert not torch.equal(shared[name].lora_B, lin.lora_B)  # the LoRA learned around the rounding
+    assert not torch.equal(after.model.layers[0].attn_norm.weight, before.model.layers[0].attn_norm.weight)
+    assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
+
+
 def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     tmp, models, corpus = setup
     cases = [
@@ -192,6 +215,7 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
         (["--tokens", 100, "--local-mode", "diagonal"], "unknown --local-mode"),
         (["--tokens", 100, "--exit-share", 1.5], "--exit-share 1.5 must be a fraction"),
         (["--tokens", 100, "--exit-adapter", "conv"], "unknown exit adapter kind"),
+        (["--tokens", 100, "--base-weights", "int3"], "unknown --base-weights 'int3'"),
     ]
     for extra, message in cases:
         r = run_cli(*heal_args(models, corpus, tmp_path / "bad", *extra))

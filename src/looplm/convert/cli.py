@@ -62,6 +62,11 @@ def register(sub) -> None:
     p.add_argument("--lora", default="shared", choices=["shared", "merged"],
                    help="a relaxed model's LoRA: kept in float on the shared weights, or merged into one quantized "
                         "weight per depth (docs/SERVING.md)")
+    p.add_argument("--calibrate", metavar="DATA", default=None,
+                   help="round by GPTQ against each linear's inputs on the first rows of this corpus's training "
+                        "split (`looplm data build`), instead of to nearest (docs/SERVING.md)")
+    p.add_argument("--calibration-rows", type=int, default=16,
+                   help="training rows (x the corpus's sequence length) for --calibrate")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("export-gguf", help="write a looped model, unrolled (LoRA merged per depth), as a "
@@ -218,18 +223,42 @@ def cmd_quantize(args) -> int:
     if group not in GROUPS:
         raise UsageError(f"--group-size must be one of {', '.join(map(str, GROUPS))}; got {group}")
     check_format(args.weights, "cpu")
+    if args.calibration_rows <= 0:
+        raise UsageError(f"--calibration-rows must be positive; got {args.calibration_rows}")
     model, tok = load_model(args.model)
     if stored_format(model) != "fp32":
         raise UsageError(f"{args.model} is already quantized ({stored_format(model)}); quantize its float checkpoint")
+    moments = calibration = None
+    if args.calibrate:
+        moments, calibration = _calibrate(model, tok, args)
     before = weight_bytes(model)
     save_quantized(model, tok, args.out, args.weights, group, DTYPES[args.dtype], act_dtype=DTYPES[args.act_dtype],
-                   lora=args.lora)
+                   lora=args.lora, moments=moments, calibration=calibration)
     from ..models.checkpoint import WEIGHTS
     size = (Path(args.out) / WEIGHTS).stat().st_size
     print(f"quantized {args.model} to {args.weights}" + (f" (groups of {group})" if args.weights == "int4" else "")
           + (", LoRA merged per depth" if args.lora == "merged" else "")
+          + (f", GPTQ on {calibration['tokens']:,} calibration tokens" if calibration else "")
           + f": {before / 2 ** 20:.0f} MB of float weights -> {size / 2 ** 20:.0f} MB; wrote {args.out}")
     return 0
+
+
+def _calibrate(model, tok, args) -> tuple[dict, dict]:
+    """GPTQ's input moments from the first ``--calibration-rows`` rows of the corpus's training split."""
+    import numpy as np
+    import torch
+
+    from ..data.corpus import PackedCorpus
+    from ..models.gptq import input_moments
+    from ..models.loading import tokenizer_fingerprint
+    corpus = PackedCorpus(args.calibrate)
+    if tok is None or tokenizer_fingerprint(tok) != corpus.tokenizer:
+        raise UsageError(f"the corpus {args.calibrate} was tokenised with another tokenizer ({corpus.meta['model']}) "
+                         f"than {args.model}'s; rebuild it with `looplm data build --model {args.model}`")
+    train = corpus.splits["train"]
+    rows = torch.from_numpy(np.array(train[:args.calibration_rows], dtype=np.int64))
+    moments = input_moments(model.float(), rows)
+    return moments, {"data": str(args.calibrate), "split": "train", "rows": len(rows), "tokens": rows.numel()}
 
 
 def cmd_export_gguf(args) -> int:

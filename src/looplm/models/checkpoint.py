@@ -83,14 +83,14 @@ def _sha256(path: Path) -> str:
 
 def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, fmt: str, group: int,
                               dtype: torch.dtype, head: str = "int8", act_dtype: torch.dtype = q.DEFAULT_ACT,
-                              lora: str = "shared") -> None:
-    """config.json (with a ``quantization`` record: format, group size, float dtype, LoRA mode, the weights
-    file's sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
+                              lora: str = "shared", moments: dict | None = None, calibration: dict | None = None) -> None:
+    """config.json (with a ``quantization`` record: format, group size, float dtype, LoRA mode, rounding (GPTQ
+    with ``moments``, ``calibration`` describing their data), the weights file's sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
     ``NAME.q4``/``.scale``/``.min`` for int4; with ``lora="merged"`` one per depth, and no LoRA tensors) and
     every other tensor in ``dtype``."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = q.quantize_portable(model, fmt, group, head, lora)
+    tensors = q.quantize_portable(model, fmt, group, head, lora, moments)
     merged = {f"{n}.{p}" for n, m in q.linears(model) if q.merges(m, lora) for p in ("weight", "lora_A", "lora_B")}
     sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
           if k not in tensors and k not in merged and k != "lm_head.weight"}  # lm_head: quantized, or tied
@@ -98,7 +98,9 @@ def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, f
         sd.update({f"{name}.{part}": v.contiguous() for part, v in parts.items()})
     save_file(sd, str(d / WEIGHTS), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
-    config.quantization = {**q.record(fmt, group, dtype, head, act_dtype, lora), "sha256": _sha256(d / WEIGHTS)}
+    rounding = "gptq" if moments else "nearest"
+    config.quantization = {**q.record(fmt, group, dtype, head, act_dtype, lora, rounding),
+                           **({"calibration": calibration} if calibration else {}), "sha256": _sha256(d / WEIGHTS)}
     config.save_pretrained(str(d))
 
 

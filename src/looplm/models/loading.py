@@ -153,13 +153,15 @@ def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:
 
 
 def save_quantized(model: LoopLMForCausalLM, tokenizer, out: str | Path, fmt: str, group: int,
-                   dtype=torch.float32, head: str = "int8", act_dtype=torch.bfloat16, lora: str = "shared") -> Path:
+                   dtype=torch.float32, head: str = "int8", act_dtype=torch.bfloat16, lora: str = "shared",
+                   moments: dict | None = None, calibration: dict | None = None) -> Path:
     """``save_model`` for a float model stored with int8/int4 weights (models/quantized.py; ``lora``: the
-    LoRA kept in float on the shared weights, or merged into one weight per depth); it loads back with
-    ``load_model`` as a quantized model."""
+    LoRA kept in float on the shared weights, or merged into one weight per depth; ``moments``: round by GPTQ
+    against these calibration moments, ``calibration`` their record); it loads back with ``load_model`` as
+    a quantized model."""
     from .checkpoint import save_quantized_checkpoint
-    return _write_atomic(model, tokenizer, out,
-                         lambda m, d: save_quantized_checkpoint(m, d, fmt, group, dtype, head, act_dtype, lora))
+    return _write_atomic(model, tokenizer, out, lambda m, d: save_quantized_checkpoint(
+        m, d, fmt, group, dtype, head, act_dtype, lora, moments, calibration))
 
 
 def _write_atomic(model, tokenizer, out, write) -> Path:

@@ -41,13 +41,14 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, UsageError
+from .gptq import gptq_portable
+from .grids import (DEFAULT_GROUP, GROUPS, INT4_CLIPS, dequantize, group_for, int4_portable,  # noqa: F401
+                    int8_portable, portable, relative_error, unpack4)
 from .layers import MLP, Attention, LoopLinear
 from .packed import PackedWeight
 
 FORMATS = ("fp32", "int8", "int4")
-DEFAULT_GROUP = 32
 DEFAULT_ACT = torch.bfloat16
-GROUPS = (32, 64, 128, 256)  # the group sizes the int4 op accepts
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -82,92 +83,7 @@ def check_format(fmt: str, device) -> None:
                          f"supported here: {', '.join(ok)}")
 
 
-# --- portable form: plain tensors, what a quantized checkpoint stores -------------------------
-
-def int8_portable(w: torch.Tensor) -> dict:
-    """Symmetric per-output-channel int8: w ~ q * scale[:, None]."""
-    w = w.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return {"q": q, "scale": scale}
-
-
-def group_for(in_features: int, group: int) -> int:
-    """``group`` if it divides the input width, else the largest accepted size that does."""
-    if in_features % group == 0:
-        return group
-    fits = [g for g in GROUPS if in_features % g == 0]
-    if not fits:
-        raise UsageError(f"int4 needs an input width divisible by 32; this model has a linear {in_features} wide "
-                         f"(use --weights int8)")
-    return max(fits)
-
-
-# int4 ranges tried per group: the group's [min, max] shrunk toward zero by these factors (clipping outliers)
-INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
-
-
-def int4_portable(w: torch.Tensor, group: int = DEFAULT_GROUP) -> dict:
-    """Asymmetric group-wise 4-bit: w ~ q * scale + min per group of ``group`` input columns; q in [0, 15],
-    two per byte (even column in the low nibble).
-
-    Scale and minimum are chosen against the float weight, per group: each range in ``INT4_CLIPS`` gives codes,
-    a least-squares fit of (scale, min) to those codes is tried beside the range's own, and the pair with the
-    smallest squared error is kept. The plain [min, max] range is among the candidates, so no group is worse
-    than round-to-nearest over its range (weights already on a 4-bit grid, like the embedded Q4_1 model's,
-    still round-trip exactly)."""
-    w = w.detach().float()
-    n, k = w.shape
-    g = group_for(k, group)
-    wg = w.reshape(n, k // g, g)
-    lo0, hi0, wm = wg.amin(-1), wg.amax(-1), wg.mean(-1)
-    best = None  # (squared error, codes, scale, min)
-    for clip in INT4_CLIPS:
-        lo, hi = lo0 * clip, hi0 * clip
-        scale = ((hi - lo) / 15).clamp_min(1e-12)
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15)
-        # least squares for w ~ q * s + m given the codes; groups whose codes do not vary keep the range's pair
-        qm = q.mean(-1)
-        var = ((q - qm[..., None]) ** 2).sum(-1)
-        s_fit = ((q - qm[..., None]) * (wg - wm[..., None])).sum(-1) / var.clamp_min(1e-12)
-        ok = (var > 0) & (s_fit > 1e-12)
-        for sc, mn in ((scale, lo), (torch.where(ok, s_fit, scale), torch.where(ok, wm - s_fit * qm, lo))):
-            err = ((q * sc[..., None] + mn[..., None] - wg) ** 2).sum(-1)
-            if best is None:
-                best = [err, q, sc, mn]
-                continue
-            better = err < best[0]
-            best = [torch.where(better, err, best[0]), torch.where(better[..., None], q, best[1]),
-                    torch.where(better, sc, best[2]), torch.where(better, mn, best[3])]
-    _, q, scale, lo = best
-    q = q.to(torch.uint8).reshape(n, k)
-    return {"q4": q[:, 0::2] | (q[:, 1::2] << 4), "scale": scale, "min": lo}
-
-
-def unpack4(q4: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] bytes -> [N, K] int32 values in [0, 15]."""
-    return torch.stack((q4 & 15, q4 >> 4), -1).reshape(q4.shape[0], -1).to(torch.int32)
-
-
-def dequantize(t: dict) -> torch.Tensor:
-    """The float32 weight a portable tensor set stands for."""
-    if "q" in t:
-        return t["q"].float() * t["scale"][:, None]
-    q = unpack4(t["q4"]).float()
-    n, k = q.shape
-    g = k // t["scale"].shape[1]
-    return (q.reshape(n, k // g, g) * t["scale"][..., None] + t["min"][..., None]).reshape(n, k)
-
-
-def portable(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> dict:
-    return int8_portable(w) if fmt == "int8" else int4_portable(w, group)
-
-
-def relative_error(w: torch.Tensor, fmt: str, group: int = DEFAULT_GROUP) -> float:
-    """||W - Q(W)|| / ||W||: how far quantizing to ``fmt`` moves a weight (Frobenius norms, float32)."""
-    w = w.detach().float()
-    return ((w - dequantize(portable(w, fmt, group))).norm() / w.norm()).item()
-
+# --- portable form: plain tensors, what a quantized checkpoint stores: grids.py ------------------
 
 # --- kernel form: what the engine multiplies with ---------------------------------------------
 
@@ -337,21 +253,35 @@ def weight_names(name: str, lin: LoopLinear, lora: str) -> list[str]:
 
 
 def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, head: str = "int8",
-                      lora: str = "shared") -> dict[str, dict]:
+                      lora: str = "shared", moments: dict | None = None) -> dict[str, dict]:
     """Portable tensors for every weight ``fmt`` replaces, by name (``weight_names``): each LoopLinear's
     weight (``lora="shared"``: the shared weight, its LoRA left in float; ``"merged"``: W' + B_s A_s per depth s),
     the embedding (int8 rows) and the LM head in ``head`` format, unless it is tied and int8 (then the
     embedding's table serves as the head: one tensor, as llama.cpp's SmolLM2 Q4_1 file keeps a Q8_0
-    embedding for its tied head)."""
+    embedding for its tied head).
+
+    Rounded to nearest, or with ``moments`` (``gptq.input_moments``: each linear's input moments per depth,
+    and the head's) by GPTQ against them: a shared weight against its depths' moments summed, a merged one
+    against its own depth's (models/gptq.py)."""
+    def rounded(w, f, h=None):
+        return portable(w, f, group) if h is None else gptq_portable(w, h, f, group)
+
     out = {}
     for n, m in linears(model):
         names = weight_names(n, m, lora)
-        weights = [m.merged_weight(s) for s in range(len(names))] if merges(m, lora) else [m.weight]
-        out.update({name: portable(w, fmt, group) for name, w in zip(names, weights)})
+        if merges(m, lora):
+            weights = [m.merged_weight(s) for s in range(len(names))]
+            hs = [moments[n][s] for s in range(len(names))] if moments else [None] * len(names)
+        else:
+            weights, hs = [m.weight], [sum(moments[n].values()) if moments else None]
+        out.update({name: rounded(w, fmt, h) for name, w, h in zip(names, weights, hs)})
     emb = model.model.embed_tokens.weight
-    out["model.embed_tokens.weight"] = int8_portable(emb)
-    if not (head == "int8" and model.lm_head.weight is emb):
-        out["lm_head.weight"] = portable(model.lm_head.weight, head, group)
+    h_head = moments.get("lm_head") if moments else None
+    if head == "int8" and model.lm_head.weight is emb:
+        out["model.embed_tokens.weight"] = rounded(emb, "int8", h_head)  # the tied head's table: round for the head
+    else:
+        out["model.embed_tokens.weight"] = int8_portable(emb)
+        out["lm_head.weight"] = rounded(model.lm_head.weight, head, h_head)
     return out
 
 
@@ -450,18 +380,20 @@ def release_freed_memory() -> None:
 
 
 def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
-                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT, fuse: bool = True, lora: str = "shared"):
+                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT, fuse: bool = True, lora: str = "shared",
+                   moments: dict | None = None):
     """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged).
     ``dtype``: the float parameters left (LoRA, norms, biases); ``act_dtype``: the quantized matmuls'
     activations; ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable);
     ``fuse``: stack q|k|v and gate|up (``attach``); ``lora``: "shared" keeps each shared weight once with
-    its per-depth LoRA in float on top, "merged" quantizes W' + B_s A_s once per depth (``PerDepthWeight``)."""
+    its per-depth LoRA in float on top, "merged" quantizes W' + B_s A_s once per depth (``PerDepthWeight``);
+    ``moments``: calibration inputs' moments (``gptq.input_moments``) to round by GPTQ, else round to nearest."""
     device = next(model.parameters()).device
     check_format(fmt, device)
     if fmt == "fp32" or is_quantized(model):
         return model
     check_format(head, device)
-    tensors = quantize_portable(model, fmt, group, head, lora)
+    tensors = quantize_portable(model, fmt, group, head, lora, moments)
     keep = {id(m.weight) for _, m in linears(model)} | {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
     with torch.no_grad():
         for p in model.parameters():
@@ -470,14 +402,15 @@ def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype
     attach(model, tensors, dtype, act_dtype, fuse, lora)
     del tensors
     release_freed_memory()
-    model.config.quantization = record(fmt, group, dtype, head, act_dtype, lora)
+    model.config.quantization = record(fmt, group, dtype, head, act_dtype, lora, "gptq" if moments else "nearest")
     return model.eval()
 
 
-def record(fmt: str, group: int, dtype: torch.dtype, head: str, act_dtype: torch.dtype, lora: str = "shared") -> dict:
+def record(fmt: str, group: int, dtype: torch.dtype, head: str, act_dtype: torch.dtype, lora: str = "shared",
+           rounding: str = "nearest") -> dict:
     name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
     return {"format": fmt, "group_size": group, "dtype": name(dtype), "act_dtype": name(act_dtype), "head": head,
-            "lora": lora}
+            "lora": lora, "rounding": rounding}
 
 
 def stored_format(model: nn.Module) -> str:

@@ -86,6 +86,9 @@ def register(sub) -> None:
     h.add_argument("--exit-lr", type=float, default=1e-3)
     h.add_argument("--precision", default="auto", help="auto (bf16 autocast where the hardware has bf16 matmuls) | "
                                                       "bf16 | fp32")
+    h.add_argument("--base-weights", default="float", help="float | int4 | int8: round the shared weights to that "
+                   "format first (GPTQ) and keep them frozen, so that the LoRA, norms and biases learn around the "
+                   "rounding the served model will have (`looplm quantize --weights FMT` then rounds nothing new)")
     h.add_argument("--eval-rows", type=int, default=16, help="held-out rows scored at each evaluation")
     h.add_argument("--eval-every-seconds", type=float, default=300.0)
     h.add_argument("--seed", type=int, default=0)

@@ -25,6 +25,12 @@ Two stages, both reading the original model's hidden states from a teacher cache
    final loop's logits: self-distillation, as the paper's early-exit training does). The body stays
    the original's copy, which loop 2 needs as its input, and the exit still becomes usable.
 
+**Healing for quantized serving** (``base_weights`` int4 or int8): before the first stage the shared weights are
+rounded to the serving format by GPTQ (models/gptq.py) and frozen there; the stages then train the per-depth LoRA,
+the norms and the biases around the rounding. `looplm quantize --weights FMT` (LoRA shared) of the result rounds
+nothing new, so what the run measures is what is served. Run it on a healed model (``--local-share 0``) to
+recover what rounding costs it (docs/FINDINGS.md).
+
 All stages read the teacher from the cache, never run it: a step costs the student alone. The
 embeddings, final norm and LM head stay the original model's (frozen), so the original's logits
 are its final state through the student's own head.
@@ -64,6 +70,8 @@ from ..data.corpus import PackedCorpus
 from ..errors import UsageError
 from ..models.decoder import attention_masks
 from ..models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter, parse_exit_adapter
+from ..models.gptq import gptq_portable, input_moments, output_error
+from ..models.quantized import dequantize, linears
 from ..util import write_json_atomic, write_text_atomic
 from .loop import resolve_precision
 from .losses import head_kd_loss, kd_loss
@@ -75,6 +83,10 @@ LOCAL_MODES = ("parallel", "sequential")
 # fix, and once more at half way: steps get faster after the first few (4.7 s -> 3.6 s at B=2 rank 128),
 # so a count fixed from the first three alone left 5 of the hour's 60 minutes unused.
 REPLAN_AT = (3, 30)
+
+
+BASE_WEIGHTS = ("float", "int4", "int8")
+BASE_CALIBRATION_ROWS = 16  # cached rows whose inputs calibrate the rounding of --base-weights
 
 
 def replan_due(step: int, total: int, done: list[int]) -> bool:
@@ -110,6 +122,7 @@ class HealConfig:
     exit_share: float = 0.1          # share of what the local stage leaves, for the exit stage
     exit_lr: float = 1e-3
     precision: str = "auto"          # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
+    base_weights: str = "float"      # float | int4 | int8: shared weights rounded to that format (GPTQ), then frozen
     grad_clip: float = 1.0
     eval_rows: int = 16
     eval_every_seconds: float = 300.0
@@ -120,7 +133,7 @@ class HealConfig:
 
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
              "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed",
-             "precision", "exit_adapter", "exit_share", "exit_lr")
+             "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
 
 
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -158,6 +171,8 @@ class Healer:
             if not 0 <= getattr(c, name) <= 1:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(c, name)} must be a fraction in [0, 1]")
         self.exit_spec = None if c.exit_adapter == "none" else parse_exit_adapter(c.exit_adapter)
+        if c.base_weights not in BASE_WEIGHTS:
+            raise UsageError(f"unknown --base-weights {c.base_weights!r}; use one of {', '.join(BASE_WEIGHTS)}")
         if c.cache_rows < max(c.local_batch, c.e2e_batch) or c.seq_len < 2:
             raise UsageError("--cache-rows must be at least the batch size and --seq-len at least 2")
         out = Path(c.out)
@@ -255,6 +270,8 @@ class Healer:
         if "plan" not in self.prev:
             self.prev.update(plan=self._plan(), teacher_eval=self.evaluate(self.teacher))
             write_json_atomic(out / "run.json", self.prev)
+        if c.base_weights != "float" and not latest:
+            self._round_base()  # a resumed run's checkpoint holds the rounded weights already
         if not self._evals("converted"):
             self._log_eval(tag="converted")
         self.plan = self.prev["plan"]
@@ -439,8 +456,7 @@ class Healer:
                     elif d not in inputs:
                         inputs[d] = self._propagate(model, d - 1, inputs[d - 1])
                 block = model.model.layers[layer]
-                block.requires_grad_(True)
-                opt = adamw(block.parameters(), lr=c.local_lr, weight_decay=0.0)
+                opt = adamw(self._unfreeze(block), lr=c.local_lr, weight_decay=0.0)
                 first = last = None
                 for s in range(per_visit):
                     idx = rng.choice(len(self.rows), size=c.local_batch, replace=False)
@@ -467,8 +483,35 @@ class Healer:
     # ----- stage 2: end to end
     def _trainable(self, model) -> list[torch.nn.Parameter]:
         model.requires_grad_(False)
-        model.model.layers.requires_grad_(True)
-        return [p for p in model.model.layers.parameters()]
+        return self._unfreeze(model.model.layers)
+
+    def _unfreeze(self, module) -> list[torch.nn.Parameter]:
+        """``module``'s parameters made trainable and returned, except the shared weights when they were rounded
+        (``--base-weights``): those stay frozen on their grid, and the LoRA, norms and biases learn around them."""
+        module.requires_grad_(True)
+        if self.cfg.base_weights != "float":
+            for _, lin in linears(module):
+                lin.weight.requires_grad_(False)
+        return [p for p in module.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _round_base(self) -> None:
+        """Round every shared weight to ``--base-weights`` by GPTQ (models/gptq.py), calibrated on the first
+        cached training rows, as `looplm quantize --calibrate` would round it: serving the healed model with
+        those weights then rounds nothing new (a weight on its grid rounds to itself), and the training after
+        this learns around the rounding."""
+        c, model = self.cfg, self.student
+        n = min(BASE_CALIBRATION_ROWS, len(self.rows))
+        t0 = time.perf_counter()
+        moments = input_moments(model, self.cache.tokens(self.corpus, np.arange(n)).to(self.device))
+        errors = []
+        for name, lin in linears(model):
+            h = sum(moments[name].values())
+            t = gptq_portable(lin.weight, h, c.base_weights)
+            errors.append(output_error(lin.weight, t, h))
+            lin.weight.copy_(dequantize(t).to(lin.weight))
+        self.log(f"shared weights rounded to {c.base_weights} (GPTQ on {n} cached rows, mean relative output error "
+                 f"{sum(errors) / len(errors):.4f}) in {time.perf_counter() - t0:.0f} s; they stay frozen")
 
     def _e2e_step(self, model, step: int, opt, lr: float) -> dict:
         c = self.cfg
