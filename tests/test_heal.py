@@ -148,6 +148,12 @@ def test_kill9_resumes_and_heals(setup):
     r = run_cli(*args, "--resume")
     assert r.returncode == 0, r.stderr
     assert "resumed" in r.stdout and "healed" in r.stdout
+    # a run started before --base-weights existed resumes with its default (finished: nothing left to do)
+    run = json.loads((out / "run.json").read_text())
+    del run["config"]["base_weights"]
+    (out / "run.json").write_text(json.dumps(run))
+    r = run_cli(*args, "--resume")
+    assert r.returncode == 0 and "different settings" not in r.stderr, r.stderr
     assert (out / "cache" / "states.bin").stat().st_mtime_ns == stamp  # the cache was reused, not rebuilt
     summary = json.loads((out / "heal.json").read_text())
     # 3,840 tokens: half local (30 steps of 2 rows x 2 depths), of the rest 90% end to end (27 steps), 10%

@@ -181,9 +181,10 @@ class Healer:
             self.prev = json.loads((out / "run.json").read_text())
             if not c.resume:
                 raise UsageError(f"{out} already holds a healing run; add --resume to continue it or choose a new --out")
-            changed = [k for k in HealConfig.FIXED if self.prev["config"].get(k) != getattr(c, k)]
+            # a setting added after the run started has its default there
+            was = {k: self.prev["config"].get(k, HealConfig.__dataclass_fields__[k].default) for k in HealConfig.FIXED}
+            changed = [k for k in HealConfig.FIXED if was[k] != getattr(c, k)]
             if changed:
-                was = self.prev["config"]
                 raise UsageError("--resume with different settings (" + ", ".join(
                     f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed) + "); use the run's settings")
             c.model = c.model or self.prev["config"]["model"]
