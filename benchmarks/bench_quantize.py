@@ -1,6 +1,7 @@
 """Seconds to quantize a model at load (`quantize_model`, what `looplm serve --weights int4` pays before its
 warm-up), with the fitted int4 ranges (every range in ``INT4_CLIPS``, the default) against a single
-[min, max] range per group (round to nearest, what int4 did before). Variants run in turns in one process, a
+[min, max] range per group (round to nearest, what int4 did before; both variants also try the grid-step
+candidate added on 2026-11-26, see bench_int4_grid_step.py). Variants run in turns in one process, a
 fresh copy of the model each time, and each keeps its median; the relative weight error of the shared
 weights is printed beside the time, so the trade is in one table.
 

@@ -54,13 +54,17 @@ def dequantized(model, fmt: str | None, head: bool = True, moments: dict | None 
     """The layers' linears (``fmt``; None leaves them) and the head (int8, as quantize_model stores it; tied to the
     embeddings in SmolLM2, so both move, as served) replaced by their quantized weights, in float32; rounded to
     nearest, or by GPTQ with ``moments``."""
-    tensors = Q.quantize_portable(model, fmt or "int8", moments=moments)
+    tensors = Q.quantize_portable(model, fmt, moments=moments) if fmt else {}
     with torch.no_grad():
         for name, lin in Q.linears(model) if fmt else ():
             lin.weight.copy_(Q.dequantize(tensors[f"{name}.weight"]))
         if head:
-            key = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
-            model.lm_head.weight.copy_(Q.dequantize(tensors[key]))
+            w = model.lm_head.weight
+            if not tensors:  # the head alone: no layer is rounded for it
+                t = gptq.gptq_portable(w, moments["lm_head"], "int8") if moments else Q.int8_portable(w)
+            else:
+                t = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+            w.copy_(Q.dequantize(t))
     return model
 
 
