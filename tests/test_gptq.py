@@ -61,6 +61,25 @@ def test_a_grid_whose_codes_miss_0_and_15_round_trips():
     assert Q.relative_error(w, "int4") < 1e-6
 
 
+def test_the_grid_step_sort_is_paid_only_by_weights_on_a_grid(monkeypatch):
+    """The sort behind the grid-step candidate costs a quarter of an int4 load; a float weight (32 distinct values
+    per group) and a grid the ranges already reproduce must not pay it, a grid whose codes miss 0 and 15 must."""
+    from looplm.models import grids
+    calls = []
+    real = grids._grid_step
+    monkeypatch.setattr(grids, "_grid_step", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(4)
+    w = torch.randn(64, 128)
+    grids.int4_portable(w)
+    assert calls == []
+    grids.int4_portable(Q.dequantize(Q.portable(w, "int4")))  # on a grid whose codes reach 0 and 15: the ranges
+    assert calls == []                                       # reproduce it (a Q4_1 model's weights are such)
+    codes = torch.randint(2, 14, (64, 4, 32)).float()         # codes missing 0 and 15, as GPTQ's may
+    gridded = (codes * (torch.rand(64, 4, 1) * 0.01 + 1e-3) + torch.randn(64, 4, 1) * 0.01).reshape(64, 128)
+    assert Q.relative_error(gridded, "int4") < 1e-6
+    assert calls == [1]
+
+
 def test_input_moments_record_each_depth_under_its_slot():
     """A full-rank per-depth conversion is the original model, so loop 2's inputs to shared layer 0 are the
     original's inputs to layer 2 (cycle: depth d runs layer d mod 2 with slot d // 2)."""
