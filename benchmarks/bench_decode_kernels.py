@@ -4,7 +4,7 @@ costs at SmolLM2-135M's shapes (30 layers of q|k|v, o, gate|up and down, and the
 Each layer gets its own random weights (30 distinct copies, as in the model), and a "token" runs the 30 layers'
 four products one after another and then the head, so weights stream from memory as in a real token rather
 than staying in cache. Kernels: PyTorch's weight-only int4 (`_weight_int4pack_mm_for_cpu`, groups of 32) and int8
-(`_weight_int8pack_mm`, per channel), each fed bfloat16 (the engine's default) or float32 activations; float32
+(`_weight_int8pack_mm`, per channel), each fed bfloat16 (the engine's default), float16 or float32 activations; float32
 `F.linear`; FBGEMM's dynamically quantized int8 linear (`torch.ao` dynamic quantization: int8 activations per
 tensor, a different numerical contract from weight-only); int8 x int8 with activations quantized per row through
 ``torch._int_mm``. Reports milliseconds per step for the layers and
@@ -68,6 +68,7 @@ def int8_per_row(w):
 
 KERNELS = {"int4 (bf16 act)": weight_only("int4", torch.bfloat16), "int4 (fp32 act)": weight_only("int4", torch.float32),
            "int8 (bf16 act)": weight_only("int8", torch.bfloat16), "int8 (fp32 act)": weight_only("int8", torch.float32),
+           "int4 (fp16 act)": weight_only("int4", torch.float16), "int8 (fp16 act)": weight_only("int8", torch.float16),
            "fp32": fp32, "fbgemm dynamic int8": fbgemm_dynamic, "int8 x int8 per row": int8_per_row}
 
 
