@@ -4,10 +4,13 @@ held-out perplexity), one row per variant:
 
   fp32                    the reference
   fp32, bf16 activations  float32 weights; every linear's input and output rounded to bfloat16 (hooks)
+  ... only                the same for the layers' linears, the head's input or the head's logits alone
   int8 head dequantized   only the LM head (and the embeddings tied to it) rounded to int8, float32 math
   FMT dequantized         the quantized weights expanded back to float32, float32 math: the weights' rounding alone
   FMT layers dequantized  the same with the head left in float32
   FMT, bf16 activations   the engine's kernels as served (`looplm serve --weights FMT`, the default act dtype)
+  ..., head logits not rescored  the same with the head's logits as its kernel returns them, in bfloat16
+                          precision (before 2026-11-26 evening, what was served; ``QuantHead.RESCORED``)
   FMT, fp32 activations   the same kernels fed float32 activations (for the formats in --fp32-activations: the
                           kernels convert them per call, 4-13x slower on an AVX2-only CPU)
 
@@ -36,17 +39,22 @@ from looplm.models import gptq
 from looplm.models import quantized as Q
 
 
-def bf16_activations(model):
-    """Round every linear's input and output (the LM head's too) to bfloat16, as the bf16-activation kernels do."""
+def bf16_activations(model, layers: bool = True, head_input: bool = True, head_output: bool = True):
+    """Round every linear's input and output (the LM head's too) to bfloat16, as the bf16-activation kernels do;
+    or only some of them."""
     def round_input(module, args):
         return (args[0].to(torch.bfloat16).float(), *args[1:])
 
     def round_output(module, args, output):
         return output.to(torch.bfloat16).float()
 
-    for m in [lin for _, lin in Q.linears(model)] + [model.lm_head]:
-        m.register_forward_pre_hook(round_input)
-        m.register_forward_hook(round_output)
+    for _, lin in Q.linears(model) if layers else ():
+        lin.register_forward_pre_hook(round_input)
+        lin.register_forward_hook(round_output)
+    if head_input:
+        model.lm_head.register_forward_pre_hook(round_input)
+    if head_output:
+        model.lm_head.register_forward_hook(round_output)
     return model
 
 
@@ -65,6 +73,12 @@ def dequantized(model, fmt: str | None, head: bool = True, moments: dict | None 
             else:
                 t = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
             w.copy_(Q.dequantize(t))
+    return model
+
+
+def unrescored(model):
+    """The served model with its LM head's logits left as the kernel returns them (``QuantHead.RESCORED``)."""
+    model.lm_head.RESCORED = 0
     return model
 
 
@@ -93,6 +107,8 @@ def main() -> int:
     p.add_argument("--fp32-activations", default="int8", help="formats also run with float32 activations")
     p.add_argument("--gptq-rows", type=int, default=0,
                    help="also round by GPTQ, calibrated on this many rows of the corpus's training split")
+    p.add_argument("--only", help="run only the rows whose name contains one of these comma-separated strings "
+                                  "(the fp32 reference always runs)")
     p.add_argument("--json", help="write the results here (after every row)")
     args = p.parse_args()
     held = PackedCorpus(args.data).splits["heldout"]
@@ -104,23 +120,34 @@ def main() -> int:
         train = PackedCorpus(args.data).splits["train"]
         return gptq.input_moments(fresh(), torch.from_numpy(np.array(train[:args.gptq_rows], dtype=np.int64)))
     variants = [("fp32", fresh), ("fp32, bf16 activations", lambda: bf16_activations(fresh())),
+                ("fp32, bf16 layer activations only", lambda: bf16_activations(fresh(), True, False, False)),
+                ("fp32, bf16 head input only", lambda: bf16_activations(fresh(), False, True, False)),
+                ("fp32, bf16 head logits only", lambda: bf16_activations(fresh(), False, False, True)),
                 ("int8 head dequantized", lambda: dequantized(fresh(), None))]
     for fmt in args.formats.split(","):
         variants += [(f"{fmt} dequantized", lambda f=fmt: dequantized(fresh(), f)),
                      (f"{fmt} layers dequantized", lambda f=fmt: dequantized(fresh(), f, head=False)),
-                     (f"{fmt}, bf16 activations", lambda f=fmt: Q.quantize_model(fresh(), f))]
+                     (f"{fmt}, bf16 activations", lambda f=fmt: Q.quantize_model(fresh(), f)),
+                     (f"{fmt}, bf16 activations, head logits not rescored",
+                      lambda f=fmt: unrescored(Q.quantize_model(fresh(), f)))]
         if fmt in args.fp32_activations.split(","):
             variants += [(f"{fmt}, fp32 activations",
                           lambda f=fmt: Q.quantize_model(fresh(), f, act_dtype=torch.float32))]
         if args.gptq_rows:
             variants += [(f"{fmt} GPTQ layers dequantized", lambda f=fmt: dequantized(fresh(), f, False, moments())),
                          (f"{fmt} GPTQ dequantized", lambda f=fmt: dequantized(fresh(), f, True, moments())),
-                         (f"{fmt} GPTQ, bf16 activations", lambda f=fmt: Q.quantize_model(fresh(), f, moments=moments()))]
+                         (f"{fmt} GPTQ, bf16 activations", lambda f=fmt: Q.quantize_model(fresh(), f, moments=moments())),
+                         (f"{fmt} GPTQ, bf16 activations, head logits not rescored",
+                          lambda f=fmt: unrescored(Q.quantize_model(fresh(), f, moments=moments())))]
             if fmt in args.fp32_activations.split(","):
                 variants += [(f"{fmt} GPTQ, fp32 activations", lambda f=fmt: Q.quantize_model(
                     fresh(), f, act_dtype=torch.float32, moments=moments()))]
     if args.gptq_rows:
-        variants.insert(3, ("int8 GPTQ head dequantized", lambda: dequantized(fresh(), None, moments=moments())))
+        after_head = [n for n, _ in variants].index("int8 head dequantized") + 1
+        variants.insert(after_head, ("int8 GPTQ head dequantized", lambda: dequantized(fresh(), None, moments=moments())))
+    if args.only:
+        keep = args.only.split(",")
+        variants = variants[:1] + [(n, m) for n, m in variants[1:] if any(k in n for k in keep)]
     reference, results = None, []
     print(f"| {args.model}, {rows.numel():,} held-out positions | greedy agreement with fp32 | held-out perplexity |")
     print("|---|---:|---:|")

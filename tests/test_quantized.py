@@ -362,3 +362,25 @@ def test_merged_lora_checkpoint_round_trip_and_refusals(tmp_path, fmt, capsys):
     assert main(["generate", "x", "--model", str(src), "--weights", "fp32", "--lora", "merged"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs quantized weights" in err
+
+
+@pytest.mark.skipif("int8" not in FORMATS, reason="needs the int8 op")
+def test_the_head_rescores_its_leading_logits_in_float32():
+    """Two tokens whose logits (about 19.2) differ by 0.003, far below bfloat16's step there (0.125): the kernel's
+    bfloat16 logits tie them, and argmax would take the first; the rescored head ranks them as the int8 weight
+    in float32 does."""
+    q = torch.randint(-20, 20, (300, 64), generator=torch.Generator().manual_seed(0)).to(torch.int8)
+    q[3] = 100
+    q[5] = 100
+    q[5, 0] = 101
+    head = Q.QuantHead(Q.Int8Weight(q, torch.full((300,), 0.006), torch.bfloat16))
+    x = torch.full((2, 64), 0.5)
+    exact = x @ (q.float() * head.weight_q.scale.float()[:, None]).t()
+    assert exact.argmax(-1).tolist() == [5, 5]
+    served = head(x)
+    assert served.argmax(-1).tolist() == [5, 5]
+    top = exact.topk(Q.QuantHead.RESCORED, -1).indices
+    assert torch.allclose(served.gather(-1, top), exact.gather(-1, top), rtol=0, atol=1e-5)
+    head.RESCORED = 0  # what the kernel alone returns: a tie
+    plain = head(x)
+    assert torch.equal(plain[:, 3], plain[:, 5]) and plain.argmax(-1).tolist() == [3, 3]
