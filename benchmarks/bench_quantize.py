@@ -1,7 +1,7 @@
 """Seconds to quantize a model at load (`quantize_model`, what `looplm serve --weights int4` pays before its
 warm-up), with the fitted int4 ranges (every range in ``INT4_CLIPS``, the default) against a single
-[min, max] range per group (round to nearest, what int4 did before; both variants also try the grid-step
-candidate added on 2026-11-26, see bench_int4_grid_step.py). Variants run in turns in one process, a
+[min, max] range per group (round to nearest, what int4 did before; either variant also tries the grid-step
+candidate for weights that look already rounded, see bench_int4_grid_step.py). Variants run in turns in one process, a
 fresh copy of the model each time, and each keeps its median; the relative weight error of the shared
 weights is printed beside the time, so the trade is in one table.
 
@@ -30,7 +30,7 @@ from looplm.models import quantized as qz
 
 @contextmanager
 def int4_ranges(clips: tuple[float, ...]):
-    """int4_portable reads grids.INT4_CLIPS at each call: set it for the block (the grid-step candidate stays)."""
+    """int4_portable reads grids.INT4_CLIPS at each call: set it for the block (the grid-step candidate, where a weight looks rounded, stays)."""
     saved, grids.INT4_CLIPS = grids.INT4_CLIPS, clips
     try:
         yield
