@@ -11,10 +11,15 @@
 # Then every student and the original on the seven tasks (first LIMIT documents per task, with standard
 # errors; docs/EVAL.md), held-out perplexity per exit, curves as PNG and one report (report/report.md).
 # Resumable and idempotent: rerun it to continue where a stopped run left off; finished steps are skipped.
-# Environment: TOKENS (budget per student), OUT, DATA, STUDENTS (subset, space separated), LOOPS (B, default 2;
-# e.g. LOOPS=3 OUT=out/paper-b3-faithful), LIMIT (documents per task, default 200; 0 skips the few-shot evaluation).
-# Issue 19 asks for at least an hour of this CPU per student: TOKENS=409600 (~1 h each on the idle AVX-512 BF16
-# machine); TOKENS=215040 on the AVX2-only EPYC (fp32, 17 s a step of 2 x 512 tokens: 210 steps, ~1 h each).
+# Each student is trained, then evaluated, then its small results (metrics.jsonl, eval/*.json) are copied into
+# KEEP (committed): a student found there is done, so the comparison continues on a new machine whose out/ is
+# empty, and the curves and the report are built from KEEP alone.
+# Environment: TOKENS (budget per student), OUT, DATA, KEEP, STUDENTS (subset, space separated), LOOPS (B, default
+# 2; e.g. LOOPS=3 OUT=out/paper-b3-faithful KEEP=docs/paper_b3_faithful), LIMIT (documents per task, default 200;
+# 0 skips the few-shot evaluation), PRECISION (train's --precision, default fp32 so that every student of one
+# comparison trains alike whichever machine kind it runs on).
+# Issue 19 asks for an hour of this CPU per student. TOKENS=215040 (210 steps of 2 x 512) is the hour of the
+# AVX2-only EPYC in fp32 (17 s a step); the AVX-512 machines run the same students faster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
@@ -23,6 +28,8 @@ OUT=${OUT:-out/paper-b2-faithful}   # not out/paper-b2: its students were conver
 LOOPS=${LOOPS:-2}
 TOKENS=${TOKENS:-163840}           # 160 steps of 2 x 512: 24-31 min each on this idle 2-core CPU (fp32); 409600 for an hour
 LIMIT=${LIMIT:-200}
+KEEP=${KEEP:-docs/paper_b${LOOPS}_faithful}
+PRECISION=${PRECISION:-fp32}
 STUDENTS=${STUDENTS:-"rec-stepwise rec-average rec-random rel-svd64 rel-stepwise-svd64 rel-zero64"}
 
 declare -A CONVERT=(
@@ -36,31 +43,54 @@ declare -A CONVERT=(
 
 [ -f "$DATA/meta.json" ] || $LOOPLM data build --model smollm2-135m --seq-len 512 --out "$DATA"
 
-for s in $STUDENTS; do
-  model="$OUT/models/$s" run="$OUT/runs/$s"
-  [ -f "$model/config.json" ] || $LOOPLM convert --model smollm2-135m --loops "$LOOPS" ${CONVERT[$s]} \
-                                   --out "$model" --ppl-tokens 0
-  if [ -d "$run/final" ]; then echo "$s: trained"; continue; fi
-  resume=""; [ -f "$run/run.json" ] && resume="--resume"
-  $LOOPLM train --model "$model" --teacher smollm2-135m --kd fkl --data "$DATA" --out "$run" \
-      --batch-size 2 --seq-len 512 --max-tokens "$TOKENS" --eval-every 20 --eval-seqs 16 \
-      --save-every 10 --keep 2 --no-progress $resume
-done
-$LOOPLM plot "$OUT"/runs/* --out "$OUT"
-
-[ "$LIMIT" -gt 0 ] || exit 0
 evaluate() {  # evaluate NAME MODEL: few-shot (every exit) and held-out perplexity into $OUT/eval/NAME
   local dir="$OUT/eval/$1"
-  [ -f "$dir/eval/fewshot.json" ] || $LOOPLM eval fewshot "$2" --tasks paper7 --limit "$LIMIT" --all-loops \
-                                       --save-dir "$dir" --json > "$OUT/eval/$1.fewshot.log"
+  mkdir -p "$OUT/eval"
+  if [ "$LIMIT" -gt 0 ] && [ ! -f "$dir/eval/fewshot.json" ]; then
+    $LOOPLM eval fewshot "$2" --tasks paper7 --limit "$LIMIT" --all-loops --save-dir "$dir" --json \
+      > "$OUT/eval/$1.fewshot.log"
+  fi
   [ -f "$dir/eval/ppl-heldout_sample.json" ] || $LOOPLM eval ppl "$2" --save-dir "$dir" --json > "$OUT/eval/$1.ppl.log"
   echo "$1: evaluated"
 }
-mkdir -p "$OUT/eval"
-evaluate original smollm2-135m
-reports=("$OUT/eval/original")
+keep() {  # keep NAME [RUN]: the small results of one finished model into $KEEP/NAME, written last
+  local dest="$KEEP/$1" tmp="$KEEP/.$1.tmp"
+  rm -rf "$tmp" && mkdir -p "$tmp/eval"
+  cp "$OUT/eval/$1"/eval/*.json "$tmp/eval/"
+  if [ -n "${2:-}" ]; then cp "$2/metrics.jsonl" "$tmp/"; fi
+  rm -rf "$dest" && mv "$tmp" "$dest"
+}
+done_with() { [ -f "$KEEP/$1/eval/ppl-heldout_sample.json" ] && { [ "$LIMIT" -eq 0 ] || [ -f "$KEEP/$1/eval/fewshot.json" ]; }; }
+
+# The kept students and the ones still to train must share one recipe: KEEP records it.
+settings="tokens=$TOKENS precision=$PRECISION loops=$LOOPS"
+mkdir -p "$KEEP"
+if [ -f "$KEEP/settings" ] && [ "$(cat "$KEEP/settings")" != "$settings" ]; then
+  echo "error: $KEEP holds students trained with '$(cat "$KEEP/settings")', not '$settings'; set TOKENS," \
+       "PRECISION and LOOPS to those, or give another KEEP" >&2
+  exit 2
+fi
+echo "$settings" > "$KEEP/settings"
+if done_with original; then echo "original: kept"; else evaluate original smollm2-135m && keep original; fi
 for s in $STUDENTS; do
-  evaluate "$s" "$OUT/runs/$s/final"
-  reports+=("$OUT/eval/$s")
+  if done_with "$s"; then echo "$s: kept in $KEEP/$s"; continue; fi
+  model="$OUT/models/$s" run="$OUT/runs/$s"
+  [ -f "$model/config.json" ] || $LOOPLM convert --model smollm2-135m --loops "$LOOPS" ${CONVERT[$s]} \
+                                   --out "$model" --ppl-tokens 0
+  if [ ! -d "$run/final" ]; then
+    resume=""; [ -f "$run/run.json" ] && resume="--resume"
+    $LOOPLM train --model "$model" --teacher smollm2-135m --kd fkl --data "$DATA" --out "$run" \
+        --batch-size 2 --seq-len 512 --max-tokens "$TOKENS" --eval-every 20 --eval-seqs 16 \
+        --save-every 10 --keep 2 --precision "$PRECISION" --no-progress $resume
+  fi
+  evaluate "$s" "$run/final"
+  keep "$s" "$run"
 done
-$LOOPLM report "${reports[@]}" --out "$OUT/report" --title "SmolLM2-135M B=$LOOPS students after $TOKENS tokens"
+
+kept=() reports=("$KEEP/original")
+for s in $STUDENTS; do
+  if done_with "$s"; then kept+=("$KEEP/$s"); reports+=("$KEEP/$s"); fi
+done
+$LOOPLM plot "${kept[@]}" --out "$KEEP"
+[ "$LIMIT" -gt 0 ] || exit 0
+$LOOPLM report "${reports[@]}" --out "$KEEP" --title "SmolLM2-135M B=$LOOPS students after $TOKENS tokens"

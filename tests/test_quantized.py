@@ -4,6 +4,10 @@ of formats a platform cannot run, stacked input projections equal to separate on
 (round trip, corruption refused)."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +69,36 @@ def test_quantized_matmul_within_the_rounding_bound(fmt, rows):
     assert (y - (x @ w.t() + b)).abs().max() > 0  # it is quantized
     # the kernel's own form reads back as the portable one
     assert torch.allclose(qw.dequantize(), deq, atol=1e-5)
+
+
+@pytest.mark.skipif("int8" not in FORMATS, reason="needs the int8 op")
+@pytest.mark.parametrize("columns", [128, 40, 100])
+def test_int8_takes_weights_and_activations_wherever_they_lie(columns):
+    """Weights at a file offset (as a safetensors load leaves them), activations that are views into a larger
+    tensor, and input widths off a multiple of 16: on a CPU where the int8 op takes its AVX-512 path each of
+    these crashed the process or gave NaN (a Xeon with AMX, torch 2.13). Run in a child process, so that a crash
+    fails this test instead of ending the suite."""
+    code = f"""
+import torch
+from looplm.models import quantized as Q
+torch.manual_seed(0)
+w = torch.randn(48, {columns})
+t = Q.portable(w, "int8")
+storage = torch.zeros(t["q"].numel() + 40, dtype=torch.int8)
+storage[40:].copy_(t["q"].flatten())
+t["q"] = storage[40:].view(48, {columns})                # 40 bytes past an aligned start
+qw = Q.make_weight(t, torch.bfloat16)
+x = torch.randn(5 * {columns} + 8).bfloat16()[8:].view(5, {columns})   # 16 bytes past an aligned start
+y = qw.linear(x).float()
+want = x.float() @ (Q.dequantize(Q.portable(w, "int8"))).t()
+assert torch.isfinite(y).all()
+assert (y - want).abs().max() <= 0.02 * want.abs().max(), (y - want).abs().max()
+assert torch.equal(qw.rows(torch.tensor([3]), torch.float32)[0], t["q"][3].float() * qw.scale[3].float())
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
 
 
 def _round_to_nearest_int4(w, g=32):

@@ -113,6 +113,23 @@ class QuantWeight(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
+# PyTorch's int8 op, on a CPU where it takes its AVX-512 path (a Xeon with AMX, torch 2.13), reads bfloat16
+# activations and int8 weights with aligned vector loads and no tail: an operand off its 16- or 32-byte
+# boundary crashes the process (a safetensors load leaves a weight wherever its file offset falls), and an
+# input width that is not a multiple of 16 gives NaN or infinite outputs. So the weight lives in memory of its
+# own, zero-padded to a multiple of 16 input columns, and activations enter in memory of their own
+# (tests/test_quantized.py). Float32 activations and the int4 op need neither.
+INT8_COLUMNS = 16
+ALIGN_BYTES = 64  # what torch's CPU allocator gives every new tensor
+
+
+def _own_memory(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is contiguous and starts on an ``ALIGN_BYTES`` boundary, else a fresh copy."""
+    if t.is_contiguous() and t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class Int8Weight(QuantWeight):
     fmt = "int8"
 
@@ -120,15 +137,21 @@ class Int8Weight(QuantWeight):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.dtype = dtype
-        self.register_buffer("q", q.contiguous(), persistent=False)
-        self.register_buffer("scale", scale.to(dtype).contiguous(), persistent=False)
+        self.pad = -self.in_features % INT8_COLUMNS
+        q = torch.nn.functional.pad(q, (0, self.pad)) if self.pad else _own_memory(q)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", _own_memory(scale.to(dtype)), persistent=False)
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            rows = torch.nn.functional.pad(rows, (0, self.pad))
+        elif not torch.compiler.is_compiling():  # compiled graphs allocate their own aligned buffers
+            rows = _own_memory(rows)
         return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q, self.scale)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight (an embedding lookup), in ``dtype``."""
-        return self.q[ids].to(dtype) * self.scale[ids].unsqueeze(-1).to(dtype)
+        return self.q[ids, :self.in_features].to(dtype) * self.scale[ids].unsqueeze(-1).to(dtype)
 
 
 class Int4Weight(QuantWeight):
