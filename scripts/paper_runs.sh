@@ -9,7 +9,7 @@
 #   rel-stepwise-svd64  relaxed, Stepwise + SVD rank 64  (against rel-svd64: "Average is the best init with LoRA")
 #   rel-zero64          relaxed, Average + zero rank 64
 # Then every student and the original on the seven tasks (first LIMIT documents per task, with standard
-# errors; docs/EVAL.md), held-out perplexity per exit, curves as PNG and one report (report/report.md).
+# errors; docs/EVAL.md), held-out perplexity per exit, curves as PNG and one report (KEEP/report.md).
 # Resumable and idempotent: rerun it to continue where a stopped run left off; finished steps are skipped.
 # Each student is trained, then evaluated, then its small results (metrics.jsonl, eval/*.json) are copied into
 # KEEP (committed): a student found there is done, so the comparison continues on a new machine whose out/ is
