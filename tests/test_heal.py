@@ -20,7 +20,7 @@ from looplm.errors import UsageError
 from looplm.convert import convert
 from looplm.models import load_model, save_model
 from looplm.data.corpus import PackedCorpus
-from looplm.train.heal import HealConfig, Healer, heal, relative_error, replan_due
+from looplm.train.heal import HealConfig, Healer, cached_rows, heal, relative_error, replan_due
 from looplm.train.teacher_cache import TeacherCache, build_cache
 
 
@@ -256,3 +256,21 @@ def test_a_time_budget_is_replanned_after_warm_up_and_at_half_way(setup):
     assert plan["e2e_steps"] > 60, "too few steps to check the half-way fix"
     assert plan["e2e_replanned_at"][:2] == [3, 30] and len(plan["e2e_replanned_at"]) == 3
     assert steps == list(range(1, plan["e2e_steps"] + 1))
+
+
+def test_overfit_script_scores_the_rows_the_cache_holds(setup):
+    """scripts/heal_overfit.py tells rows a run trained on from rows it never read: its "cached" rows must
+    be the cache's own, which `cached_rows` draws for both."""
+    tmp, models, corpus = setup
+    out = tmp / "overfit"
+    heal(HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
+                    tokens=64 * 4, seq_len=32, cache_rows=16, local_batch=2, eval_rows=4, progress=False),
+         log=lambda *a: None)
+    held = TeacherCache(out / "cache").rows
+    assert list(cached_rows(len(PackedCorpus(corpus).splits["train"]), 16, 0)) == list(held)
+    r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "heal_overfit.py"), str(out), "--rows", "4"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(result) == {"cached training rows", "training rows outside the cache", "held-out rows"}
+    assert all(v["healed_ppl"] > 1 and v["original_ppl"] > 1 for v in result.values())

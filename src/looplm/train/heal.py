@@ -136,6 +136,12 @@ class HealConfig:
              "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
 
 
+def cached_rows(train_rows: int, cache_rows: int, seed: int) -> np.ndarray:
+    """The training rows a run caches, and so the only rows its local and end-to-end stages read: a seeded
+    draw without replacement, sorted (scripts/heal_overfit.py scores them against rows outside it)."""
+    return np.sort(np.random.default_rng(seed).choice(train_rows, size=cache_rows, replace=False))
+
+
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of ||pred - target||^2 / ||target||^2 (float32)."""
     err = (pred.float() - target).pow(2).sum(-1)
@@ -197,8 +203,7 @@ class Healer:
         train = self.corpus.splits["train"]
         if c.cache_rows > len(train):
             raise UsageError(f"--cache-rows {c.cache_rows} is more than the corpus's {len(train)} training rows")
-        rng = np.random.default_rng(c.seed)
-        self.rows = np.sort(rng.choice(len(train), size=c.cache_rows, replace=False))
+        self.rows = cached_rows(len(train), c.cache_rows, c.seed)
         self._check_not_heldout()
 
         student, tok = load_model(c.model)
