@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from looplm.data.corpus import PackedCorpus
+from looplm.eval.perplexity import score_windows
 from looplm.models import load_model
 from looplm.train.heal import cached_rows
-
-
-@torch.no_grad()
-def mean_ce(model, rows: np.ndarray, batch: int = 4) -> float:
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch):
-        ids = torch.as_tensor(np.asarray(rows[i:i + batch], dtype=np.int64))
-        logits = model(ids).logits[:, :-1].float()
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                               reduction="sum")
-        total, count = total + float(ce), count + ids[:, 1:].numel()
-    return total / count
 
 
 def main() -> None:
@@ -49,14 +37,15 @@ def main() -> None:
     sets = {"cached training rows": train[np.sort(rng.choice(cached, size=a.rows, replace=False))],
             "training rows outside the cache": train[np.sort(outside)],
             "held-out rows": corpus.splits["heldout"][:a.rows]}
-    healed, _ = load_model(str(Path(a.run) / "final"))
+    healed, tok = load_model(str(Path(a.run) / "final"))
     original, _ = load_model(cfg["teacher"])
     result = {}
-    for name, rows in sets.items():
-        s, t = mean_ce(healed.eval(), rows), mean_ce(original.eval(), rows)
-        result[name] = {"healed_ppl": round(math.exp(s), 2), "original_ppl": round(math.exp(t), 2),
-                        "ratio": round(math.exp(s - t), 3)}
-        print(f"{name:34s} healed {math.exp(s):8.2f}  original {math.exp(t):8.2f}  ratio {math.exp(s - t):.3f}")
+    with torch.no_grad():
+        for name, rows in sets.items():
+            windows = [[int(t) for t in r] for r in rows]
+            s, t = (score_windows(m.eval(), tok, windows)["perplexity"] for m in (healed, original))
+            result[name] = {"healed_ppl": round(s, 2), "original_ppl": round(t, 2), "ratio": round(s / t, 3)}
+            print(f"{name:34s} healed {s:8.2f}  original {t:8.2f}  ratio {s / t:.3f}")
     print(json.dumps(result))
 
 
