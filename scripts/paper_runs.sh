@@ -70,6 +70,18 @@ if [ -f "$KEEP/settings" ] && [ "$(cat "$KEEP/settings")" != "$settings" ]; then
        "PRECISION and LOOPS to those, or give another KEEP" >&2
   exit 2
 fi
+# A student already trained in OUT (e.g. by scripts/exit_model.sh, whose KEEP is new) must have this recipe too.
+for s in $STUDENTS; do
+  r="$OUT/runs/$s/run.json"
+  [ -f "$r" ] || continue
+  was=$(${PYTHON:-.venv/bin/python} -c 'import json, sys; c = json.load(open(sys.argv[1]))["config"]
+print("tokens=%s precision=%s" % (c["max_tokens"], c["precision"]))' "$r")
+  if [ "$was loops=$LOOPS" != "$settings" ]; then
+    echo "error: $OUT/runs/$s was trained with '$was', not '${settings% loops=*}'; set TOKENS and PRECISION to" \
+         "those, or give another OUT" >&2
+    exit 2
+  fi
+done
 echo "$settings" > "$KEEP/settings"
 if done_with original; then echo "original: kept"; else evaluate original smollm2-135m && keep original; fi
 for s in $STUDENTS; do

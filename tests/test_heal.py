@@ -20,8 +20,8 @@ from looplm.errors import UsageError
 from looplm.convert import convert
 from looplm.models import load_model, save_model
 from looplm.data.corpus import PackedCorpus
-from looplm.train.heal import HealConfig, Healer, cached_rows, heal, relative_error, replan_due
-from looplm.train.teacher_cache import TeacherCache, build_cache
+from looplm.train.heal import HealConfig, Healer, cached_rows, heal, relative_error, replan_due, streamed_rows
+from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +191,54 @@ def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
     assert healed.config.exit_adapter == {"kind": "affine"} and healed.exit_adapter.weight.abs().sum() > 0
 
 
+def test_online_rows_read_the_whole_training_split_with_the_originals_states(setup):
+    """--e2e-rows online: each end-to-end step reads the next rows of a seeded pass over every training row
+    (not the cached few) with the original model's states computed on them, which match what the cache would
+    hold for the same rows; the exit stage reads from half way; the run heals and is refused on resume with
+    the other row source."""
+    tmp, models, corpus = setup
+    out = tmp / "online"
+    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
+                     tokens=64 * 40, local_share=0.0, e2e_rows="online", e2e_lr=1e-3, seq_len=32, cache_rows=4,
+                     e2e_batch=2, eval_rows=4, progress=False, cache=str(tmp / "cache-online"))
+    healer = Healer(cfg, log=lambda *a: None)
+    healer.prepare()
+    train = healer.corpus.splits["train"]
+    stream = streamed_rows(healer.corpus, cfg.seed)
+    held = {bytes(np.asarray(r)) for r in healer.corpus.splits["heldout"]}
+    # every training row but those that repeat a held-out row (this tiny corpus repeats its text)
+    assert sorted(stream.tolist()) == [r for r in range(len(train)) if bytes(np.asarray(train[r])) not in held]
+    assert len(stream) > 4 * len(healer.rows)
+    seen = []
+    for step in range(3):
+        ids, boundary = healer._batch(step, "e2e")
+        rows = stream[step * 2:step * 2 + 2]
+        seen += rows.tolist()
+        assert torch.equal(ids, torch.from_numpy(np.asarray(train[rows][:, :32], dtype=np.int64)))
+        L = healer.teacher.config.num_hidden_layers
+        with healer.autocast():  # the stage runs the original at the training precision
+            want = teacher_states(healer.teacher, ids)
+        assert all(torch.equal(boundary(b), want[b].float()) for b in (0, L // 2, L))
+    assert len(set(seen)) == 6 and not set(seen) <= set(healer.rows.tolist())
+    ids, _ = healer._batch(0, "exit")
+    half = stream[len(stream) // 2:len(stream) // 2 + 2]
+    assert torch.equal(ids, torch.from_numpy(np.asarray(train[half][:, :32], dtype=np.int64)))
+    # the cache's states of a row are the states computed online (bf16 rounding apart)
+    cache = build_cache(healer.teacher, healer.corpus, tmp / "cache-online", healer.rows, 32, progress=False,
+                        log=lambda *a: None)
+    ids = cache.tokens(healer.corpus, [0, 1])
+    online = teacher_states(healer.teacher, ids)
+    assert all(relative_error(online[b], cache.boundary(b, [0, 1])) < 1e-4 for b in (1, L))
+
+    r = heal(cfg, log=lambda *a: None)
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([x for x in steps if x.get("stage") == "e2e"]) == 36
+    assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
+    assert r["healed"]["eval_tokens"] > 0
+    r = run_cli(*heal_args(models, corpus, out, "--tokens", 64 * 40, "--local-share", 0, "--resume"))
+    assert r.returncode == 2 and "e2e_rows: 'online' -> 'cache'" in r.stderr, r.stderr
+
+
 def test_rounded_base_weights_stay_on_their_grid_while_the_rest_learns(setup):
     """--base-weights int4: the shared weights are rounded by GPTQ before the first stage and stay frozen on
     the int4 grid through both stages (quantizing the result rounds nothing new); the LoRA and norms learn."""
@@ -272,5 +320,14 @@ def test_overfit_script_scores_the_rows_the_cache_holds(setup):
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(result) == {"cached training rows", "training rows outside the cache", "held-out rows"}
+    assert set(result) == {"cached training rows", "training rows never read", "held-out rows"}
     assert all(v["healed_ppl"] > 1 and v["original_ppl"] > 1 for v in result.values())
+    # a run that read its end-to-end rows online has a fourth set, and those rows are not "never read"
+    online = tmp / "overfit-online"
+    heal(HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(online),
+                    tokens=64 * 4, seq_len=32, cache_rows=4, local_batch=2, eval_rows=4, e2e_rows="online",
+                    progress=False), log=lambda *a: None)
+    r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "heal_overfit.py"), str(online), "--rows", "2"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "training rows read online" in json.loads(r.stdout.strip().splitlines()[-1])

@@ -77,6 +77,9 @@ def register(sub) -> None:
     h.add_argument("--local-lr", type=float, default=2e-3)
     h.add_argument("--e2e-batch", type=int, default=2)
     h.add_argument("--e2e-lr", type=float, default=1e-4)
+    h.add_argument("--e2e-rows", default="cache", help="rows of the end-to-end and exit stages: cache (the cached "
+                   "rows, the original read from the cache) | online (the whole training split, the original run "
+                   "on each batch: new text every step for ~1/3 more time a step)")
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
     h.add_argument("--exit-weight", type=float, default=0.0, help="weight of each intermediate loop exit's KD term on "
                                                               "the body (0: exits get their own adapter stage)")

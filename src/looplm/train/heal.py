@@ -31,9 +31,12 @@ the norms and the biases around the rounding. `looplm quantize --weights FMT` (L
 nothing new, so what the run measures is what is served. Run it on a healed model (``--local-share 0``) to
 recover what rounding costs it (docs/FINDINGS.md).
 
-All stages read the teacher from the cache, never run it: a step costs the student alone. The
-embeddings, final norm and LM head stay the original model's (frozen), so the original's logits
-are its final state through the student's own head.
+The local stage reads the teacher from the cache, never runs it: a step costs the student alone. The
+end-to-end and exit stages read rows by ``e2e_rows``: ``cache`` draws them from the cached rows (a 256-row cache
+is read ~5 times over in an hour, and memorised: docs/FINDINGS.md), ``online`` takes the next rows of a seeded
+pass over the whole training split and runs the original model on them, without gradients (about a third of a
+student step), so that every step reads new text. The embeddings, final norm and LM head stay the original
+model's (frozen), so the original's logits are its final state through the student's own head.
 
 Budget: ``budget_minutes`` (wall time of cache, local and end-to-end work; evaluations not
 counted) or ``tokens``; ``local_share`` of it goes to the local stage, ``exit_share`` of the rest to the exit
@@ -76,9 +79,10 @@ from ..util import write_json_atomic, write_text_atomic
 from .loop import resolve_precision
 from .losses import head_kd_loss, kd_loss
 from .optim import adamw
-from .teacher_cache import build_cache
+from .teacher_cache import build_cache, teacher_states
 
 LOCAL_MODES = ("parallel", "sequential")
+E2E_ROWS = ("cache", "online")
 # End-to-end steps after which a time budget's step count is fixed again from the steps since the last
 # fix, and once more at half way: steps get faster after the first few (4.7 s -> 3.6 s at B=2 rank 128),
 # so a count fixed from the first three alone left 5 of the hour's 60 minutes unused.
@@ -116,6 +120,8 @@ class HealConfig:
     local_lr: float = 2e-3
     e2e_batch: int = 2
     e2e_lr: float = 1e-4
+    e2e_rows: str = "cache"          # cache (rows and states from the teacher cache) | online (any training row,
+                                     # the original run on it each step)
     hidden_weight: float = 1.0
     exit_weight: float = 0.0         # intermediate-exit KD on the body (0: the body copies the original)
     exit_adapter: str = "affine"     # exit stage: affine | head-lora:R | none
@@ -132,7 +138,7 @@ class HealConfig:
     progress: bool = True
 
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
-             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "hidden_weight", "exit_weight", "grad_clip", "seed",
+             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "e2e_rows", "hidden_weight", "exit_weight", "grad_clip", "seed",
              "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
 
 
@@ -140,6 +146,19 @@ def cached_rows(train_rows: int, cache_rows: int, seed: int) -> np.ndarray:
     """The training rows a run caches, and so the only rows its local and end-to-end stages read: a seeded
     draw without replacement, sorted (scripts/heal_overfit.py scores them against rows outside it)."""
     return np.sort(np.random.default_rng(seed).choice(train_rows, size=cache_rows, replace=False))
+
+
+def heldout_set(corpus: PackedCorpus) -> set[bytes]:
+    return {bytes(np.asarray(r)) for r in corpus.splits["heldout"]}
+
+
+def streamed_rows(corpus: PackedCorpus, seed: int) -> np.ndarray:
+    """The order in which ``--e2e-rows online`` reads the training rows: a seeded permutation of all of them
+    but those identical to a held-out row (a passage the text repeats; reading it would leak into the held-out
+    score). The end-to-end stage reads it from the start, ``e2e_batch`` rows a step; the exit stage from half way."""
+    train, held = corpus.splits["train"], heldout_set(corpus)
+    rows = np.array([r for r in range(len(train)) if bytes(np.asarray(train[r])) not in held], dtype=np.int64)
+    return np.random.default_rng(seed + 2).permutation(rows)
 
 
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -171,6 +190,8 @@ class Healer:
             raise UsageError("give one budget: --budget-minutes N or --tokens N")
         if (c.budget_minutes is not None and c.budget_minutes <= 0) or (c.tokens is not None and c.tokens <= 0):
             raise UsageError("the budget must be positive: --budget-minutes N or --tokens N with N > 0")
+        if c.e2e_rows not in E2E_ROWS:
+            raise UsageError(f"unknown --e2e-rows {c.e2e_rows!r}; use one of {', '.join(E2E_ROWS)}")
         if c.local_mode not in LOCAL_MODES:
             raise UsageError(f"unknown --local-mode {c.local_mode!r}; use one of {', '.join(LOCAL_MODES)}")
         for name in ("local_share", "exit_share"):
@@ -204,6 +225,7 @@ class Healer:
         if c.cache_rows > len(train):
             raise UsageError(f"--cache-rows {c.cache_rows} is more than the corpus's {len(train)} training rows")
         self.rows = cached_rows(len(train), c.cache_rows, c.seed)
+        self.stream = streamed_rows(self.corpus, c.seed) if c.e2e_rows == "online" else None
         self._check_not_heldout()
 
         student, tok = load_model(c.model)
@@ -234,9 +256,9 @@ class Healer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _check_not_heldout(self) -> None:
-        """The training slice must not contain held-out text: no cached row may equal a held-out row."""
-        held = self.corpus.splits["heldout"]
-        held_rows = {bytes(np.asarray(r)) for r in held}
+        """The training slice must not contain held-out text: no cached row may equal a held-out row
+        (``streamed_rows`` leaves such rows out of what ``--e2e-rows online`` reads)."""
+        held_rows = heldout_set(self.corpus)
         train = self.corpus.splits["train"]
         if any(bytes(np.asarray(train[r])) in held_rows for r in self.rows):
             raise UsageError(f"the training slice of {self.cfg.data} contains held-out rows; rebuild the corpus "
@@ -519,15 +541,38 @@ class Healer:
         self.log(f"shared weights rounded to {c.base_weights} (GPTQ on {n} cached rows, mean relative output error "
                  f"{sum(errors) / len(errors):.4f}) in {time.perf_counter() - t0:.0f} s; they stay frozen")
 
+    def _batch(self, step: int, stage: str):
+        """The token rows of a step of the end-to-end or exit stage, and ``boundary(b)``: the original model's
+        states at layer boundary b for them. ``--e2e-rows cache``: rows drawn from the cached ones, states read
+        from the cache. ``online``: the next rows of the seeded pass over the training split (``streamed_rows``),
+        states from running the original model on them when first asked for (the exit stage never asks)."""
+        c = self.cfg
+        if c.e2e_rows == "cache":
+            salt = 0 if stage == "e2e" else 500_009
+            g = torch.Generator().manual_seed(c.seed * 1_000_003 + salt + step)
+            idx = torch.randperm(len(self.rows), generator=g)[:c.e2e_batch].numpy()
+            return self.cache.tokens(self.corpus, idx).to(self.device), \
+                lambda b: self.cache.boundary(b, idx).to(self.device)
+        first = step * c.e2e_batch + (0 if stage == "e2e" else len(self.stream) // 2)
+        rows = self.stream[np.arange(first, first + c.e2e_batch) % len(self.stream)]
+        ids = torch.from_numpy(np.asarray(self.corpus.splits["train"][rows][:, :c.seq_len], dtype=np.int64))
+        ids = ids.to(self.device)
+        states: list[torch.Tensor] = []
+
+        def boundary(b: int) -> torch.Tensor:
+            if not states:
+                with self.autocast():
+                    states.extend(teacher_states(self.teacher, ids))
+            return states[b].float()
+        return ids, boundary
+
     def _e2e_step(self, model, step: int, opt, lr: float) -> dict:
         c = self.cfg
-        g = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
-        idx = torch.randperm(len(self.rows), generator=g)[:c.e2e_batch].numpy()
-        ids = self.cache.tokens(self.corpus, idx).to(self.device)
+        ids, boundary = self._batch(step, "e2e")
         cfg = model.config
         L, K = cfg.num_hidden_layers, cfg.num_shared_layers
         with torch.no_grad():
-            teacher_z = self.teacher.exit_states(self.cache.boundary(L, idx).to(self.device))
+            teacher_z = self.teacher.exit_states(boundary(L))
         with self.autocast():
             _, depth_states, _ = model.model(ids, output_depth_states=True)
         parts = {"kd": self._kd(model, depth_states[-1], None, teacher_z, self.teacher)}
@@ -536,8 +581,7 @@ class Healer:
             # The state after an intermediate loop is an exit too: with an exit term it is left free to
             # become predictive instead of copying the original's mid-network state.
             matched = [d for d in range(L) if not (c.exit_weight and (d + 1) % K == 0 and d < L - 1)]
-            hid = sum(relative_error(depth_states[d], self.cache.outputs(d, idx).to(self.device))
-                      for d in matched) / len(matched)
+            hid = sum(relative_error(depth_states[d], boundary(d + 1)) for d in matched) / len(matched)
             parts["hidden"] = hid
             loss = loss + c.hidden_weight * hid
         if c.exit_weight and cfg.num_loops > 1:
@@ -641,9 +685,7 @@ class Healer:
     def _exit_step(self, model, step: int, opt, lr: float) -> dict:
         """Every intermediate exit learns the model's own final output (forward KL), the body frozen."""
         c = self.cfg
-        g = torch.Generator().manual_seed(c.seed * 1_000_003 + 500_009 + step)
-        idx = torch.randperm(len(self.rows), generator=g)[:c.e2e_batch].numpy()
-        ids = self.cache.tokens(self.corpus, idx).to(self.device)
+        ids, _ = self._batch(step, "exit")
         with torch.no_grad(), self.autocast():
             _, states, _ = model.model(ids, output_loop_states=True)
             target = model.exit_states(states[-1])

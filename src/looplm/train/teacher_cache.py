@@ -91,6 +91,22 @@ class TeacherCache:
         return torch.from_numpy(np.asarray(corpus.splits["train"][rows][:, :self.seq_len], dtype=np.int64))
 
 
+@torch.no_grad()
+def teacher_states(teacher, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The original model's states at every layer boundary for token rows ``ids``: L + 1 tensors
+    [rows, seq, hidden], boundary 0 the embedding output and boundary L the last layer's output (before
+    the final norm), as the cache stores them. Healing's online end-to-end stage calls it every step."""
+    captured: list[torch.Tensor] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: captured.append(args[0].detach()))
+             for layer in teacher.model.layers]
+    try:
+        h, _, _ = teacher.model(ids)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return captured + [h]
+
+
 def cache_key(teacher_fp: str, corpus: PackedCorpus, rows: np.ndarray, seq_len: int) -> dict:
     return {"format": FORMAT, "teacher": teacher_fp, "corpus_train_sha256": corpus.meta["splits"]["train"]["sha256"],
             "tokenizer": corpus.tokenizer, "rows": [int(r) for r in rows], "seq_len": int(seq_len)}
@@ -125,21 +141,11 @@ def build_cache(teacher, corpus: PackedCorpus, directory: str | Path, rows: np.n
     states = np.memmap(tmp, dtype=np.int16, mode="w+", shape=shape)
     device = next(teacher.parameters()).device
     teacher.eval()
-    captured: list[torch.Tensor] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, args: captured.append(args[0].detach()))
-             for layer in teacher.model.layers]
-    try:
-        for start in tqdm(range(0, len(rows), batch_size), desc="teacher cache", unit="batch",
-                          disable=not progress):
-            sel = rows[start:start + batch_size]
-            ids = torch.from_numpy(np.asarray(corpus.splits["train"][sel][:, :seq_len], dtype=np.int64)).to(device)
-            captured.clear()
-            h, _, _ = teacher.model(ids)
-            for b, s in enumerate(captured + [h]):
-                states[b, start:start + len(sel)] = s.to(torch.bfloat16).view(torch.int16).cpu().numpy()
-    finally:
-        for hk in hooks:
-            hk.remove()
+    for start in tqdm(range(0, len(rows), batch_size), desc="teacher cache", unit="batch", disable=not progress):
+        sel = rows[start:start + batch_size]
+        ids = torch.from_numpy(np.asarray(corpus.splits["train"][sel][:, :seq_len], dtype=np.int64)).to(device)
+        for b, s in enumerate(teacher_states(teacher, ids)):
+            states[b, start:start + len(sel)] = s.to(torch.bfloat16).view(torch.int16).cpu().numpy()
     states.flush()
     del states
     os.replace(tmp, d / "states.bin")
