@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 18's measurements: healing against the paper's recipe on this machine, one hour each.
 #   <name>        data-aware conversion (average + aware-svd), then `looplm heal --budget-minutes 60` with a
-#                 256-row teacher cache (HEAL_ARGS adds options, e.g. "--local-share 0.25")
+#                 256-row teacher cache for the local stage and the end-to-end rows read online (runs before
+#                 2026-11-27 05:00 UTC read them from the cache: HEAL_ARGS="--e2e-rows cache"). HEAL_ARGS adds
+#                 options, e.g. "--local-share 0.25"
 #   paper-r64     the paper's recipe at the same hour: average + plain SVD rank 64, then end-to-end
 #                 0.5 CE + 0.5 forward KL from the online teacher, `looplm train --budget-minutes MINUTES`
 #                 (PAPER_TOKENS=N trains N tokens instead; the run of 2026-11-25 used 450560: 440 steps of
@@ -62,6 +64,8 @@ for r in $RUNS; do
       --calib-data "$OUT/calib-$model" --calib-tokens 8192 --ppl-tokens 0 --out "$student"
   if [ -f "$run/heal.json" ]; then echo "$r: done"; continue; fi
   resume=""; [ -f "$run/run.json" ] && resume="--resume"
+  # --e2e-rows online: the end-to-end stage reads new training rows with the original run on them, instead of
+  # re-reading the 256 cached ones (B=2 rank 128, 2026-11-27: 41.22 against 42.76; docs/FINDINGS.md)
   $LOOPLM heal "$student" --teacher $model --data "$data" --out "$run" --budget-minutes "$MINUTES" \
-      --cache-rows 256 --no-progress $HEAL_ARGS $resume
+      --cache-rows 256 --e2e-rows online --no-progress $HEAL_ARGS $resume
 done

@@ -79,7 +79,7 @@ def register(sub) -> None:
     h.add_argument("--e2e-lr", type=float, default=1e-4)
     h.add_argument("--e2e-rows", default="cache", help="rows of the end-to-end and exit stages: cache (the cached "
                    "rows, the original read from the cache) | online (the whole training split, the original run "
-                   "on each batch: new text every step for ~1/3 more time a step)")
+                   "on each batch: new text every step, a step a fifth longer)")
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
     h.add_argument("--exit-weight", type=float, default=0.0, help="weight of each intermediate loop exit's KD term on "
                                                               "the body (0: exits get their own adapter stage)")
