@@ -1,6 +1,6 @@
 """scripts/paper_runs.sh's bookkeeping: every finished student's small results land in KEEP, a later run on a
-machine whose out/ is empty continues from KEEP without retraining anyone, and KEEP refuses students of
-another recipe. The looplm commands themselves are tested elsewhere; here a stand-in `looplm` records each
+machine whose out/ is empty continues from KEEP without retraining anyone, and KEEP, or a student already
+trained in OUT, refuses students of another recipe. The looplm commands themselves are tested elsewhere; here a stand-in `looplm` records each
 call and writes the files the real one writes, so that the script's own logic is what runs."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ elif cmd == "convert":
     Path(opt("--out")).mkdir(parents=True, exist_ok=True); (Path(opt("--out")) / "config.json").write_text("{}")
 elif cmd == "train":
     run = Path(opt("--out")); (run / "final").mkdir(parents=True, exist_ok=True)
-    (run / "run.json").write_text("{}")
+    (run / "run.json").write_text(json.dumps({"config": {"max_tokens": int(opt("--max-tokens")),
+                                                          "precision": opt("--precision")}}))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": int(opt("--max-tokens"))}) + "\n")
 elif cmd in ("eval fewshot", "eval ppl"):
     ev = Path(opt("--save-dir")) / "eval"; ev.mkdir(parents=True, exist_ok=True)
@@ -92,3 +93,17 @@ def test_keep_refuses_students_of_another_recipe(tmp_path):
     assert other.returncode == 2
     assert "tokens=2048 precision=fp32 loops=2" in other.stderr and "TOKENS" in other.stderr
     assert not calls(tmp_path)  # refused before converting or training anything
+
+
+def test_a_student_trained_in_out_with_another_recipe_is_refused(tmp_path):
+    """scripts/exit_model.sh gives paper_runs.sh a new KEEP inside OUT: the students already trained in OUT must
+    then have the recipe asked for, or the new KEEP would record settings they were not trained with."""
+    assert run_script(tmp_path, TOKENS="4096", PRECISION="bf16").returncode == 0
+    calls(tmp_path)
+    other = run_script(tmp_path, KEEP=str(tmp_path / "out" / "kept"))
+    assert other.returncode == 2
+    assert "runs/rec-stepwise was trained with 'tokens=4096 precision=bf16'" in other.stderr
+    assert not calls(tmp_path) and not (tmp_path / "out" / "kept" / "settings").exists()
+    same = run_script(tmp_path, KEEP=str(tmp_path / "out" / "kept"), TOKENS="4096", PRECISION="bf16")
+    assert same.returncode == 0, same.stderr
+    assert not [c for c in calls(tmp_path) if c[0] == "train"]  # trained already: evaluated into the new KEEP only
