@@ -1,7 +1,8 @@
 """scripts/paper_runs.sh's bookkeeping: every finished student's small results land in KEEP, a later run on a
 machine whose out/ is empty continues from KEEP without retraining anyone, and KEEP, or a student already
-trained in OUT, refuses students of another recipe. The looplm commands themselves are tested elsewhere; here a stand-in `looplm` records each
-call and writes the files the real one writes, so that the script's own logic is what runs."""
+trained in OUT, refuses students of another recipe. The looplm commands themselves are tested elsewhere; here
+a stand-in `looplm` records each call and writes the files the real one writes, so that the script's own logic
+is what runs."""
 
 from __future__ import annotations
 

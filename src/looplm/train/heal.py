@@ -35,8 +35,9 @@ The local stage reads the teacher from the cache, never runs it: a step costs th
 end-to-end and exit stages read rows by ``e2e_rows``: ``cache`` draws them from the cached rows (a 256-row cache
 is read ~5 times over in an hour, and memorised: docs/FINDINGS.md), ``online`` takes the next rows of a seeded
 pass over the whole training split and runs the original model on them, without gradients (a step takes a fifth
-longer: 3.3 s against 2.7 s at B=2 rank 128 on the AMX Xeon), so that every step reads new text. The embeddings, final norm and LM head stay the original
-model's (frozen), so the original's logits are its final state through the student's own head.
+longer: 3.3 s against 2.7 s at B=2 rank 128 on the AMX Xeon), so that every step reads new text. The
+embeddings, final norm and LM head stay the original model's (frozen), so the original's logits are its final
+state through the student's own head.
 
 Budget: ``budget_minutes`` (wall time of cache, local and end-to-end work; evaluations not
 counted) or ``tokens``; ``local_share`` of it goes to the local stage, ``exit_share`` of the rest to the exit
