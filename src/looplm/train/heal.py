@@ -144,8 +144,9 @@ class HealConfig:
 
 
 def cached_rows(train_rows: int, cache_rows: int, seed: int) -> np.ndarray:
-    """The training rows a run caches, and so the only rows its local and end-to-end stages read: a seeded
-    draw without replacement, sorted (scripts/heal_overfit.py scores them against rows outside it)."""
+    """The training rows a run caches, and so the only rows its local stage (and with ``--e2e-rows cache`` its
+    end-to-end stage) reads: a seeded draw without replacement, sorted (scripts/heal_overfit.py scores them
+    against rows the run never read)."""
     return np.sort(np.random.default_rng(seed).choice(train_rows, size=cache_rows, replace=False))
 
 
@@ -157,8 +158,8 @@ def streamed_rows(corpus: PackedCorpus, seed: int) -> np.ndarray:
     """The order in which ``--e2e-rows online`` reads the training rows: a seeded permutation of all of them
     but those identical to a held-out row (a passage the text repeats; reading it would leak into the held-out
     score). The end-to-end stage reads it from the start, ``e2e_batch`` rows a step; the exit stage from half way."""
-    train, held = corpus.splits["train"], heldout_set(corpus)
-    rows = np.array([r for r in range(len(train)) if bytes(np.asarray(train[r])) not in held], dtype=np.int64)
+    train, held = np.asarray(corpus.splits["train"]), heldout_set(corpus)  # one read of the split, not a row at a time
+    rows = np.array([r for r in range(len(train)) if bytes(train[r]) not in held], dtype=np.int64)
     return np.random.default_rng(seed + 2).permutation(rows)
 
 
