@@ -331,3 +331,29 @@ def test_overfit_script_scores_the_rows_the_cache_holds(setup):
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
     assert r.returncode == 0, r.stderr
     assert "training rows read online" in json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_same_local_script_repeats_the_local_stage_and_changes_only_later_settings(setup):
+    """scripts/heal_same_local.py starts a run that repeats another run's local stage (the same steps per layer,
+    so the same errors layer by layer) with an end-to-end setting changed; it refuses a local setting and an
+    existing directory."""
+    tmp, models, corpus = setup
+    first, second = tmp / "same-local-a", tmp / "same-local-b"
+    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none"))
+    assert r.returncode == 0, r.stderr
+    script = [sys.executable, str(SRC.parent / "scripts" / "heal_same_local.py")]
+    for dst, change in ((second, "local_lr=0.1"), (first, "e2e_batch=4")):  # a local setting; an existing directory
+        r = subprocess.run([*script, str(first), str(dst), "--set", change], capture_output=True, text=True)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = subprocess.run([*script, str(first), str(second), "--set", "e2e_batch=4"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*heal_args(models, corpus, second, "--tokens", 64 * 24, "--exit-adapter", "none"),
+                "--e2e-batch", 4, "--resume")
+    assert r.returncode == 0, r.stderr
+
+    def records(out, stage):
+        return [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if x.get("stage") == stage]
+    local = [[(x["layer"], x["err_first"], x["err_last"]) for x in records(out, "local")] for out in (first, second)]
+    assert local[0] and local[0] == local[1]
+    e2e = [records(out, "e2e") for out in (first, second)]
+    assert len(e2e[1]) * 2 == len(e2e[0]) and e2e[1][-1]["tokens"] == e2e[0][-1]["tokens"]
