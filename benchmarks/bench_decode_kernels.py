@@ -5,7 +5,7 @@ Each layer gets its own random weights (30 distinct copies, as in the model), an
 four products one after another and then the head, so weights stream from memory as in a real token rather
 than staying in cache. Kernels: PyTorch's weight-only int4 (`_weight_int4pack_mm_for_cpu`, groups of 32) and int8
 (`_weight_int8pack_mm`, per channel), each fed bfloat16 (the engine's default), float16 or float32 activations; float32
-`F.linear`; FBGEMM's dynamically quantized int8 linear (`torch.ao` dynamic quantization: int8 activations per
+`F.linear`; bfloat16 weights and activations through `F.linear`; FBGEMM's dynamically quantized int8 linear (`torch.ao` dynamic quantization: int8 activations per
 tensor, a different numerical contract from weight-only); int8 x int8 with activations quantized per row through
 ``torch._int_mm``. Reports milliseconds per step for the layers and
 for the head, and the rate of weight bytes read. ``--batch N`` makes a step N tokens (N rows through every
@@ -45,6 +45,13 @@ def fp32(w):
     return (lambda x: F.linear(x, w)), w.numel() * 4
 
 
+def bf16(w):
+    """bfloat16 weights and activations through ``F.linear`` (oneDNN's bfloat16 GEMM: AMX tiles on a CPU that
+    has them)."""
+    wb = w.to(torch.bfloat16)
+    return (lambda x: F.linear(x.to(torch.bfloat16), wb)), wb.numel() * 2
+
+
 def fbgemm_dynamic(w):
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w)
@@ -69,7 +76,7 @@ def int8_per_row(w):
 KERNELS = {"int4 (bf16 act)": weight_only("int4", torch.bfloat16), "int4 (fp32 act)": weight_only("int4", torch.float32),
            "int8 (bf16 act)": weight_only("int8", torch.bfloat16), "int8 (fp32 act)": weight_only("int8", torch.float32),
            "int4 (fp16 act)": weight_only("int4", torch.float16), "int8 (fp16 act)": weight_only("int8", torch.float16),
-           "fp32": fp32, "fbgemm dynamic int8": fbgemm_dynamic, "int8 x int8 per row": int8_per_row}
+           "fp32": fp32, "bf16": bf16, "fbgemm dynamic int8": fbgemm_dynamic, "int8 x int8 per row": int8_per_row}
 
 
 def main() -> int:

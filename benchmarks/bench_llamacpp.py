@@ -10,7 +10,8 @@ from) and a Q8_0 file exported from our float32 model (`looplm export-gguf --typ
 continuous batching (`llama_decode` over one batch holding every running sequence's next token and new
 prompts, as llama.cpp's `parallel` example), greedy by argmax over its logits, as our engine.
 
-Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act][-m][-c]: the whole model in bfloat16 (default:
+Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act][-m][-c], FORMAT fp32, int8, int4 or bf16 (`--weights
+bf16`: the whole model in bfloat16, rotary frequencies float32); then: the whole model in bfloat16 (default:
 float32 outside the quantized matmuls), int4 group size N (default 32), int4 LM head (default int8),
 float32 activations into the quantized matmuls (default bfloat16), a looped model's LoRA merged into one
 quantized weight per depth (`--lora merged`; default: shared weights with the float LoRA on top), the compiled engine (`--compile`,
@@ -167,6 +168,8 @@ def engine_model(vanilla, spec: str):
     s = parse_spec(spec)
     if s["format"] == "fp32":
         return vanilla if s["dtype"] == torch.float32 else copy.deepcopy(vanilla).to(s["dtype"])
+    if s["format"] == "bf16":  # `--weights bf16`: the whole model in bfloat16
+        return Q.to_bf16(copy.deepcopy(vanilla))
     return Q.quantize_model(copy.deepcopy(vanilla), s["format"], s["group"], s["dtype"], s["head"], s["act_dtype"],
                             lora=s["lora"])
 
@@ -428,8 +431,8 @@ def main() -> int:
         save_model(vanilla, tok, src)
         for s in [x for x in args.memory_configs.split(",") if x]:
             sp = parse_spec(s)
-            if sp["format"] == "fp32":
-                cases[s] = f"engine:fp32@{src}"
+            if sp["format"] in ("fp32", "bf16"):  # bf16: cast at load (`looplm quantize` stores int formats only)
+                cases[s] = f"engine:{s}@{src}"
                 continue
             d = tmp / s
             save_quantized(vanilla, tok, d, sp["format"], sp["group"], sp["dtype"], sp["head"], sp["act_dtype"])

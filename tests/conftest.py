@@ -92,6 +92,19 @@ def hf_dir(tmp_path_factory, smollm2_tokenizer):
     return save_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", smollm2_tokenizer)
 
 
+SERVE_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, initializer_range=0.2)
+
+
+def small_relaxed(**overrides):
+    """A random 4-layer model converted to B=2 with rank-8 LoRA and per-depth norms (the weight-format tests')."""
+    from looplm.convert import convert
+    from looplm.models import LoopLMConfig, LoopLMForCausalLM
+    torch.manual_seed(0)
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SERVE_SMALL, **overrides})).eval()
+    return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
+
+
 def full_depth_greedy(model, prompt, n, eos=None):
     """Reference decoding: the whole sequence through the model's forward, no cache, for every token."""
     ids = list(prompt)

@@ -3,21 +3,12 @@
 import pytest
 import torch
 
-from looplm.convert import convert
-from looplm.models import LoopLMConfig, LoopLMForCausalLM
 from looplm.models import packed as packing
 from looplm.models.layers import LoopLinear
+from conftest import small_relaxed as _relaxed
 
 pytestmark = pytest.mark.skipif(not packing.mkl_packing_available(), reason="torch built without MKL")
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, initializer_range=0.2)
-
-
-def _relaxed():
-    torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(**SMALL)).eval()
-    return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 33, 200])

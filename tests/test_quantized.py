@@ -13,25 +13,16 @@ import pytest
 import torch
 
 from looplm.cli import main
-from looplm.convert import convert
 from looplm.errors import ConfigError, UsageError
-from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model, save_model
+from looplm.models import load_model, save_model
 from looplm.models import quantized as Q
 from looplm.models.layers import LoopLinear
 from looplm.models.loading import save_quantized
 from looplm.serve import Engine, Request, make_scheduler
-from conftest import arrive_one_per_step, full_depth_greedy
+from conftest import arrive_one_per_step, full_depth_greedy, small_relaxed as _relaxed
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, initializer_range=0.2)
 FORMATS = [f for f in ("int8", "int4") if f in Q.supported_formats("cpu")]
 pytestmark = pytest.mark.skipif(not FORMATS, reason="this torch build runs neither weight-only op on CPU")
-
-
-def _relaxed(**kw):
-    torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SMALL, **kw})).eval()
-    return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 
 def dequantized_reference(model, fmt, group=Q.DEFAULT_GROUP, head="int8"):

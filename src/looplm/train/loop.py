@@ -35,6 +35,7 @@ from ..errors import UsageError
 from ..util import write_json_atomic
 from ..models.exit_adapter import add_exit_adapters, parse_exit_adapter
 from ..models.loading import tokenizer_fingerprint
+from ..models.quantized import has_bf16_matmuls
 from ..data.corpus import PackedCorpus
 from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, truncate_metrics
 from .data_order import batch_indices, micro_batch, rows_read
@@ -182,14 +183,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         # bf16 autocast where the hardware has bf16 matmuls: CUDA devices that support it, and CPUs with
         # AVX-512 BF16 or AMX (a SmolLM2 step of 2 x 512 tokens: 4.4 s against 6.4 s in fp32 on this
         # project's 2-core EPYC, docs/BENCHMARKS.md). Without them autocast only adds casts.
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-        return "bf16" if cpu_has_bf16() else "fp32"
+        return "bf16" if has_bf16_matmuls(device) else "fp32"
     return precision
-
-
-def cpu_has_bf16() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def memory_available(device: torch.device) -> int | None:
