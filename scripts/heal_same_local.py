@@ -44,7 +44,11 @@ def main() -> int:
         if key not in config or key in LOCAL_KEYS:
             print(f"error: --set {item}: {key!r} is not an end-to-end or exit setting of the run", file=sys.stderr)
             return 2
-        changes[key] = json.loads(value)
+        try:
+            changes[key] = json.loads(value)
+        except json.JSONDecodeError:
+            print(f"error: --set {item}: the value is not a JSON number, string or boolean", file=sys.stderr)
+            return 2
     # the later stages' counts are measured again in the new run; scale the planned ones by the batch so that the
     # exit stage keeps its tokens and its share of the hour
     scale = changes.get("e2e_batch", config["e2e_batch"]) / config["e2e_batch"]

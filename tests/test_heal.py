@@ -342,7 +342,8 @@ def test_same_local_script_repeats_the_local_stage_and_changes_only_later_settin
     r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none"))
     assert r.returncode == 0, r.stderr
     script = [sys.executable, str(SRC.parent / "scripts" / "heal_same_local.py")]
-    for dst, change in ((second, "local_lr=0.1"), (first, "e2e_batch=4")):  # a local setting; an existing directory
+    # a local setting, a value that is not JSON, an existing directory
+    for dst, change in ((second, "local_lr=0.1"), (second, "e2e_lr=fast"), (first, "e2e_batch=4")):
         r = subprocess.run([*script, str(first), str(dst), "--set", change], capture_output=True, text=True)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = subprocess.run([*script, str(first), str(second), "--set", "e2e_batch=4"], capture_output=True, text=True)

@@ -69,7 +69,7 @@ def _kernel_runs(fmt: str) -> bool:
 
 def has_bf16_matmuls(device) -> bool:
     """Whether the device multiplies bfloat16 natively: a CUDA device that supports it, a CPU with AVX-512 BF16
-    or AMX (elsewhere bfloat16 runs through conversions, slower than float32)."""
+    or AMX. Elsewhere bfloat16 products are emulated: ``--weights bf16`` is not offered and training keeps float32."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -105,7 +105,8 @@ class QuantWeight(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # the module cannot be moved to a GPU and keep working
-            raise UsageError(f"{self.fmt} weights run on CPU only; supported on {x.device.type}: fp32")
+            raise UsageError(f"{self.fmt} weights run on CPU only; supported on {x.device.type}: "
+                             f"{', '.join(supported_formats(x.device))}")
         return x.reshape(-1, x.shape[-1]).to(self.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, slot=0) -> torch.Tensor:
@@ -428,7 +429,8 @@ def release_freed_memory() -> None:
 def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
                    head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT, fuse: bool = True, lora: str = "shared",
                    moments: dict | None = None):
-    """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged).
+    """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged, bf16 casts it:
+    ``to_bf16``).
     ``dtype``: the float parameters left (LoRA, norms, biases); ``act_dtype``: the quantized matmuls'
     activations; ``head``: the LM head's format (int8 by default, also under int4: see quantize_portable);
     ``fuse``: stack q|k|v and gate|up (``attach``); ``lora``: "shared" keeps each shared weight once with
@@ -438,6 +440,8 @@ def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype
     check_format(fmt, device)
     if fmt == "fp32" or is_quantized(model):
         return model
+    if fmt == "bf16":
+        return to_bf16(model)
     check_format(head, device)
     tensors = quantize_portable(model, fmt, group, head, lora, moments)
     keep = {id(m.weight) for _, m in linears(model)} | {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
@@ -485,8 +489,6 @@ def prepare(model: nn.Module, fmt: str | None, **options):
     if stored != "fp32":
         raise UsageError(f"this model is stored with {stored} weights; serve it with --weights {stored}, or "
                          f"quantize its float checkpoint to {fmt}")
-    if fmt == "bf16":
-        return to_bf16(model)
     return quantize_model(model, fmt, lora=lora or "shared", **options)
 
 
