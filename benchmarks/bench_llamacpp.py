@@ -220,8 +220,8 @@ def child(args) -> int:
         weights = None
     else:
         spec, _, path = target.partition("@")
-        model, _ = load_model(path)
         s = parse_spec(spec)
+        model, _ = load_model(path, dtype=Q.load_dtype(s["format"]))  # bf16 read as bf16: no float32 copy
         if s["format"] != "fp32":
             model = Q.prepare(model, s["format"], group=s["group"], dtype=s["dtype"], head=s["head"],
                               act_dtype=s["act_dtype"])

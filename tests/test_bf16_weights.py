@@ -59,3 +59,25 @@ def test_bf16_weights_serve_the_whole_model_at_half_the_bytes(monkeypatch):
         Q.prepare(served, "fp32")
     with pytest.raises(UsageError, match="--lora merged needs quantized weights"):
         Q.prepare(copy.deepcopy(model), "bf16", lora="merged")
+
+
+def test_a_float_checkpoint_read_in_bf16_is_the_cast_model_without_a_float32_copy(tmp_path, monkeypatch):
+    """load_model(..., dtype=bfloat16), as `serve|generate --weights bf16` read a float checkpoint: every
+    floating tensor cast as it is read (no float32 copy of the model held), the rotary frequencies float32,
+    the tied head still the embedding, and the same logits as the float32 model cast afterwards (to_bf16)."""
+    from looplm.models import load_model, save_model
+    from test_train_fixtures import byte_tokenizer
+    _cpu_bf16(monkeypatch, True)
+    model = _relaxed()
+    save_model(model, byte_tokenizer("<a> <b>"), tmp_path / "m")
+    direct, _ = load_model(tmp_path / "m", dtype=torch.bfloat16)
+    cast = Q.to_bf16(load_model(tmp_path / "m")[0])
+    assert {p.dtype for p in direct.parameters()} == {torch.bfloat16}
+    assert all(b.dtype == torch.float32 for b in direct.model.rotary.buffers())
+    assert not any(t.is_meta for t in [*direct.parameters(), *direct.buffers()])
+    assert Q.stored_format(direct) == "bf16" and Q.prepare(direct, "bf16") is direct
+    if direct.config.tie_word_embeddings:
+        assert direct.lm_head.weight is direct.model.embed_tokens.weight
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(direct(ids).logits, cast(ids).logits)

@@ -12,12 +12,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from . import quantized as q
 from .config import ConfigError, LoopLMConfig
 from .decoder import LoopLMForCausalLM
+from .layers import Rotary
 
 WEIGHTS = "model.safetensors"
 
@@ -43,13 +44,17 @@ def load_checkpoint(directory: str | Path, dtype=torch.float32) -> LoopLMForCaus
         raise ConfigError(f"cannot read {d / 'config.json'} ({e}); re-create the checkpoint") from e
     if not (d / WEIGHTS).exists():
         raise ConfigError(f"{d} has no {WEIGHTS}: the checkpoint is incomplete; re-run the command that wrote it")
+    quantized = bool(getattr(config, "quantization", None))
     try:
-        sd = load_file(str(d / WEIGHTS))
+        sd = load_file(str(d / WEIGHTS)) if quantized else _read_floats_as(d / WEIGHTS, dtype)
     except (SafetensorError, OSError, ValueError) as e:
         raise ConfigError(f"{d / WEIGHTS} is corrupt or truncated ({e}); re-create the checkpoint") from e
-    if getattr(config, "quantization", None):
+    if quantized:
         return _load_quantized(d, config, sd)
-    model = LoopLMForCausalLM(config)
+    # Built on the meta device and given the file's tensors themselves (assign): no randomly initialised copy,
+    # so loading holds one copy of the weights, in ``dtype`` (a bf16 model never holds a float32 one).
+    with torch.device("meta"):
+        model = LoopLMForCausalLM(config)
     expected = model.state_dict()
     for name, tensor in sd.items():
         if name in expected and expected[name].shape != tensor.shape:
@@ -57,14 +62,33 @@ def load_checkpoint(directory: str | Path, dtype=torch.float32) -> LoopLMForCaus
                 f"{d / WEIGHTS}: {name} has shape {tuple(tensor.shape)} but config.json implies "
                 f"{tuple(expected[name].shape)}; the weights and config.json do not belong together"
             )
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise ConfigError(f"{d / WEIGHTS} does not match config.json: missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}; re-create the checkpoint")
     if config.tie_word_embeddings:
         model.tie_weights()
-    return model.to(dtype).eval()
+    # the rotary frequencies are not stored (non-persistent buffers, left on the meta device): computed again,
+    # and kept in float32 whatever ``dtype`` is (rounded, they would turn far positions' angles)
+    model.model.rotary = Rotary(config)
+    return model.eval()
+
+
+def _read_floats_as(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file in memory of its own, the floating-point ones cast to ``dtype``.
+    safetensors hands out tensors backed by its mapping of the file, whose pages stay in the process while the
+    file is open (and while any such tensor lives): read through one mapping, SmolLM2's 256 MB of bfloat16
+    weights took a bare process to a peak of 993 MB. Each tensor is copied out of a mapping of its own
+    instead: a peak of 484 MB, what the process holds once loaded (docs/BENCHMARKS.md)."""
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+    out = {}
+    for k in keys:
+        with safe_open(str(path), framework="pt") as f:
+            t = f.get_tensor(k)
+            out[k] = t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
+    return out
 
 
 def read_config(directory: str | Path) -> dict:

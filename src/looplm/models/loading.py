@@ -115,7 +115,9 @@ def load_model(spec: str | Path, dtype=torch.float32):
     if p.is_dir() and not (p / "config.json").exists():
         raise ModelNotFound(f"{p} has no config.json: it is not a model directory")
     model, tok = _from_hf_reference(spec)
-    return model.to(dtype), tok
+    model = model.to(dtype)
+    model.model.rotary.float().reset()  # float32 whatever the dtype, and not rounded by the cast (load_checkpoint)
+    return model, tok
 
 
 def _from_hf_reference(spec: str):

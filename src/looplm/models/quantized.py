@@ -492,12 +492,21 @@ def prepare(model: nn.Module, fmt: str | None, **options):
     return quantize_model(model, fmt, lora=lora or "shared", **options)
 
 
+def load_dtype(fmt: str | None) -> torch.dtype:
+    """The dtype to read a float checkpoint in, to serve it as ``fmt``: bfloat16 for bf16, so that loading never
+    holds a float32 copy of the model (the peak memory of a bf16 server), float32 for the rest (quantizing
+    rounds float32 weights)."""
+    return torch.bfloat16 if fmt == "bf16" else torch.float32
+
+
 def to_bf16(model: nn.Module) -> nn.Module:
     """The whole float model in bfloat16 (``--weights bf16``): weights, LoRA, norms, residual stream and KV cache.
     Half the bytes of float32 and no MKL-packed copy (those are float32 only); on a CPU with AMX a 64-row step's
     weight products run 2.5x faster than float32's and 2.9x faster than the int4 op's (docs/BENCHMARKS.md)."""
     model = model.to(torch.bfloat16)
-    model.model.rotary.float()  # rotary frequencies stay float32: rounded, they would turn far positions' angles
+    # rotary frequencies stay float32: rounded, they would turn far positions' angles. The cast above rounded
+    # them, and widening keeps the rounding, so they are computed again.
+    model.model.rotary.float().reset()
     release_freed_memory()
     return model.eval()
 

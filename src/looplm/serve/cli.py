@@ -228,9 +228,9 @@ def cmd_generate(args) -> int:
     from .exits import parse_policy
     from .sampling import SamplingParams
     from .schedulers import make_scheduler, replay, warm_up
-    from ..models.quantized import prepare
+    from ..models.quantized import load_dtype, prepare
     check_engine_args(args)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=load_dtype(args.weights))
     model = prepare(model, args.weights, lora=args.lora)
     sp = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     reqs = [Request(tok(p, add_special_tokens=bool(model.config.add_bos_token))["input_ids"], args.max_tokens, sp,

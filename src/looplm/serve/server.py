@@ -378,15 +378,17 @@ def main(args) -> int:
     from .exits import parse_policy
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
-    if args.loops and args.loops > 1:
+    from ..models.quantized import load_dtype, prepare
+    weights = getattr(args, "weights", None)
+    converting = bool(args.loops and args.loops > 1)  # conversion reads float32 weights
+    model, tok = load_model(args.model, dtype=torch.float32 if converting else load_dtype(weights))
+    if converting:
         from ..convert import convert, parse_lora_ranks
         model = convert(model, loops=args.loops, init=args.init, lora_ranks=parse_lora_ranks(None, args.lora_rank),
                         norms="per-depth", seed=0)
     if args.device:
         model = model.to(args.device)
-    from ..models.quantized import prepare
-    model = prepare(model, getattr(args, "weights", None), lora=getattr(args, "lora", None)).eval()
+    model = prepare(model, weights, lora=getattr(args, "lora", None)).eval()
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     opts = ServerOptions(model_name=args.served_model_name or args.model, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, max_seq_len=max_seq_len, exit_policy=parse_policy(args.exit_policy),
