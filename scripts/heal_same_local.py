@@ -10,13 +10,21 @@ stages with the new settings, their step counts fixed again from measured step t
 
     python scripts/heal_same_local.py out/heal/runs/b2-r128@online out/heal/runs/b2-r128@online-batch4 \
         --set e2e_batch=4
+
+With --from-local-end (SRC kept its local-end/ checkpoint: runs since 2026-11-27 do), the new run does not repeat the
+local stage: it starts from SRC's state at the end of it, on SRC's run clock, with SRC's records up to there and
+SRC's teacher cache (linked), so that only the later stages run, with the budget SRC's had left.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from looplm.train.heal import HealConfig  # noqa: E402
 
 LOCAL_KEYS = ("local_share", "local_mode", "cache_rows", "seq_len", "local_batch", "local_lr", "seed", "precision",
               "budget_minutes", "tokens", "base_weights")
@@ -28,6 +36,8 @@ def main() -> int:
     ap.add_argument("dst", help="the new run directory (must not exist yet)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of the end-to-end or exit stage to change (JSON value), e.g. e2e_batch=4")
+    ap.add_argument("--from-local-end", action="store_true",
+                    help="start from SRC's checkpoint at the end of its local stage instead of repeating the stage")
     a = ap.parse_args()
     src, dst = Path(a.src), Path(a.dst)
     if not (src / "run.json").exists():
@@ -36,12 +46,22 @@ def main() -> int:
     if dst.exists():
         print(f"error: {dst} exists; give a new directory", file=sys.stderr)
         return 2
+    local_end = src / "local-end"
+    if a.from_local_end and not (local_end / "state.json").exists():
+        print(f"error: {src} kept no checkpoint at the end of its local stage ({local_end}); drop --from-local-end "
+              f"to repeat the stage", file=sys.stderr)
+        return 2
     run = json.loads((src / "run.json").read_text())
+    src_cache = Path(run["cache"])
+    if a.from_local_end and not (src_cache / "meta.json").exists():
+        print(f"error: {src}'s teacher cache {run['cache']} is gone; drop --from-local-end to rebuild it and repeat "
+              f"the local stage", file=sys.stderr)
+        return 2
     config, plan = run["config"], run["plan"]
     changes = {}
     for item in a.set:
         key, _, value = item.partition("=")
-        if key not in config or key in LOCAL_KEYS:
+        if key not in HealConfig.FIXED or key in LOCAL_KEYS:
             print(f"error: --set {item}: {key!r} is not an end-to-end or exit setting of the run", file=sys.stderr)
             return 2
         try:
@@ -61,9 +81,27 @@ def main() -> int:
         plan["exit_step_seconds"] *= scale
     dst.mkdir(parents=True)
     run.update(config=config, plan=plan, cache=str(dst / "cache"), same_local_as=str(src), changed=changes)
+    if a.from_local_end:
+        start_at_local_end(src, dst, src_cache)
+        run["from_local_end_of"] = str(src)
     (dst / "run.json").write_text(json.dumps(run, indent=2) + "\n")
-    print(f"{dst}: {plan['local_steps_per_layer']} local steps per layer as in {src}; changed {changes or 'nothing'}")
+    print(f"{dst}: {plan['local_steps_per_layer']} local steps per layer as in {src}"
+          f"{' (starting at the end of its local stage)' if a.from_local_end else ''}; changed {changes or 'nothing'}")
     return 0
+
+
+def start_at_local_end(src: Path, dst: Path, cache: Path) -> None:
+    """DST resumes where SRC's local stage ended: its checkpoint (as DST's latest), its records up to then, its
+    cache linked (the end-to-end stage reads it with --e2e-rows cache; every run checks it at start)."""
+    state = json.loads((src / "local-end" / "state.json").read_text())
+    name = f"{state['stage']}-{state['visit']:03d}-{state['step']:06d}"
+    shutil.copytree(src / "local-end", dst / "checkpoints" / name)
+    (dst / "latest").write_text(name + "\n")
+    records = [json.loads(line) for line in (src / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    before = [r for r in records if r.get("time", 0.0) <= round(state["time"], 2) + 1e-6  # records hold it rounded
+              and r.get("stage") not in ("e2e", "exit")]
+    (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+    (dst / "cache").symlink_to(cache.resolve(), target_is_directory=True)
 
 
 if __name__ == "__main__":

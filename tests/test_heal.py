@@ -5,6 +5,7 @@ run brings the student closer to the original; kill -9 resumes; bad input is ref
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from looplm.errors import UsageError
 from looplm.convert import convert
 from looplm.models import load_model, save_model
 from looplm.data.corpus import PackedCorpus
-from looplm.train.heal import HealConfig, Healer, cached_rows, heal, relative_error, replan_due, streamed_rows
+from looplm.train.heal import (HealConfig, Healer, cached_rows, heal, relative_error, relative_error_log1p, replan_due,
+                               streamed_rows)
 from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
 
 
@@ -42,6 +44,22 @@ def test_relative_error_is_per_token():
     pred = target.clone()
     pred[0, 0, 0] += 5.0  # a 100% error on the small token, none on the large one
     assert relative_error(pred, target).item() == pytest.approx(0.5)
+
+
+def test_log1p_hidden_error_matches_near_and_bounds_a_far_token():
+    """--hidden-loss log1p: equal to the relative error where the student is close; a token 1,000x off (the
+    massive activations of docs/FINDINGS.md) pulls with a gradient no larger than 1/||target||, where the
+    squared error's grows with the distance."""
+    target = torch.tensor([[[3.0, 4.0], [300.0, 400.0]]])
+    near = target * (1 + 1e-3)
+    assert relative_error_log1p(near, target).item() == pytest.approx(relative_error(near, target).item(), rel=1e-3)
+    far = target.clone()
+    far[0, 0] += torch.tensor([150.0, 0.0])  # relative error 900 on the small token
+    for loss, bounded in ((relative_error_log1p, True), (relative_error, False)):
+        pred = far.clone().requires_grad_()
+        loss(pred, target).backward()
+        pull = pred.grad[0, 0].norm().item() * 2  # the mean over two tokens halves each token's gradient
+        assert (pull <= 1 / 5.0) == bounded, (loss.__name__, pull)
 
 
 def test_cache_holds_every_boundary_and_refuses_a_foreign_or_corrupt_one(setup):
@@ -271,6 +289,7 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
         (["--tokens", 100, "--exit-share", 1.5], "--exit-share 1.5 must be a fraction"),
         (["--tokens", 100, "--exit-adapter", "conv"], "unknown exit adapter kind"),
         (["--tokens", 100, "--base-weights", "int3"], "unknown --base-weights 'int3'"),
+        (["--tokens", 100, "--hidden-loss", "l1"], "unknown --hidden-loss 'l1'"),
     ]
     for extra, message in cases:
         r = run_cli(*heal_args(models, corpus, tmp_path / "bad", *extra))
@@ -358,3 +377,42 @@ def test_same_local_script_repeats_the_local_stage_and_changes_only_later_settin
     assert local[0] and local[0] == local[1]
     e2e = [records(out, "e2e") for out in (first, second)]
     assert len(e2e[1]) * 2 == len(e2e[0]) and e2e[1][-1]["tokens"] == e2e[0][-1]["tokens"]
+
+
+def test_same_local_script_starts_from_the_local_end_without_repeating_it(setup):
+    """A run keeps its checkpoint at the end of the local stage (OUT/local-end); heal_same_local.py
+    --from-local-end starts a run there: no local step runs again, SRC's records up to the local end are
+    DST's, the cache is SRC's (linked, not rebuilt), and the later stages run with the changed setting
+    (--hidden-loss log1p) from SRC's weights at that point. Refused when SRC kept no local end."""
+    tmp, models, corpus = setup
+    first, second = tmp / "local-end-a", tmp / "local-end-b"
+    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none"))
+    assert r.returncode == 0, r.stderr
+    state = json.loads((first / "local-end" / "state.json").read_text())
+    assert state["stage"] == "e2e" and state["step"] == 0 and state["local_tokens"] > 0
+    script = [sys.executable, str(SRC.parent / "scripts" / "heal_same_local.py")]
+    shutil.rmtree(first / "local-end")
+    r = subprocess.run([*script, str(first), str(second), "--from-local-end"], capture_output=True, text=True)
+    assert r.returncode == 2 and "no checkpoint at the end of its local stage" in r.stderr and not second.exists()
+    shutil.rmtree(first)
+    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none"))
+    assert r.returncode == 0, r.stderr
+    state = json.loads((first / "local-end" / "state.json").read_text())
+    stamp = (first / "cache" / "states.bin").stat().st_mtime_ns
+    r = subprocess.run([*script, str(first), str(second), "--from-local-end", "--set", 'hidden_loss="log1p"'],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*heal_args(models, corpus, second, "--tokens", 64 * 24, "--exit-adapter", "none",
+                           "--hidden-loss", "log1p", "--resume"))
+    assert r.returncode == 0 and "resumed" in r.stdout, r.stderr
+    assert (first / "cache" / "states.bin").stat().st_mtime_ns == stamp and (second / "cache").is_symlink()
+
+    def records(out):
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    a, b = records(first), records(second)
+    local = [[x for x in recs if x.get("stage") == "local" or x.get("tag") in ("converted", "local")] for recs in (a, b)]
+    assert local[0] and local[0] == local[1]  # copied, not run again
+    e2e = [[x for x in recs if x.get("stage") == "e2e"] for recs in (a, b)]
+    assert len(e2e[0]) == len(e2e[1]) > 0 and e2e[1][0]["time"] >= state["time"]
+    # the first step reads the same rows from the same weights: the same distillation term, another hidden term
+    assert e2e[1][0]["kd"] == pytest.approx(e2e[0][0]["kd"], rel=1e-5) and e2e[1][0]["hidden"] < e2e[0][0]["hidden"]

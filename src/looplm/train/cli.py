@@ -81,6 +81,9 @@ def register(sub) -> None:
                    "rows, the original read from the cache) | online (the whole training split, the original run "
                    "on each batch: new text every step, a step a fifth longer)")
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
+    h.add_argument("--hidden-loss", default="relative", help="per-token hidden-state error: relative (squared, "
+                   "relative to the original's state) | log1p (its log(1 + x): a token far off pulls with a bounded "
+                   "gradient)")
     h.add_argument("--exit-weight", type=float, default=0.0, help="weight of each intermediate loop exit's KD term on "
                                                               "the body (0: exits get their own adapter stage)")
     h.add_argument("--exit-adapter", default="affine", help="exit stage: an adapter per intermediate loop exit "
