@@ -823,7 +823,6 @@ class Healer:
             if old.name != name and not old.name.startswith("."):
                 shutil.rmtree(old, ignore_errors=True)
 
-
     def _keep_local_end(self) -> None:
         """A copy of the checkpoint at the end of the local stage, kept as OUT/local-end (the rotation deletes
         the checkpoint itself): scripts/heal_same_local.py --from-local-end starts later stages from it."""
