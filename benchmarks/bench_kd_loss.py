@@ -1,7 +1,10 @@
 """The distillation loss through SmolLM2's 49,152-word head: logits materialised then ``kd_loss`` (what
-healing did before) against the fused, chunked ``head_kd_loss`` (train/losses.py). Forward and backward of
-one end-to-end healing batch (2 x 512 tokens), the two variants in turns in one process (a shared machine's
-load swings skew ratios less), then each variant's peak memory in a fresh child process.
+healing did before) against the fused, chunked ``head_kd_loss`` (train/losses.py), in float32 (``fused``),
+under bf16 autocast (``fused-bf16``: the gradient's head product in bf16, the logits float32, as healing runs
+it with ``--precision bf16``) and that with each chunk's softmax math compiled (``fused-bf16-c``, as ``looplm
+heal --compile`` runs it). Forward and backward of one end-to-end healing batch (2 x 512 tokens), the variants
+in turns in one process (a shared machine's load swings skew ratios less), then each variant's peak memory in
+a fresh child process. The bf16 variants' loss and gradient are compared with float32's (relative differences).
 
     PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_kd_loss.py --rounds 5 --json OUT.json
 
@@ -32,17 +35,41 @@ def make(args, seed: int = 0):
     return z, zt, w
 
 
-def step(variant: str, z, zt, w) -> float:
-    t0 = time.perf_counter()
+VARIANTS = ("plain", "fused", "fused-bf16", "fused-bf16-c")
+
+
+def loss_of(variant: str, z, zt, w) -> torch.Tensor:
     if variant == "plain":
         with torch.no_grad():
             teacher_logits = zt @ w.t()
-        loss = kd_loss(z @ w.t(), teacher_logits)
-    else:
-        loss = head_kd_loss(z, w, zt, w)
-    loss.backward()
+        return kd_loss(z @ w.t(), teacher_logits)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.startswith("fused-bf16")):
+        return head_kd_loss(z, w, zt, w, compiled=variant.endswith("-c"))
+
+
+def step(variant: str, z, zt, w) -> float:
+    t0 = time.perf_counter()
+    loss_of(variant, z, zt, w).backward()
     z.grad = None
     return time.perf_counter() - t0
+
+
+def bf16_error(args) -> dict:
+    """Relative differences of the bf16 variants' losses and gradients from float32's, on logits of a trained
+    model's size (a spread of ~12, top ones near 40) and a student close to its teacher: there bf16's
+    rounding matters most (the timing inputs' logits are ~N(0, 1))."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(args.batch, args.seq_len, args.hidden, generator=g).requires_grad_()
+    zt = z.detach() + 0.05 * torch.randn(z.shape, generator=g)
+    w = torch.randn(args.vocab, args.hidden, generator=g) * 0.5
+    out = {}
+    for v in ("fused", "fused-bf16", "fused-bf16-c"):
+        loss = loss_of(v, z, zt, w)
+        (grad,) = torch.autograd.grad(loss, z)
+        out[v] = (loss.item(), grad)
+    l32, g32 = out["fused"]
+    return {v: {"loss_rel": abs(out[v][0] - l32) / abs(l32), "grad_rel": ((out[v][1] - g32).norm() / g32.norm()).item()}
+            for v in ("fused-bf16", "fused-bf16-c")}
 
 
 def child(args) -> None:
@@ -62,11 +89,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per variant (after one warm-up each)")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--child", choices=["plain", "fused"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
-    variants = ("plain", "fused")
+    variants = VARIANTS
     # children first: Linux keeps a process's peak RSS across exec, so a child forked from a parent that
     # already holds the timing run's tensors would report the parent's peak
     shape = ["--batch", str(args.batch), "--seq-len", str(args.seq_len), "--hidden", str(args.hidden),
@@ -86,9 +113,14 @@ def main() -> None:
               **{v: {"median_s": statistics.median(times[v]), "times_s": times[v], **memory[v]} for v in variants}}
     result["speedup"] = result["plain"]["median_s"] / result["fused"]["median_s"]
     result["memory_ratio"] = result["plain"]["peak_mib"] / max(result["fused"]["peak_mib"], 1e-9)
+    result["bf16_speedup"] = {v: result["fused"]["median_s"] / result[v]["median_s"] for v in ("fused-bf16", "fused-bf16-c")}
+    result["bf16_error"] = bf16_error(args)
     for v in variants:
-        print(f"{v:6s} {result[v]['median_s']:.3f} s (median of {args.rounds}), peak +{result[v]['peak_mib']:.0f} MiB")
+        print(f"{v:10s} {result[v]['median_s']:.3f} s (median of {args.rounds}), peak +{result[v]['peak_mib']:.0f} MiB")
     print(f"fused: {result['speedup']:.2f}x faster, {result['memory_ratio']:.1f}x less peak memory")
+    for v, e in result["bf16_error"].items():
+        print(f"{v}: {result['bf16_speedup'][v]:.2f}x faster than fused float32; loss differs by "
+              f"{e['loss_rel']:.2e}, gradient by {e['grad_rel']:.2e} (relative)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -13,7 +13,7 @@ import torch
 
 from looplm.data.corpus import PackedCorpus
 from looplm.models import load_model
-from looplm.train.heal import relative_error, streamed_rows
+from looplm.train.heal import streamed_rows, token_errors
 from looplm.train.teacher_cache import teacher_states
 
 
@@ -41,9 +41,9 @@ def main() -> None:
         print(f"step {step}")
         for d, h in enumerate(depths):
             y = boundaries[d + 1].float()
-            per_token = (h.float() - y).pow(2).sum(-1) / y.pow(2).sum(-1).clamp_min(1e-6)
+            per_token = token_errors(h, y)
             r, t = divmod(int(per_token.argmax()), per_token.shape[1])
-            print(f"  depth {d:2d}  mean {float(relative_error(h, y)):.3f}  worst: row {r} position {t} "
+            print(f"  depth {d:2d}  mean {float(per_token.mean()):.3f}  worst: row {r} position {t} "
                   f"{tok.decode([int(ids[r, t])])!r} {float(per_token[r, t]):.1f}")
 
 

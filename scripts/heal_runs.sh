@@ -65,7 +65,8 @@ for r in $RUNS; do
   if [ -f "$run/heal.json" ]; then echo "$r: done"; continue; fi
   resume=""; [ -f "$run/run.json" ] && resume="--resume"
   # --e2e-rows online: the end-to-end stage reads new training rows with the original run on them, instead of
-  # re-reading the 256 cached ones (B=2 rank 128, 2026-11-27: 41.22 against 42.76; docs/FINDINGS.md)
+  # re-reading the 256 cached ones (B=2 rank 128, 2026-11-27: 41.22 against 42.76; docs/FINDINGS.md).
+  # --compile: 1.40x faster end-to-end steps (runs before 2026-11-27 13:30 UTC were eager)
   $LOOPLM heal "$student" --teacher $model --data "$data" --out "$run" --budget-minutes "$MINUTES" \
-      --cache-rows 256 --e2e-rows online --no-progress $HEAL_ARGS $resume
+      --cache-rows 256 --e2e-rows online --compile --no-progress $HEAL_ARGS $resume
 done

@@ -31,6 +31,9 @@ $LOOPLM data text "$CORPUS" --rows 16 --out "$OUT/calib"
 # 3. Healing: layer-local distillation, then end to end, from the original model; then an exit adapter
 #    that makes the exit after loop 1 usable (docs/TRAINING.md, section 5a).
 RESUME=""
-[ -f "$HEAL/run.json" ] && RESUME=--resume
+if [ -f "$HEAL/run.json" ]; then  # resume with the hidden-state loss the run started with (the default changed)
+  loss=$(.venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["config"].get("hidden_loss", "relative"))' "$HEAL/run.json")
+  RESUME="--resume --hidden-loss $loss"
+fi
 $LOOPLM heal "$STUDENT" --teacher "$MODEL" --data "$CORPUS" --out "$HEAL" --budget-minutes "$HEAL_MINUTES" \
   --cache-rows 64 $RESUME

@@ -61,6 +61,19 @@ def test_bf16_weights_serve_the_whole_model_at_half_the_bytes(monkeypatch):
         Q.prepare(copy.deepcopy(model), "bf16", lora="merged")
 
 
+def test_rotary_frequencies_stay_float32_and_exact_under_any_cast():
+    """A cast of the whole model (to_bf16, load_model's dtype, .half()) leaves the rotary frequencies float32
+    and equal to freshly computed ones (rounded to bf16 and widened back they would keep the rounding)."""
+    model = _relaxed()
+    want = [b.clone() for b in model.model.rotary.buffers()]
+    assert want and all(b.dtype == torch.float32 for b in want)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.float(), lambda m: m.half(), lambda m: m.to("cpu")):
+        cast(model)
+        got = list(model.model.rotary.buffers())
+        assert all(g.dtype == torch.float32 and torch.equal(g, w) for g, w in zip(got, want))
+    assert next(model.model.embed_tokens.parameters()).dtype == torch.float16  # the cast reached the rest
+
+
 def test_a_float_checkpoint_read_in_bf16_is_the_cast_model_without_a_float32_copy(tmp_path, monkeypatch):
     """load_model(..., dtype=bfloat16), as `serve|generate --weights bf16` read a float checkpoint: every
     floating tensor cast as it is read (no float32 copy of the model held), the rotary frequencies float32,

@@ -383,10 +383,12 @@ def test_same_local_script_starts_from_the_local_end_without_repeating_it(setup)
     """A run keeps its checkpoint at the end of the local stage (OUT/local-end); heal_same_local.py
     --from-local-end starts a run there: no local step runs again, SRC's records up to the local end are
     DST's, the cache is SRC's (linked, not rebuilt), and the later stages run with the changed setting
-    (--hidden-loss log1p) from SRC's weights at that point. Refused when SRC kept no local end."""
+    (--hidden-loss log1p) from SRC's weights at that point, and DST keeps that point as its own local end.
+    Refused when SRC kept no local end."""
     tmp, models, corpus = setup
     first, second = tmp / "local-end-a", tmp / "local-end-b"
-    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none"))
+    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none", "--hidden-loss",
+                           "relative"))
     assert r.returncode == 0, r.stderr
     state = json.loads((first / "local-end" / "state.json").read_text())
     assert state["stage"] == "e2e" and state["step"] == 0 and state["local_tokens"] > 0
@@ -395,7 +397,8 @@ def test_same_local_script_starts_from_the_local_end_without_repeating_it(setup)
     r = subprocess.run([*script, str(first), str(second), "--from-local-end"], capture_output=True, text=True)
     assert r.returncode == 2 and "no checkpoint at the end of its local stage" in r.stderr and not second.exists()
     shutil.rmtree(first)
-    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none"))
+    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none", "--hidden-loss",
+                           "relative"))
     assert r.returncode == 0, r.stderr
     state = json.loads((first / "local-end" / "state.json").read_text())
     stamp = (first / "cache" / "states.bin").stat().st_mtime_ns
@@ -406,6 +409,9 @@ def test_same_local_script_starts_from_the_local_end_without_repeating_it(setup)
                            "--hidden-loss", "log1p", "--resume"))
     assert r.returncode == 0 and "resumed" in r.stdout, r.stderr
     assert (first / "cache" / "states.bin").stat().st_mtime_ns == stamp and (second / "cache").is_symlink()
+    # a run resumed at the start of its end-to-end stage without a local-end/ (started there, or killed between
+    # the checkpoint and the copy) keeps one
+    assert json.loads((second / "local-end" / "state.json").read_text()) == state
 
     def records(out):
         return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -416,3 +422,55 @@ def test_same_local_script_starts_from_the_local_end_without_repeating_it(setup)
     assert len(e2e[0]) == len(e2e[1]) > 0 and e2e[1][0]["time"] >= state["time"]
     # the first step reads the same rows from the same weights: the same distillation term, another hidden term
     assert e2e[1][0]["kd"] == pytest.approx(e2e[0][0]["kd"], rel=1e-5) and e2e[1][0]["hidden"] < e2e[0][0]["hidden"]
+
+
+def test_a_run_that_did_not_record_a_changed_default_resumes_with_the_value_it_ran(setup, tmp_path):
+    """--hidden-loss became log1p by default; a run from before it was recorded ran with relative, and --resume
+    keeps it to that (HealConfig.FORMER_DEFAULTS)."""
+    tmp, models, corpus = setup
+    out = tmp_path / "old"
+    args = ["--tokens", 64 * 8, "--exit-adapter", "none"]
+    r = run_cli(*heal_args(models, corpus, out, *args, "--hidden-loss", "relative"))
+    assert r.returncode == 0, r.stderr
+    run = json.loads((out / "run.json").read_text())
+    del run["config"]["hidden_loss"]
+    (out / "run.json").write_text(json.dumps(run))
+    r = run_cli(*heal_args(models, corpus, out, *args, "--resume"))
+    assert r.returncode == 2 and "hidden_loss: 'relative' -> 'log1p'" in r.stderr, r.stderr
+    r = run_cli(*heal_args(models, corpus, out, *args, "--hidden-loss", "relative", "--resume"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_compiled_end_to_end_stage_takes_the_eager_steps(setup, monkeypatch):
+    """--compile: the end-to-end stage runs each layer of the student and the original through torch.compile,
+    and takes the steps the eager run takes (float32: the same losses and final evaluation to rounding).
+    Without a C++ compiler it is refused in one line before the run directory is made."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from looplm import util
+    tmp, models, corpus = setup
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    records = {}
+    for compiled in (False, True):
+        out = tmp / f"compile-{compiled}"
+        cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
+                         tokens=64 * 6, local_share=0.0, e2e_rows="online", e2e_lr=1e-3, exit_adapter="none",
+                         precision="fp32", compile=compiled, seq_len=32, cache_rows=4, e2e_batch=2, eval_rows=4,
+                         progress=False, cache=str(tmp / "cache-compile"))
+        torch._dynamo.reset()
+        counters.clear()
+        heal(cfg, log=lambda *a: None)
+        records[compiled] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert (counters["stats"]["unique_graphs"] > 0) == compiled
+    e2e = {k: [r for r in recs if r.get("stage") == "e2e"] for k, recs in records.items()}
+    assert len(e2e[True]) == len(e2e[False]) == 6
+    for a, b in zip(e2e[False], e2e[True]):
+        assert b["kd"] == pytest.approx(a["kd"], rel=1e-4) and b["hidden"] == pytest.approx(a["hidden"], rel=1e-4)
+    final = {k: [r for r in recs if r.get("eval") and r["tag"] == "final"][0]["ppl"] for k, recs in records.items()}
+    assert final[True] == pytest.approx(final[False], rel=1e-4)
+    monkeypatch.setattr(util.shutil, "which", lambda name: None)
+    cfg.out = str(tmp / "compile-no-compiler")
+    with pytest.raises(UsageError, match="C\\+\\+ compiler"):
+        Healer(cfg, log=lambda *a: None).prepare()
+    assert not (tmp / "compile-no-compiler").exists()

@@ -104,8 +104,8 @@ def test_compile_flag_gives_the_eager_tokens_and_fails_cleanly_without_a_compile
         assert main(gen + extra) == 0
         outs.append(json.loads(capsys.readouterr().out)["results"][0]["text"])
     assert outs[0] == outs[1]
-    from looplm.serve import compiled
-    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    from looplm import util
+    monkeypatch.setattr(util.shutil, "which", lambda name: None)
     assert main(gen + ["--compile"]) == 2
     assert "C++ compiler" in capsys.readouterr().err
     assert main(["serve", str(tiny_dir), "--compile"]) == 2  # checked before the model loads

@@ -203,6 +203,7 @@ def test_engines_on_other_weights_in_one_process_never_share_a_whole_loop_graph(
 
 
 def test_compile_without_a_cpp_compiler_is_a_usage_error(monkeypatch):
-    monkeypatch.setattr(C.shutil, "which", lambda name: None)
+    from looplm import util
+    monkeypatch.setattr(util.shutil, "which", lambda name: None)
     with pytest.raises(UsageError, match="C\\+\\+ compiler"):
         Engine(_relaxed(), max_batch=2, max_seq_len=32, compile=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -44,3 +45,29 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# One compiled region (`serve --compile`, `heal --compile`) serves every layer of every model in the process, with
+# one graph per weight kind, step shape and depth specialisation: benchmarks that serve fp32, int8, int4 and a
+# looped model in one process need more entries than dynamo's default of 8, beyond which it silently runs the
+# region eagerly.
+RECOMPILE_LIMIT = 64
+
+
+def check_compile_available(device) -> None:
+    """A one-line UsageError unless torch.compile's inductor backend can build kernels for ``device``; then
+    dynamo's recompile limit is raised to ``RECOMPILE_LIMIT``."""
+    import torch
+    kind = torch.device(device).type
+    if kind == "cpu":
+        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            raise UsageError("--compile needs a C++ compiler (g++ or clang++) on the PATH for torch.compile on CPU; "
+                             "install one (apt install g++) or run without --compile")
+    elif kind == "cuda":
+        from torch.utils._triton import has_triton
+        if not has_triton():
+            raise UsageError("--compile on CUDA needs triton (pip install triton); or run without --compile")
+    else:
+        raise UsageError(f"--compile supports cpu and cuda devices, not {kind}; run without --compile")
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)

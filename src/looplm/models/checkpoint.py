@@ -70,7 +70,7 @@ def load_checkpoint(directory: str | Path, dtype=torch.float32) -> LoopLMForCaus
     if config.tie_word_embeddings:
         model.tie_weights()
     # the rotary frequencies are not stored (non-persistent buffers, left on the meta device): computed again,
-    # and kept in float32 whatever ``dtype`` is (rounded, they would turn far positions' angles)
+    # in float32 whatever ``dtype`` is (Rotary._apply)
     model.model.rotary = Rotary(config)
     return model.eval()
 

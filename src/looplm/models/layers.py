@@ -183,11 +183,20 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Recompute the tables (transformers builds models on the meta device, so non-persistent
-        buffers must be filled in again after loading)."""
+        """Recompute the frequencies, in float32 (transformers builds models on the meta device, so
+        non-persistent buffers must be filled in again after loading)."""
         for kind in self.kinds:
             inv, _ = rope_inv_freq(self.config.rope[kind], self.config.head_dim)
-            getattr(self, f"inv_freq_{kind}").copy_(inv)
+            setattr(self, f"inv_freq_{kind}", inv.to(getattr(self, f"inv_freq_{kind}").device))
+
+    def _apply(self, fn, recurse=True):
+        """Moves between devices reach the frequencies as usual; a cast of the model (``.to(torch.bfloat16)``)
+        does not: they stay float32 and exact, computed again (rounded, they would turn far positions' angles,
+        and widening them back would keep the rounding)."""
+        super()._apply(fn, recurse)
+        if any(getattr(self, f"inv_freq_{kind}").dtype != torch.float32 for kind in self.kinds):
+            self.reset()
+        return self
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:

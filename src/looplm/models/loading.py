@@ -115,9 +115,7 @@ def load_model(spec: str | Path, dtype=torch.float32):
     if p.is_dir() and not (p / "config.json").exists():
         raise ModelNotFound(f"{p} has no config.json: it is not a model directory")
     model, tok = _from_hf_reference(spec)
-    model = model.to(dtype)
-    model.model.rotary.float().reset()  # float32 whatever the dtype, and not rounded by the cast (load_checkpoint)
-    return model, tok
+    return model.to(dtype), tok  # the rotary frequencies stay float32 (Rotary._apply)
 
 
 def _from_hf_reference(spec: str):

@@ -53,7 +53,7 @@ def check_engine_args(args, device: str = "cpu") -> None:
     if args.lora == "merged" and args.weights in ("fp32", "bf16"):
         raise UsageError("--lora merged needs quantized weights (--weights int8 or int4)")
     if args.compile:
-        from .compiled import check_compile_available
+        from ..util import check_compile_available
         check_compile_available(device)
 
 

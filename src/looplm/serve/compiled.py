@@ -32,32 +32,11 @@ same PyTorch ops as the eager engine (models/quantized.py).
 
 from __future__ import annotations
 
-import shutil
 import types
 
 import torch
 
-from ..errors import UsageError
-
-# One compiled region serves every layer of every model in the process, with one graph per weight kind,
-# step shape and depth specialisation: benchmarks that serve fp32, int8, int4 and a looped model in one
-# process need more entries than dynamo's default of 8, beyond which it silently runs the region eagerly.
-RECOMPILE_LIMIT = 64
-
-
-def check_compile_available(device) -> None:
-    """A one-line UsageError unless torch.compile's inductor backend can build kernels for ``device``."""
-    kind = torch.device(device).type
-    if kind == "cpu":
-        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-            raise UsageError("--compile needs a C++ compiler (g++ or clang++) on the PATH for torch.compile on CPU; "
-                             "install one (apt install g++) or serve without --compile")
-    elif kind == "cuda":
-        from torch.utils._triton import has_triton
-        if not has_triton():
-            raise UsageError("--compile on CUDA needs triton (pip install triton); or serve without --compile")
-    else:
-        raise UsageError(f"--compile supports cpu and cuda devices, not {kind}; serve without --compile")
+from ..util import check_compile_available
 
 
 def _attention_inputs(layer, h, slot, cos, sin):
@@ -117,9 +96,7 @@ class CompiledBlock:
     """``Block.forward_attend`` with its two halves compiled; the attention core stays the caller's."""
 
     def __init__(self, device):
-        check_compile_available(device)
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+        check_compile_available(device)  # and raises dynamo's recompile limit
         self.attention_inputs = torch.compile(_attention_inputs)
         self.after_attention = torch.compile(_after_attention)
         self.decode_loop_fn = torch.compile(_own_copy(_decode_loop), options=_decode_loop_options(device))

@@ -81,9 +81,9 @@ def register(sub) -> None:
                    "rows, the original read from the cache) | online (the whole training split, the original run "
                    "on each batch: new text every step, a step a fifth longer)")
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
-    h.add_argument("--hidden-loss", default="relative", help="per-token hidden-state error: relative (squared, "
-                   "relative to the original's state) | log1p (its log(1 + x): a token far off pulls with a bounded "
-                   "gradient)")
+    h.add_argument("--hidden-loss", default="log1p", help="per-token hidden-state error: log1p (log(1 + x) of the "
+                   "relative one: a token far off pulls with a bounded gradient) | relative (squared, relative to the "
+                   "original's state)")
     h.add_argument("--exit-weight", type=float, default=0.0, help="weight of each intermediate loop exit's KD term on "
                                                               "the body (0: exits get their own adapter stage)")
     h.add_argument("--exit-adapter", default="affine", help="exit stage: an adapter per intermediate loop exit "
@@ -95,6 +95,8 @@ def register(sub) -> None:
     h.add_argument("--base-weights", default="float", help="float | int4 | int8: round the shared weights to that "
                    "format first (GPTQ) and keep them frozen, so that the LoRA, norms and biases learn around the "
                    "rounding the served model will have (`looplm quantize --weights FMT` then rounds nothing new)")
+    h.add_argument("--compile", action="store_true", help="torch.compile each layer for the end-to-end stage "
+                   "(needs a C++ compiler on CPU, triton on CUDA): faster steps after ~40 s of compiling")
     h.add_argument("--eval-rows", type=int, default=16, help="held-out rows scored at each evaluation")
     h.add_argument("--eval-every-seconds", type=float, default=300.0)
     h.add_argument("--seed", type=int, default=0)

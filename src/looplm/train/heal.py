@@ -77,7 +77,7 @@ from ..models.decoder import attention_masks
 from ..models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter, parse_exit_adapter
 from ..models.gptq import gptq_portable, input_moments, output_error
 from ..models.quantized import dequantize, linears
-from ..util import write_json_atomic, write_text_atomic
+from ..util import check_compile_available, write_json_atomic, write_text_atomic
 from .loop import resolve_precision
 from .losses import head_kd_loss, kd_loss
 from .optim import adamw
@@ -125,13 +125,14 @@ class HealConfig:
     e2e_rows: str = "cache"          # cache (rows and states from the teacher cache) | online (any training row,
                                      # the original run on it each step)
     hidden_weight: float = 1.0
-    hidden_loss: str = "relative"    # relative | log1p (each token's pull bounded: relative_error_log1p)
+    hidden_loss: str = "log1p"       # log1p (each token's pull bounded: relative_error_log1p) | relative
     exit_weight: float = 0.0         # intermediate-exit KD on the body (0: the body copies the original)
     exit_adapter: str = "affine"     # exit stage: affine | head-lora:R | none
     exit_share: float = 0.1          # share of what the local stage leaves, for the exit stage
     exit_lr: float = 1e-3
     precision: str = "auto"          # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
     base_weights: str = "float"      # float | int4 | int8: shared weights rounded to that format (GPTQ), then frozen
+    compile: bool = False            # torch.compile each layer of the student and the original for the end-to-end stage
     grad_clip: float = 1.0
     eval_rows: int = 16
     eval_every_seconds: float = 300.0
@@ -143,6 +144,8 @@ class HealConfig:
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
              "local_batch", "local_lr", "e2e_batch", "e2e_lr", "e2e_rows", "hidden_weight", "hidden_loss", "exit_weight",
              "grad_clip", "seed", "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
+    # settings whose default changed: a run that did not record one ran with this value
+    FORMER_DEFAULTS = {"hidden_loss": "relative"}
 
 
 def cached_rows(train_rows: int, cache_rows: int, seed: int) -> np.ndarray:
@@ -185,6 +188,12 @@ def relative_error_log1p(pred: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 
 HIDDEN_LOSSES = {"relative": relative_error, "log1p": relative_error_log1p}
+
+
+def eager():
+    """Layers compiled by ``--compile`` run eagerly within this context (or a function it decorates): the
+    evaluations and the exit stage, whose graphs (no autograd, float32) would each cost a compile."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def _cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
@@ -231,7 +240,8 @@ class Healer:
             if not c.resume:
                 raise UsageError(f"{out} already holds a healing run; add --resume to continue it or choose a new --out")
             # a setting added after the run started has its default there
-            was = {k: self.prev["config"].get(k, HealConfig.__dataclass_fields__[k].default) for k in HealConfig.FIXED}
+            was = {k: self.prev["config"].get(k, HealConfig.FORMER_DEFAULTS.get(k, HealConfig.__dataclass_fields__[k].default))
+                   for k in HealConfig.FIXED}
             changed = [k for k in HealConfig.FIXED if was[k] != getattr(c, k)]
             if changed:
                 raise UsageError("--resume with different settings (" + ", ".join(
@@ -272,6 +282,8 @@ class Healer:
             self.exit_spec = None  # no intermediate exit to train (or no budget for it)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.bf16 = resolve_precision(c.precision, self.device) == "bf16"
+        if c.compile:
+            check_compile_available(self.device)
 
     def autocast(self):
         """bf16 autocast for the training forward passes (weights, optimizer state and evaluations stay fp32)."""
@@ -335,6 +347,8 @@ class Healer:
             if self.plan["local_steps_per_layer"]:
                 self._log_eval(tag="local")
         if self.state["stage"] == "e2e":
+            if self.state["step"] == 0 and not (out / "local-end").exists():
+                self._keep_local_end()  # killed between the save above and the copy, or started at a local end
             self.e2e_stage()
             self.state.update(stage="exit", step=0)
             self._save(None)
@@ -629,7 +643,7 @@ class Healer:
         with self.autocast():
             if model.exit_logits_are_head(loop):
                 return head_kd_loss(model.exit_states(h, loop), model.lm_head.weight, target_z,
-                                    target_model.lm_head.weight, softcap=softcap)
+                                    target_model.lm_head.weight, softcap=softcap, compiled=self.cfg.compile)
             logits = model.exit_logits(h, loop)
         target = target_z @ target_model.lm_head.weight.t()
         target = target if softcap is None else torch.tanh(target / softcap) * softcap
@@ -639,11 +653,24 @@ class Healer:
         total = self.plan["e2e_steps"]
         if total == 0:
             return
+        if self.cfg.compile:
+            self._compile_layers()
         self.student.train()
         self._train_steps("e2e", "heal: end to end", self._trainable(self.student), self.cfg.e2e_lr, self._e2e_step,
                           total, tokens_per_step=self.cfg.e2e_batch * self.cfg.seq_len,
                           replan=bool(self.cfg.budget_minutes), evaluate=True)
         self.student.eval()
+
+    def _compile_layers(self) -> None:
+        """``--compile``: each layer of the student and of the original through torch.compile (regional: the
+        layers are one class, so one compiled code serves every layer and depth, its parameters graph inputs).
+        Inductor fuses the elementwise work around the matmuls (norms, rotary, LoRA sums, residuals, casts) in
+        the forward and backward passes, and the distillation loss's softmax math (``head_kd_loss(compiled=True)``,
+        in ``_kd``). Evaluations and the exit stage stay eager (``eager``). Measured: docs/BENCHMARKS.md,
+        "A healing step compiled"."""
+        for model in (self.student, self.teacher):
+            for layer in model.model.layers:
+                layer.compile()
 
     def _train_steps(self, stage: str, desc: str, params, base_lr: float, step_fn, total: int,
                      tokens_per_step: int = 0, replan: bool = False, evaluate: bool = False) -> None:
@@ -659,6 +686,7 @@ class Healer:
         bar = tqdm(total=total, initial=self.state["step"], desc=desc, unit="step", disable=not c.progress)
         last_save = time.perf_counter()
         mark = (self.state["step"], self.clock())  # the steps since the last fix time the next one
+        warming_up = True
         replanned_at = self.plan.setdefault("e2e_replanned_at", [])  # _replan_e2e appends to it
         try:
             while self.state["step"] < total:
@@ -669,6 +697,8 @@ class Healer:
                     bar.total = total
                 lr = base_lr * _cosine(s, total, max(1, total // 20))
                 rec = step_fn(model, s, opt, lr)
+                if warming_up:  # this process's first step (compiling, first allocations) is not timed
+                    mark, warming_up = (s + 1, self.clock()), False
                 self.state["step"] = s + 1
                 self.state["tokens"] += tokens_per_step
                 self.state["time"] = self.clock()
@@ -727,12 +757,14 @@ class Healer:
         total = self.plan.get("exit_steps", 0)
         if not total:
             return
-        self._train_steps("exit", "heal: exit adapters", self._exit_trainable(self.student), self.cfg.exit_lr,
-                          self._exit_step, total)
+        with eager():
+            self._train_steps("exit", "heal: exit adapters", self._exit_trainable(self.student), self.cfg.exit_lr,
+                              self._exit_step, total)
         self.student.requires_grad_(False)
 
     # ----- evaluation: held-out perplexity at every loop exit
     @torch.no_grad()
+    @eager()
     def evaluate(self, model) -> dict:
         t0 = time.perf_counter()
         held = self.corpus.splits["heldout"]

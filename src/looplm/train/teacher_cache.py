@@ -96,15 +96,9 @@ def teacher_states(teacher, ids: torch.Tensor) -> list[torch.Tensor]:
     """The original model's states at every layer boundary for token rows ``ids``: L + 1 tensors
     [rows, seq, hidden], boundary 0 the embedding output and boundary L the last layer's output (before
     the final norm), as the cache stores them. Healing's online end-to-end stage calls it every step."""
-    captured: list[torch.Tensor] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, args: captured.append(args[0].detach()))
-             for layer in teacher.model.layers]
-    try:
-        h, _, _ = teacher.model(ids)
-    finally:
-        for hk in hooks:
-            hk.remove()
-    return captured + [h]
+    h = teacher.model.embed(ids)
+    _, states, _ = teacher.model(inputs_embeds=h, output_depth_states=True)
+    return [h, *states]
 
 
 def cache_key(teacher_fp: str, corpus: PackedCorpus, rows: np.ndarray, seq_len: int) -> dict:
