@@ -106,10 +106,12 @@ class _HeadKD(torch.autograd.Function):
         ctx.z_dtype = z.dtype
         # The logits are float32 products whatever autocast is: rounded to bf16 (an ulp of 0.125 at SmolLM2's
         # top logits, ~18), they moved the gradient by 6% on a healing batch, 41% on the 99th-percentile token.
-        # The gradient's product runs as autocast runs a linear layer (bf16 on CPU, 4x faster with AMX): its
-        # rounding is relative to each entry. The softmax math is float32.
+        # The gradient's product runs in bf16 under bf16 autocast (4x faster with AMX): its rounding is relative
+        # to each entry. Not in float16, whose range would flush the 1/rows-scaled gradient to zero. The softmax
+        # math is float32.
         device = z.device.type
-        grad_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        bf16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+        grad_dtype = torch.bfloat16 if bf16 else torch.float32
         kl = _chunk_kl_compiled() if compiled else _chunk_kl
         with torch.autocast(device, enabled=False):
             rows = z.shape[0]
@@ -143,7 +145,7 @@ def head_kd_loss(z: torch.Tensor, weight: torch.Tensor, teacher_z: torch.Tensor,
     the head weights frozen. Same value and gradient as ``kd_loss(head(z), head_t(teacher_z), input_ids)``;
     on SmolLM2's 49,152-word head and a 2 x 512 batch it takes 300 MiB at its peak against 1,635 MiB, and runs 1.18x
     faster on a 2-core CPU, where the three head matmuls are about 70% of either (benchmarks/bench_kd_loss.py).
-    Under autocast the gradient's head product runs in autocast's dtype (the logits stay float32);
+    Under bf16 autocast the gradient's head product runs in bf16 (the logits stay float32);
     ``compiled`` runs each chunk's softmax math through torch.compile (``_chunk_kl``)."""
     if weight.requires_grad or teacher_weight.requires_grad:
         raise ValueError("head_kd_loss needs frozen head weights; use kd_loss on the logits to train a head")
