@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from looplm.train.heal import HealConfig  # noqa: E402
+from looplm.train.heal import HealConfig, logged_by  # noqa: E402
 
 LOCAL_KEYS = ("local_share", "local_mode", "cache_rows", "seq_len", "local_batch", "local_lr", "seed", "precision",
               "budget_minutes", "tokens", "base_weights")
@@ -98,8 +98,7 @@ def start_at_local_end(src: Path, dst: Path, cache: Path) -> None:
     shutil.copytree(src / "local-end", dst / "checkpoints" / name)
     (dst / "latest").write_text(name + "\n")
     records = [json.loads(line) for line in (src / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    before = [r for r in records if r.get("time", 0.0) <= round(state["time"], 2) + 1e-6  # records hold it rounded
-              and r.get("stage") not in ("e2e", "exit")]
+    before = [r for r in records if logged_by(r, state["time"]) and r.get("stage") not in ("e2e", "exit")]
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
     (dst / "cache").symlink_to(cache.resolve(), target_is_directory=True)
 

@@ -190,6 +190,12 @@ def relative_error_log1p(pred: torch.Tensor, target: torch.Tensor) -> torch.Tens
 HIDDEN_LOSSES = {"relative": relative_error, "log1p": relative_error_log1p}
 
 
+def logged_by(record: dict, seconds: float) -> bool:
+    """Whether a metrics record was written by run time ``seconds`` (a checkpoint's): records hold their time
+    rounded to 10 ms, so it is compared rounded too, or the records written at the checkpoint would be dropped."""
+    return record.get("time", 0.0) <= round(seconds, 2) + 1e-6
+
+
 def eager():
     """Layers compiled by ``--compile`` run eagerly within this context (or a function it decorates): the
     evaluations and the exit stage, whose graphs (no autograd, float32) would each cost a compile."""
@@ -827,7 +833,7 @@ class Healer:
         """Drop records written after the checkpoint a resumed run starts from."""
         if not path.exists():
             return
-        keep = [r for r in self._records() if r.get("time", 0.0) <= round(self.state["time"], 2) + 1e-6]  # logged rounded
+        keep = [r for r in self._records() if logged_by(r, self.state["time"])]
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, path)
