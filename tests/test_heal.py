@@ -62,6 +62,27 @@ def test_log1p_hidden_error_matches_near_and_bounds_a_far_token():
         assert (pull <= 1 / 5.0) == bounded, (loss.__name__, pull)
 
 
+def test_cache_built_under_autocast_records_it_and_stays_close_to_float32(setup):
+    """Healing builds its cache in the autocast its training passes use (bf16 where the CPU has bf16 matmuls):
+    meta.json says what the states were computed in, and they stay within bf16's reach of the float32 ones.
+    The setting is not part of the cache's key: either cache serves either run."""
+    tmp, models, corpus_dir = setup
+    teacher, _ = load_model(models["teacher"])
+    corpus = PackedCorpus(corpus_dir)
+    rows = np.array([0, 3, 5])
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    exact = build_cache(teacher, corpus, tmp / "cache-f32", rows, 32, progress=False, log=lambda *a: None)
+    rounded = build_cache(teacher, corpus, tmp / "cache-bf16", rows, 32, progress=False, log=lambda *a: None,
+                          autocast=bf16)
+    assert exact.meta["computed_in"] == "float32" and rounded.meta["computed_in"] == "bfloat16"
+    L = teacher.config.num_hidden_layers
+    for b in (1, L):
+        err = relative_error(rounded.boundary(b, [0, 1, 2]), exact.boundary(b, [0, 1, 2])).item()
+        assert 0 < err < 1e-3, (b, err)
+    again = build_cache(teacher, corpus, tmp / "cache-bf16", rows, 32, progress=False, log=lambda *a: None)
+    assert again.meta["sha256"] == rounded.meta["sha256"]  # reused by a float32 run, not rebuilt
+
+
 def test_cache_holds_every_boundary_and_refuses_a_foreign_or_corrupt_one(setup):
     tmp, models, corpus_dir = setup
     teacher, _ = load_model(models["teacher"])
@@ -441,10 +462,10 @@ def test_a_run_that_did_not_record_a_changed_default_resumes_with_the_value_it_r
     assert r.returncode == 0, r.stderr
 
 
-def test_compiled_end_to_end_stage_takes_the_eager_steps(setup, monkeypatch):
-    """--compile: the end-to-end stage runs each layer of the student and the original through torch.compile,
-    and takes the steps the eager run takes (float32: the same losses and final evaluation to rounding).
-    Without a C++ compiler it is refused in one line before the run directory is made."""
+def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
+    """--compile: the local and end-to-end stages run each layer of the student (and the original) through
+    torch.compile, and take the steps the eager run takes (float32: the same losses and final evaluation to
+    rounding). Without a C++ compiler it is refused in one line before the run directory is made."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from looplm import util
@@ -455,7 +476,7 @@ def test_compiled_end_to_end_stage_takes_the_eager_steps(setup, monkeypatch):
     for compiled in (False, True):
         out = tmp / f"compile-{compiled}"
         cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                         tokens=64 * 6, local_share=0.0, e2e_rows="online", e2e_lr=1e-3, exit_adapter="none",
+                         tokens=64 * 6, local_share=0.5, e2e_rows="online", e2e_lr=1e-3, exit_adapter="none",
                          precision="fp32", compile=compiled, seq_len=32, cache_rows=4, e2e_batch=2, eval_rows=4,
                          progress=False, cache=str(tmp / "cache-compile"))
         torch._dynamo.reset()
@@ -463,8 +484,12 @@ def test_compiled_end_to_end_stage_takes_the_eager_steps(setup, monkeypatch):
         heal(cfg, log=lambda *a: None)
         records[compiled] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
+    local = {k: [r for r in recs if r.get("stage") == "local"] for k, recs in records.items()}
+    assert len(local[True]) == len(local[False]) > 0
+    for a, b in zip(local[False], local[True]):
+        assert b["err_last"] == pytest.approx(a["err_last"], rel=1e-4)
     e2e = {k: [r for r in recs if r.get("stage") == "e2e"] for k, recs in records.items()}
-    assert len(e2e[True]) == len(e2e[False]) == 6
+    assert len(e2e[True]) == len(e2e[False]) == 3
     for a, b in zip(e2e[False], e2e[True]):
         assert b["kd"] == pytest.approx(a["kd"], rel=1e-4) and b["hidden"] == pytest.approx(a["hidden"], rel=1e-4)
     final = {k: [r for r in recs if r.get("eval") and r["tag"] == "final"][0]["ppl"] for k, recs in records.items()}

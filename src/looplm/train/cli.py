@@ -95,7 +95,7 @@ def register(sub) -> None:
     h.add_argument("--base-weights", default="float", help="float | int4 | int8: round the shared weights to that "
                    "format first (GPTQ) and keep them frozen, so that the LoRA, norms and biases learn around the "
                    "rounding the served model will have (`looplm quantize --weights FMT` then rounds nothing new)")
-    h.add_argument("--compile", action="store_true", help="torch.compile each layer for the end-to-end stage "
+    h.add_argument("--compile", action="store_true", help="torch.compile each layer for the training stages "
                    "(needs a C++ compiler on CPU, triton on CUDA): faster steps after ~40 s of compiling")
     h.add_argument("--eval-rows", type=int, default=16, help="held-out rows scored at each evaluation")
     h.add_argument("--eval-every-seconds", type=float, default=300.0)

@@ -132,7 +132,7 @@ class HealConfig:
     exit_lr: float = 1e-3
     precision: str = "auto"          # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
     base_weights: str = "float"      # float | int4 | int8: shared weights rounded to that format (GPTQ), then frozen
-    compile: bool = False            # torch.compile each layer of the student and the original for the end-to-end stage
+    compile: bool = False            # torch.compile each layer of the student (and the original) for the training stages
     grad_clip: float = 1.0
     eval_rows: int = 16
     eval_every_seconds: float = 300.0
@@ -332,7 +332,7 @@ class Healer:
         self.eval_seconds = 0.0
         self.clock = lambda: time.perf_counter() - started - self.eval_seconds
         self.cache = build_cache(self.teacher, self.corpus, cache_dir, self.rows, c.seq_len, progress=c.progress,
-                                 log=self.log)
+                                 log=self.log, autocast=self.autocast)
         if self.state["stage"] == "cache":
             self.state["time"] = self.clock()
         if "plan" not in self.prev:
@@ -423,6 +423,8 @@ class Healer:
         """Seconds of one local step (one shared layer) and one end-to-end step, measured on copies."""
         import copy
         probe = copy.deepcopy(self.student)
+        if self.cfg.compile:  # the stages run compiled: so are the steps that plan them (the copy's first one compiles)
+            self._compile_layers(probe, self.teacher)
         layer = 0
         opt = adamw(probe.model.layers[layer].parameters(), lr=0.0)
         idx = np.arange(self.cfg.local_batch)
@@ -445,7 +447,8 @@ class Healer:
             times = []
             for s in range(2):
                 t0 = time.perf_counter()
-                self._exit_step(probe, s, opt, lr=0.0)
+                with eager():  # as exit_stage runs them
+                    self._exit_step(probe, s, opt, lr=0.0)
                 times.append(time.perf_counter() - t0)
             t_exit = times[-1]
         self.log(f"measured: local step {t_local:.2f} s, end-to-end step {t_e2e:.2f} s"
@@ -488,6 +491,7 @@ class Healer:
         return float(loss.detach())
 
     @torch.no_grad()
+    @eager()
     def _propagate(self, model, d: int, h: torch.Tensor) -> torch.Tensor:
         """The student's states after depth d for every cached row (in chunks), bfloat16 on the host."""
         out = torch.empty_like(h)
@@ -513,6 +517,8 @@ class Healer:
                 inputs[d] = h
                 h = self._propagate(model, d, h)
             inputs[self.state["visit"]] = h
+        if c.compile:
+            self._compile_layers(model)
         model.requires_grad_(False)
         bar = tqdm(total=len(order) * per_visit, initial=self.state["visit"] * per_visit, desc="heal: local",
                    unit="step", disable=not c.progress)
@@ -660,23 +666,28 @@ class Healer:
         if total == 0:
             return
         if self.cfg.compile:
-            self._compile_layers()
+            self._compile_layers(self.student, self.teacher)
         self.student.train()
         self._train_steps("e2e", "heal: end to end", self._trainable(self.student), self.cfg.e2e_lr, self._e2e_step,
                           total, tokens_per_step=self.cfg.e2e_batch * self.cfg.seq_len,
                           replan=bool(self.cfg.budget_minutes), evaluate=True)
         self.student.eval()
 
-    def _compile_layers(self) -> None:
-        """``--compile``: each layer of the student and of the original through torch.compile (regional: the
-        layers are one class, so one compiled code serves every layer and depth, its parameters graph inputs).
-        Inductor fuses the elementwise work around the matmuls (norms, rotary, LoRA sums, residuals, casts) in
-        the forward and backward passes, and the distillation loss's softmax math (``head_kd_loss(compiled=True)``,
-        in ``_kd``). Evaluations and the exit stage stay eager (``eager``). Measured: docs/BENCHMARKS.md,
-        "A healing step compiled"."""
-        for model in (self.student, self.teacher):
+    @staticmethod
+    def _compile_layers(*models) -> None:
+        """``--compile``: each layer of ``models`` through torch.compile (regional: the layers are one class, so one
+        compiled code serves every layer and depth, its parameters graph inputs). Inductor fuses the elementwise
+        work around the matmuls (norms, rotary, LoRA sums, residuals, casts) in the forward and backward passes;
+        the distillation loss's softmax math is compiled too (``head_kd_loss(compiled=True)``, in ``_kd``).
+        The plan compiles a copy's layers first (``_time_steps``); the code is shared, so the stages find it
+        ready. The local stage's batch (4 rows) and the end-to-end stage's (2) differ: dynamo makes the batch
+        dimension dynamic at the second, which measured no slower than static code. Evaluations, the exit stage
+        and sequential propagation stay eager (``eager``). Measured: docs/BENCHMARKS.md, "A healing step
+        compiled"."""
+        for model in models:
             for layer in model.model.layers:
-                layer.compile()
+                if getattr(layer, "_compiled_call_impl", None) is None:
+                    layer.compile()
 
     def _train_steps(self, stage: str, desc: str, params, base_lr: float, step_fn, total: int,
                      tokens_per_step: int = 0, replan: bool = False, evaluate: bool = False) -> None:
