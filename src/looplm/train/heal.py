@@ -681,7 +681,7 @@ class Healer:
         the distillation loss's softmax math is compiled too (``head_kd_loss(compiled=True)``, in ``_kd``).
         The plan compiles a copy's layers first (``_time_steps``); the code is shared, so the stages find it
         ready. The local stage's batch (4 rows) and the end-to-end stage's (2) differ: dynamo makes the batch
-        dimension dynamic at the second, which measured no slower than static code. Evaluations, the exit stage
+        dimension dynamic at the second, which a probe measured no slower (docs/BENCHMARKS.md). Evaluations, the exit stage
         and sequential propagation stay eager (``eager``). Measured: docs/BENCHMARKS.md, "A healing step
         compiled"."""
         for model in models:
