@@ -26,14 +26,20 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def heal_curve(run: Path) -> dict:
+def heal_curves(run: Path) -> list[dict]:
+    """The run's curve, and with `--e2e-average` a second one: its weight average's evaluations (tag
+    "e2e-average"), beside the weights' own at the same steps."""
     recs = read_jsonl(run / "metrics.jsonl")
-    evals = [r for r in recs if r.get("eval")]
     info = json.loads((run / "run.json").read_text())
-    return {"kind": "heal", "name": run.name, "teacher": info["teacher_eval"]["ppl"],
-            "minutes": [r["time"] / 60 for r in evals], "tokens": [r["tokens"] for r in evals],
-            "ppl": [r["ppl"] for r in evals], "loop1": [r["ppl_per_loop"][0] for r in evals],
-            "plan": info["plan"], "done": (run / "heal.json").exists()}
+    curves = []
+    for name, evals in ((run.name, [r for r in recs if r.get("eval") and not r["tag"].endswith("-average")]),
+                        (f"{run.name} (weight average)", [r for r in recs if r.get("eval") and r["tag"].endswith("-average")])):
+        if evals:
+            curves.append({"kind": "heal", "name": name, "teacher": info["teacher_eval"]["ppl"],
+                           "minutes": [r["time"] / 60 for r in evals], "tokens": [r["tokens"] for r in evals],
+                           "ppl": [r["ppl"] for r in evals], "loop1": [r["ppl_per_loop"][0] for r in evals],
+                           "plan": info["plan"], "done": (run / "heal.json").exists()})
+    return curves
 
 
 def train_curve(run: Path) -> dict:
@@ -51,11 +57,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.md, PREFIX.png, PREFIX.json")
+    ap.add_argument("--ymax", type=float, default=None,
+                    help="a linear perplexity axis from the original's up to YMAX (to tell close curves apart)")
     args = ap.parse_args()
     curves = []
     for r in map(Path, args.runs):
         if (r / "run.json").exists() and "teacher_eval" in json.loads((r / "run.json").read_text()):
-            curves.append(heal_curve(r))
+            curves.extend(heal_curves(r))
         elif (r / "metrics.jsonl").exists():
             curves.append(train_curve(r))
     teacher = next(c["teacher"] for c in curves if c["teacher"])
@@ -82,7 +90,10 @@ def main() -> None:
             ax.plot(c[key], c["ppl"], style, ms=3, label=f"{c['name']} ({'heal' if c['kind'] == 'heal' else 'paper recipe'})")
         ax.axhline(teacher, color="k", ls=":", label=f"original ({teacher:.1f})")
         ax.axhline(1.5 * teacher, color="gray", ls=":", lw=0.8, label="1.5x original")
-        ax.set_yscale("log")
+        if args.ymax:
+            ax.set_ylim(0.95 * teacher, args.ymax)
+        else:
+            ax.set_yscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("held-out perplexity (final exit)")
         ax.grid(alpha=0.3)

@@ -499,3 +499,42 @@ def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
     with pytest.raises(UsageError, match="C\\+\\+ compiler"):
         Healer(cfg, log=lambda *a: None).prepare()
     assert not (tmp / "compile-no-compiler").exists()
+
+
+def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_resumes(setup, monkeypatch):
+    """--e2e-average: each end-to-end evaluation scores the weights and their moving average; the stage ends on
+    the average (the final model's exits score what its last average scored), and a run stopped in the middle of
+    the stage resumes with the average it had saved: the same final model as a run never stopped."""
+    tmp, models, corpus = setup
+    finals = {}
+    for stopped in (False, True):
+        out = tmp / f"average-{stopped}"
+        cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
+                         tokens=64 * 16, local_share=0.25, e2e_lr=1e-3, e2e_average=0.8, exit_adapter="none",
+                         precision="fp32", seq_len=32, cache_rows=16, e2e_batch=2, eval_rows=4, progress=False,
+                         eval_every_seconds=0.0, save_every_seconds=0.0, cache=str(tmp / "cache-average"))
+        if stopped:
+            step = Healer._e2e_step
+            calls = []
+
+            def stop_after_five(self, *a, **k):
+                calls.append(1)
+                if len(calls) > 5:
+                    raise KeyboardInterrupt
+                return step(self, *a, **k)
+            monkeypatch.setattr(Healer, "_e2e_step", stop_after_five)
+            with pytest.raises(KeyboardInterrupt):
+                heal(cfg, log=lambda *a: None)
+            monkeypatch.setattr(Healer, "_e2e_step", step)
+            assert (out / "checkpoints" / (out / "latest").read_text().strip() / "average.pt").exists()
+            cfg.resume = True
+        r = heal(cfg, log=lambda *a: None)
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        averaged = [x for x in records if x.get("eval") and x["tag"] == "e2e-average"]
+        weights = [x for x in records if x.get("eval") and x["tag"] == "e2e"]
+        assert len(averaged) >= 2 and len(weights) >= 2
+        assert averaged[-1]["ppl"] != weights[-1]["ppl"]  # the average is not the weights' own end
+        assert r["healed"]["ppl"] == pytest.approx(averaged[-1]["ppl"], rel=1e-6)
+        finals[stopped] = load_model(out / "final")[0].state_dict()
+    for name, value in finals[False].items():
+        assert torch.allclose(finals[True][name], value, rtol=1e-5, atol=1e-6), name

@@ -80,6 +80,8 @@ def register(sub) -> None:
     h.add_argument("--e2e-rows", default="cache", help="rows of the end-to-end and exit stages: cache (the cached "
                    "rows, the original read from the cache) | online (the whole training split, the original run "
                    "on each batch: new text every step, a step a fifth longer)")
+    h.add_argument("--e2e-average", type=float, default=0.0, help="decay of an exponential moving average of the "
+                   "weights the end-to-end stage trains, evaluated beside them; the stage ends on it (0: off)")
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
     h.add_argument("--hidden-loss", default="log1p", help="per-token hidden-state error: log1p (log(1 + x) of the "
                    "relative one: a token far off pulls with a bounded gradient) | relative (squared, relative to the "

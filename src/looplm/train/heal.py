@@ -80,7 +80,7 @@ from ..models.quantized import dequantize, linears
 from ..util import check_compile_available, write_json_atomic, write_text_atomic
 from .loop import resolve_precision
 from .losses import head_kd_loss, kd_loss
-from .optim import adamw
+from .optim import WeightAverage, adamw
 from .teacher_cache import build_cache, teacher_states
 
 LOCAL_MODES = ("parallel", "sequential")
@@ -126,6 +126,8 @@ class HealConfig:
                                      # the original run on it each step)
     hidden_weight: float = 1.0
     hidden_loss: str = "log1p"       # log1p (each token's pull bounded: relative_error_log1p) | relative
+    e2e_average: float = 0.0         # decay of a moving average of the weights the end-to-end stage trains, which
+                                     # the stage ends on (0: off; 0.99 averages about the last hundred steps)
     exit_weight: float = 0.0         # intermediate-exit KD on the body (0: the body copies the original)
     exit_adapter: str = "affine"     # exit stage: affine | head-lora:R | none
     exit_share: float = 0.1          # share of what the local stage leaves, for the exit stage
@@ -142,7 +144,7 @@ class HealConfig:
     progress: bool = True
 
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
-             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "e2e_rows", "hidden_weight", "hidden_loss", "exit_weight",
+             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "e2e_rows", "e2e_average", "hidden_weight", "hidden_loss", "exit_weight",
              "grad_clip", "seed", "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
     # settings whose default changed: a run that did not record one ran with this value
     FORMER_DEFAULTS = {"hidden_loss": "relative"}
@@ -234,6 +236,8 @@ class Healer:
         for name in ("local_share", "exit_share"):
             if not 0 <= getattr(c, name) <= 1:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(c, name)} must be a fraction in [0, 1]")
+        if not 0 <= c.e2e_average < 1:
+            raise UsageError(f"--e2e-average {c.e2e_average} must be a decay in [0, 1) (0: no weight average)")
         self.exit_spec = None if c.exit_adapter == "none" else parse_exit_adapter(c.exit_adapter)
         if c.base_weights not in BASE_WEIGHTS:
             raise UsageError(f"unknown --base-weights {c.base_weights!r}; use one of {', '.join(BASE_WEIGHTS)}")
@@ -358,8 +362,9 @@ class Healer:
             self.e2e_stage()
             self.state.update(stage="exit", step=0)
             self._save(None)
-            if self.plan["e2e_steps"] and self.plan.get("exit_steps"):
-                self._log_eval(tag="e2e")  # the body's final state, before the exit adapters
+            if self.plan["e2e_steps"] and self.plan.get("exit_steps") and not c.e2e_average:
+                self._log_eval(tag="e2e")  # the body's final state, before the exit adapters (logged by the stage
+                # itself when it ends on a weight average)
         if self.state["stage"] == "exit":
             self.exit_stage()
             self.state["stage"] = "done"
@@ -670,7 +675,7 @@ class Healer:
         self.student.train()
         self._train_steps("e2e", "heal: end to end", self._trainable(self.student), self.cfg.e2e_lr, self._e2e_step,
                           total, tokens_per_step=self.cfg.e2e_batch * self.cfg.seq_len,
-                          replan=bool(self.cfg.budget_minutes), evaluate=True)
+                          replan=bool(self.cfg.budget_minutes), evaluate=True, average=self.cfg.e2e_average)
         self.student.eval()
 
     @staticmethod
@@ -690,16 +695,22 @@ class Healer:
                     layer.compile()
 
     def _train_steps(self, stage: str, desc: str, params, base_lr: float, step_fn, total: int,
-                     tokens_per_step: int = 0, replan: bool = False, evaluate: bool = False) -> None:
+                     tokens_per_step: int = 0, replan: bool = False, evaluate: bool = False,
+                     average: float = 0.0) -> None:
         """The step loop of the end-to-end and exit stages: AdamW on ``params`` (its state restored on
         resume), a cosine schedule over ``total`` steps, a JSONL record per step, a checkpoint every
         ``save_every_seconds`` and, with ``evaluate``, held-out evaluations on their schedule. With
-        ``replan``, the step count is fixed again at the ``replan_due`` steps (``_replan_e2e``)."""
+        ``replan``, the step count is fixed again at the ``replan_due`` steps (``_replan_e2e``). With
+        ``average`` (a decay), an exponential moving average of ``params`` is kept beside them (``WeightAverage``),
+        evaluated beside them (tag ``<stage>-average``), and copied into them when the stage ends."""
         from tqdm import tqdm
         c, model = self.cfg, self.student
         opt = adamw(params, lr=base_lr, weight_decay=0.0)
+        avg = WeightAverage(params, average) if average else None
         if self.state["step"] > 0:
             opt.load_state_dict(torch.load(self._latest_dir() / "optimizer.pt", map_location=self.device))
+            if avg is not None:
+                avg.load_state_dict(torch.load(self._latest_dir() / "average.pt", map_location=self.device))
         bar = tqdm(total=total, initial=self.state["step"], desc=desc, unit="step", disable=not c.progress)
         last_save = time.perf_counter()
         mark = (self.state["step"], self.clock())  # the steps since the last fix time the next one
@@ -714,6 +725,8 @@ class Healer:
                     bar.total = total
                 lr = base_lr * _cosine(s, total, max(1, total // 20))
                 rec = step_fn(model, s, opt, lr)
+                if avg is not None:
+                    avg.update()
                 if warming_up:  # this process's first step (compiling, first allocations) is not timed
                     mark, warming_up = (s + 1, self.clock()), False
                 self.state["step"] = s + 1
@@ -724,15 +737,23 @@ class Healer:
                 self._append({"stage": stage, "step": s + 1, "lr": lr, **rec, "time": round(self.state["time"], 2),
                               "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
                 if time.perf_counter() - last_save > c.save_every_seconds and self.state["step"] < total:
-                    self._save(opt)
+                    self._save(opt, avg)
                     last_save = time.perf_counter()
                 if evaluate and self._eval_due() and self.state["step"] < total:
                     model.eval()
                     self._log_eval(tag=stage)
+                    if avg is not None:
+                        with avg.swapped_in():
+                            self._log_eval(tag=f"{stage}-average")
                     model.train()
         finally:
             bar.close()
-        self._save(opt)
+        if avg is not None:  # the weights' own end, then the average the stage ends on
+            model.eval()
+            self._log_eval(tag=stage)
+            avg.copy_in()
+            self._log_eval(tag=f"{stage}-average")
+        self._save(opt, avg)
 
     def _replan_e2e(self, step: int, seconds_per_step: float) -> int:
         """The end-to-end step count that fills what is left of the time budget, from the steps just
@@ -853,7 +874,7 @@ class Healer:
         out = Path(self.cfg.out)
         return out / "checkpoints" / (out / "latest").read_text().strip()
 
-    def _save(self, opt) -> None:
+    def _save(self, opt, average: WeightAverage | None = None) -> None:
         from ..models.checkpoint import save_checkpoint
         out = Path(self.cfg.out)
         name = f"{self.state['stage']}-{self.state['visit']:03d}-{self.state['step']:06d}"
@@ -863,6 +884,8 @@ class Healer:
         self.tok.save_pretrained(str(tmp))
         if opt is not None:
             torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        if average is not None:
+            torch.save(average.state_dict(), tmp / "average.pt")
         write_json_atomic(tmp / "state.json", self.state)
         final = out / "checkpoints" / name
         shutil.rmtree(final, ignore_errors=True)
@@ -896,7 +919,9 @@ class Healer:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        evals = [r for r in self._records() if r.get("eval")]
+        records = [r for r in self._records() if r.get("eval")]
+        evals = [r for r in records if not r["tag"].endswith("-average")]
+        averaged = [r for r in records if r["tag"].endswith("-average")]  # --e2e-average's weights
         if not evals:
             return None
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -907,6 +932,9 @@ class Healer:
                 xs = [r[key] / (60 if key == "time" else 1) for r in evals]
                 ax.plot(xs, [r["ppl_per_loop"][i] for r in evals], marker="o",
                         label=f"exit after loop {i + 1}" if i + 1 < loops else "final")
+            if averaged:
+                ax.plot([r[key] / (60 if key == "time" else 1) for r in averaged], [r["ppl"] for r in averaged],
+                        marker="x", ls=":", label="final, weight average")
             ax.axhline(teacher, color="k", ls="--", label=f"original ({teacher:.1f})")
             ax.set_yscale("log")
             ax.set_xlabel(label)
