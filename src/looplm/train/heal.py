@@ -711,6 +711,7 @@ class Healer:
             opt.load_state_dict(torch.load(self._latest_dir() / "optimizer.pt", map_location=self.device))
             if avg is not None:
                 avg.load_state_dict(torch.load(self._latest_dir() / "average.pt", map_location=self.device))
+        first = self.state["step"]
         bar = tqdm(total=total, initial=self.state["step"], desc=desc, unit="step", disable=not c.progress)
         last_save = time.perf_counter()
         mark = (self.state["step"], self.clock())  # the steps since the last fix time the next one
@@ -748,7 +749,8 @@ class Healer:
                     model.train()
         finally:
             bar.close()
-        if avg is not None:  # the weights' own end, then the average the stage ends on
+        if avg is not None and self.state["step"] > first:  # the weights' own end, then the average the stage
+            # ends on (a run resumed from the stage's last checkpoint has both logged and the average in place)
             model.eval()
             self._log_eval(tag=stage)
             avg.copy_in()
