@@ -38,7 +38,9 @@ def heal_curves(run: Path) -> list[dict]:
             curves.append({"kind": "heal", "name": name, "teacher": info["teacher_eval"]["ppl"],
                            "minutes": [r["time"] / 60 for r in evals], "tokens": [r["tokens"] for r in evals],
                            "ppl": [r["ppl"] for r in evals], "loop1": [r["ppl_per_loop"][0] for r in evals],
-                           "plan": info["plan"], "done": (run / "heal.json").exists()})
+                           "plan": info["plan"], "done": (run / "heal.json").exists(),
+                           # the average is first evaluated mid-stage: it has no score of the converted model
+                           "converted": None if name.endswith("(weight average)") else evals[0]["ppl"]})
     return curves
 
 
@@ -50,7 +52,7 @@ def train_curve(run: Path) -> dict:
     return {"kind": "train", "name": run.name, "teacher": None,
             "minutes": [time_at.get(r["step"], 0.0) / 60 for r in evals], "tokens": [r["tokens"] for r in evals],
             "ppl": [r[f"ppl_{loops}"] for r in evals], "loop1": [r["ppl_1"] for r in evals],
-            "done": (run / "final").exists()}
+            "done": (run / "final").exists(), "converted": evals[0][f"ppl_{loops}"]}
 
 
 def main() -> None:
@@ -72,7 +74,8 @@ def main() -> None:
     for c in curves:
         recipe = "heal" if c["kind"] == "heal" else "paper (SVD + end-to-end KD)"
         status = "" if c["done"] else " (unfinished)"
-        rows.append(f"| {c['name']}{status} | {recipe} | {c['ppl'][0]:,.0f} | {c['ppl'][-1]:,.2f} | "
+        converted = "" if c["converted"] is None else f"{c['converted']:,.0f}"
+        rows.append(f"| {c['name']}{status} | {recipe} | {converted} | {c['ppl'][-1]:,.2f} | "
                     f"{c['minutes'][-1]:.1f} | {c['tokens'][-1]:,} | {c['ppl'][-1] / teacher:.2f}x | "
                     f"{c['loop1'][-1]:,.1f} |")
     table = f"Original model: {teacher:.2f}\n\n" + "\n".join(rows) + "\n"
