@@ -10,11 +10,13 @@ from) and a Q8_0 file exported from our float32 model (`looplm export-gguf --typ
 continuous batching (`llama_decode` over one batch holding every running sequence's next token and new
 prompts, as llama.cpp's `parallel` example), greedy by argmax over its logits, as our engine.
 
-Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act][-m][-c], FORMAT fp32, int8, int4 or bf16 (`--weights
-bf16`: the whole model in bfloat16, rotary frequencies float32); then: the whole model in bfloat16 (default:
-float32 outside the quantized matmuls), int4 group size N (default 32), int4 LM head (default int8),
+Engine configurations are named FORMAT[-bf16][-gN][-h4][-f32act][-m][-gptq|-eq][-c], FORMAT fp32, int8, int4 or bf16
+(`--weights bf16`: the whole model in bfloat16, rotary frequencies float32); then: the whole model in bfloat16
+(default: float32 outside the quantized matmuls), int4 group size N (default 32), int4 LM head (default int8),
 float32 activations into the quantized matmuls (default bfloat16), a looped model's LoRA merged into one
-quantized weight per depth (`--lora merged`; default: shared weights with the float LoRA on top), the compiled engine (`--compile`,
+quantized weight per depth (`--lora merged`; default: shared weights with the float LoRA on top), rounding by
+GPTQ or input channels equalized and then GPTQ (`looplm quantize --calibrate DATA [--equalize]`, on the first 16
+training rows of `--data`; default: rounded to nearest), the compiled engine (`--compile`,
 serve/compiled.py; its graphs are built before timing starts). Agreement: the fraction of a configuration's generated
 tokens equal to the float32 model's greedy choice given the same prefix (teacher-forced); for a looped model
 with exits (`--looped`), against the float32 looped model at full depth. Memory: each
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import statistics
@@ -140,7 +143,7 @@ class LlamaCpp:
 def parse_spec(spec: str) -> dict:
     parts = spec.split("-")
     out = {"format": parts[0], "dtype": torch.float32, "group": Q.DEFAULT_GROUP, "head": "int8",
-           "act_dtype": Q.DEFAULT_ACT, "compile": False, "lora": "shared"}
+           "act_dtype": Q.DEFAULT_ACT, "compile": False, "lora": "shared", "rounding": "nearest"}
     for p in parts[1:]:
         if p == "c":
             out["compile"] = True
@@ -148,6 +151,8 @@ def parse_spec(spec: str) -> dict:
             out["dtype"] = torch.bfloat16
         elif p == "f32act":
             out["act_dtype"] = torch.float32
+        elif p in ("gptq", "eq"):
+            out["rounding"] = p
         elif p.startswith("g"):
             out["group"] = int(p[1:])
         elif p == "h4":
@@ -163,15 +168,36 @@ def compiled(spec: str) -> bool:
     return parse_spec(spec)["compile"]
 
 
-def engine_model(vanilla, spec: str):
+CALIBRATION_ROWS = 16  # `looplm quantize --calibrate`'s default
+
+
+@functools.cache
+def calibration_moments(model, data: str | None) -> dict:
+    """GPTQ's input moments of ``model`` on the first training rows of corpus ``data``, as `looplm quantize
+    --calibrate DATA` computes them (never held-out rows)."""
+    if data is None:
+        raise SystemExit("the -gptq and -eq configurations calibrate on --data: give a built corpus")
+    from looplm.data.corpus import PackedCorpus
+    from looplm.models.gptq import input_moments
+    rows = np.array(PackedCorpus(data).splits["train"][:CALIBRATION_ROWS], dtype=np.int64)
+    return input_moments(model, torch.from_numpy(rows))
+
+
+def engine_model(vanilla, spec: str, data: str | None = None):
     import copy
     s = parse_spec(spec)
     if s["format"] == "fp32":
         return vanilla if s["dtype"] == torch.float32 else copy.deepcopy(vanilla).to(s["dtype"])
     if s["format"] == "bf16":  # `--weights bf16`: the whole model in bfloat16
         return Q.to_bf16(copy.deepcopy(vanilla))
-    return Q.quantize_model(copy.deepcopy(vanilla), s["format"], s["group"], s["dtype"], s["head"], s["act_dtype"],
-                            lora=s["lora"])
+    model, moments = copy.deepcopy(vanilla), None
+    if s["rounding"] != "nearest":
+        moments = calibration_moments(vanilla, data)
+        if s["rounding"] == "eq":
+            from looplm.models.equalize import equalize
+            moments, _ = equalize(model, moments, s["format"], s["group"])
+    return Q.quantize_model(model, s["format"], s["group"], s["dtype"], s["head"], s["act_dtype"], lora=s["lora"],
+                            moments=moments)
 
 
 def engine_serve(model, trace, max_batch, scheduler="sequence", policy=None, compile=False, kv_mode="copy"):
@@ -352,7 +378,7 @@ def main() -> int:
     ggufs = {"llama.cpp q4_1": q4, "llama.cpp q8_0": q8}
     ggufs = {k: v for k, v in ggufs.items() if v}
     specs = [s for s in args.configs.split(",") if s]
-    models = {s: engine_model(vanilla, s) for s in specs}
+    models = {s: engine_model(vanilla, s, args.data) for s in specs}
     ids = tok(heldout_text(), add_special_tokens=False)["input_ids"]
     b1 = make_trace(ids, args.b1_requests, rng(args.prompt_len), (args.b1_output, args.b1_output), "all", seed=1)
     trace = make_trace(ids, args.requests, rng(args.prompt_len), rng(args.output_len), "all", seed=0)
@@ -371,7 +397,7 @@ def main() -> int:
             base = convert(vanilla, loops=2, init="stepwise", lora_ranks=64, norms="per-depth").eval()
         else:
             base, _ = load_model(args.looped)
-        looped = {s: engine_model(base, s) for s in args.looped_configs.split(",")}
+        looped = {s: engine_model(base, s, args.data) for s in args.looped_configs.split(",")}
         result["looped_weights_mb"] = {s: round(Q.weight_bytes(m) / 2 ** 20, 1) for s, m in looped.items()}
         exits = args.exit.split(",")
         result["looped_exit"] = {"policies": exits, "kv_mode": args.kv_mode}

@@ -18,7 +18,9 @@ held-out perplexity), one row per variant:
         --data out/heal/corpus-smollm2-135m-512 --rows 16 --formats int8,int4 --json OUT.json
 
 With ``--gptq-rows N`` the quantized rows come again with GPTQ rounding (models/gptq.py), calibrated on the
-first N rows of the corpus's training split: the head alone, the layers alone, both, and as served.
+first N rows of the corpus's training split: the head alone, the layers alone, both, and as served. With
+``--equalize`` as well, the layers' input channels are first equalized on those rows (models/equalize.py, `looplm
+quantize --calibrate DATA --equalize`), then rounded to nearest or by GPTQ: the layers alone and as served.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from looplm.data.corpus import PackedCorpus
 from looplm.models import load_model
+from looplm.models import equalize as EQ
 from looplm.models import gptq
 from looplm.models import quantized as Q
 
@@ -107,10 +110,14 @@ def main() -> int:
     p.add_argument("--fp32-activations", default="int8", help="formats also run with float32 activations")
     p.add_argument("--gptq-rows", type=int, default=0,
                    help="also round by GPTQ, calibrated on this many rows of the corpus's training split")
+    p.add_argument("--equalize", action="store_true", help="also equalize the input channels before rounding "
+                   "(needs --gptq-rows: its calibration rows choose the scales)")
     p.add_argument("--only", help="run only the rows whose name contains one of these comma-separated strings "
                                   "(the fp32 reference always runs)")
     p.add_argument("--json", help="write the results here (after every row)")
     args = p.parse_args()
+    if args.equalize and not args.gptq_rows:
+        p.error("--equalize needs --gptq-rows N (its calibration rows)")
     held = PackedCorpus(args.data).splits["heldout"]
     rows = torch.from_numpy(np.array(held[:args.rows], dtype=np.int64))
     fresh = lambda: load_model(args.model)[0].float().eval()  # noqa: E731
@@ -119,6 +126,25 @@ def main() -> int:
     def moments():  # calibration inputs' moments for GPTQ, from training rows (never the held-out ones)
         train = PackedCorpus(args.data).splits["train"]
         return gptq.input_moments(fresh(), torch.from_numpy(np.array(train[:args.gptq_rows], dtype=np.int64)))
+
+    @functools.cache
+    def equalized_state(fmt):  # the scales are searched once per format
+        model = fresh()
+        scaled, groups = EQ.equalize(model, moments(), fmt)
+        print(f"equalized for {fmt}: {sum(g['alpha'] + g['beta'] > 0 for g in groups)} of {len(groups)} groups scaled, "
+              f"summed output error x{sum(g['error'] for g in groups) / max(sum(g['error_before'] for g in groups), 1e-30):.3f}",
+              flush=True)
+        return {k: v.clone() for k, v in model.state_dict().items()}, scaled
+
+    def equalized(fmt):  # (the model with its input channels equalized for fmt, its inputs' moments)
+        state, scaled = equalized_state(fmt)
+        model = fresh()
+        model.load_state_dict(state)
+        return model, scaled
+
+    def gptq_equalized(fmt, served: bool):  # equalized, then rounded by GPTQ against the scaled inputs' moments
+        model, scaled = equalized(fmt)
+        return Q.quantize_model(model, fmt, moments=scaled) if served else dequantized(model, fmt, False, scaled)
     variants = [("fp32", fresh), ("fp32, bf16 activations", lambda: bf16_activations(fresh())),
                 ("fp32, bf16 layer activations only", lambda: bf16_activations(fresh(), True, False, False)),
                 ("fp32, bf16 head input only", lambda: bf16_activations(fresh(), False, True, False)),
@@ -142,6 +168,11 @@ def main() -> int:
             if fmt in args.fp32_activations.split(","):
                 variants += [(f"{fmt} GPTQ, fp32 activations", lambda f=fmt: Q.quantize_model(
                     fresh(), f, act_dtype=torch.float32, moments=moments()))]
+        if args.equalize:
+            variants += [(f"{fmt} equalized layers dequantized", lambda f=fmt: dequantized(equalized(f)[0], f, False)),
+                         (f"{fmt} equalized, bf16 activations", lambda f=fmt: Q.quantize_model(equalized(f)[0], f)),
+                         (f"{fmt} GPTQ equalized layers dequantized", lambda f=fmt: gptq_equalized(f, False)),
+                         (f"{fmt} GPTQ equalized, bf16 activations", lambda f=fmt: gptq_equalized(f, True))]
     if args.gptq_rows:
         after_head = [n for n, _ in variants].index("int8 head dequantized") + 1
         variants.insert(after_head, ("int8 GPTQ head dequantized", lambda: dequantized(fresh(), None, moments=moments())))

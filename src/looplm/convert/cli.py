@@ -67,6 +67,10 @@ def register(sub) -> None:
                         "split (`looplm data build`), instead of to nearest (docs/SERVING.md)")
     p.add_argument("--calibration-rows", type=int, default=16,
                    help="training rows (x the corpus's sequence length) for --calibrate")
+    p.add_argument("--equalize", action="store_true",
+                   help="with --calibrate: before rounding, scale each linear's input channels by the AWQ-style "
+                        "scales that round it with the least output error, folded into the norms and the rows "
+                        "that produce them (models/equalize.py; the model computes the same function)")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("export-gguf", help="write a looped model, unrolled (LoRA merged per depth), as a "
@@ -228,9 +232,17 @@ def cmd_quantize(args) -> int:
     model, tok = load_model(args.model)
     if stored_format(model) != "fp32":
         raise UsageError(f"{args.model} is already quantized ({stored_format(model)}); quantize its float checkpoint")
+    if args.equalize and not args.calibrate:
+        raise UsageError("--equalize chooses its scales on calibration rows: add --calibrate DATA")
     moments = calibration = None
     if args.calibrate:
         moments, calibration = _calibrate(model, tok, args)
+    if args.equalize:
+        from ..models.equalize import equalize
+        moments, groups = equalize(model, moments, args.weights, group)
+        plain, scaled = sum(g["error_before"] for g in groups), sum(g["error"] for g in groups)
+        calibration["equalized"] = {"groups": len(groups), "scaled": sum(g["alpha"] + g["beta"] > 0 for g in groups),
+                                    "output_error_ratio": scaled / plain if plain else 1.0}
     before = weight_bytes(model)
     save_quantized(model, tok, args.out, args.weights, group, DTYPES[args.dtype], act_dtype=DTYPES[args.act_dtype],
                    lora=args.lora, moments=moments, calibration=calibration)
@@ -239,6 +251,8 @@ def cmd_quantize(args) -> int:
     print(f"quantized {args.model} to {args.weights}" + (f" (groups of {group})" if args.weights == "int4" else "")
           + (", LoRA merged per depth" if args.lora == "merged" else "")
           + (f", GPTQ on {calibration['tokens']:,} calibration tokens" if calibration else "")
+          + (f", input channels equalized (rounding's output error x{calibration['equalized']['output_error_ratio']:.3f})"
+             if args.equalize else "")
           + f": {before / 2 ** 20:.0f} MB of float weights -> {size / 2 ** 20:.0f} MB; wrote {args.out}")
     return 0
 
