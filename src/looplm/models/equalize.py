@@ -38,7 +38,7 @@ ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)  # the input RMS's exponent
 BETAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)   # the column maximum's
 
 
-def output_error(w: torch.Tensor, s: torch.Tensor, h: torch.Tensor, fmt: str, group: int) -> float:
+def scaled_rounding_error(w: torch.Tensor, s: torch.Tensor, h: torch.Tensor, fmt: str, group: int) -> float:
     """tr(E H E^T) of ``w`` [out, in] rounded in ``fmt`` after its columns were scaled by ``s``, in the
     original input space."""
     q = Q.dequantize(Q.portable(w * s, fmt, group)) / s
@@ -60,7 +60,7 @@ def search_scales(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = Q.DEF
             s = rms.pow(alpha) / wmax.pow(beta)
             s = tie(s) if tie else s
             s = s / s.log().mean().exp()
-            err = output_error(w, s, h, fmt, group)
+            err = scaled_rounding_error(w, s, h, fmt, group)
             if best is None or err < best[0]:
                 best = (err, s, alpha, beta)
             if alpha == beta == 0:
