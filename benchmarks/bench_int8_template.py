@@ -12,6 +12,9 @@ measurements, one process, interleaved rounds:
   the process's resident memory added by each engine's warm-up (after handing freed heap back to the OS).
 
     PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_template.py --rounds 4 --json OUT.json
+
+``--format int4`` runs the engine part on int4 weights instead (inductor's int4 template against the int4 op); the
+isolated part is int8's only.
 """
 
 from __future__ import annotations
@@ -91,13 +94,24 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--format", default="int8", choices=["int8", "int4"], help="the engine part's weights")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    result = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-              "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {"model": args.model, "format": args.format, "threads": args.threads, "rounds": args.rounds,
+              "torch": torch.__version__, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.format == "int8":
+        result["kernels"] = isolated_products(args.rounds, g)
+    result["engine"] = engine_part(args.model, args.format, args.rounds)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
 
+
+def isolated_products(rounds: int, g: torch.Generator) -> dict:
     products = Products(30, g).eval()
     xs = [torch.randn(1, s[1], generator=g).to(torch.bfloat16) for s in LAYER_SHAPES.values()]
     t = time.perf_counter()
@@ -115,15 +129,17 @@ def main() -> int:
                 ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e3
     kernels = {"op": [], "template": []}
-    for r in range(args.rounds):
+    for r in range(rounds):
         kernels["op"].append(ms(products))
         kernels["template"].append(ms(frozen))
         print(f"kernels round {r + 1}: op {kernels['op'][-1]:.2f} ms, template {kernels['template'][-1]:.2f} ms",
               flush=True)
-    result["kernels"] = {"ms_per_token": {k: round(statistics.median(v), 3) for k, v in kernels.items()},
-                         "max_abs_difference": diff, "compile_seconds": round(compile_s, 1)}
+    return {"ms_per_token": {k: round(statistics.median(v), 3) for k, v in kernels.items()},
+            "max_abs_difference": diff, "compile_seconds": round(compile_s, 1)}
 
-    model = Q.quantize_model(load_model(args.model)[0], "int8")
+
+def engine_part(model_name: str, fmt: str, rounds: int) -> dict:
+    model = Q.quantize_model(load_model(model_name)[0], fmt)
     engines, timers, extra = {}, {"step": 0.0, "forward": 0.0, "call": 0.0, "after": 0.0}, {}
     for name, make in (("shipped", lambda m: Engine(m, max_batch=1, max_seq_len=128, compile=True)),
                        ("frozen template", frozen_engine)):
@@ -142,18 +158,14 @@ def main() -> int:
         outs[name] = req.output
     same = sum(a == b for a, b in zip(*outs.values()))
     walls = {name: [] for name in engines}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name, e in engines.items():
             walls[name].append(one_round(e, timers, 64)["wall"])
         print(f"engine round {r + 1}: " + ", ".join(f"{n} {w[-1]:.2f} ms/token" for n, w in walls.items()), flush=True)
-    result["engine"] = {name: {"ms_per_token": round(statistics.median(w), 3), "rounds": [round(x, 2) for x in w],
-                               **extra[name]} for name, w in walls.items()}
-    result["engine"]["same_tokens"] = f"{same} of {len(outs['shipped'])}"
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    result = {name: {"ms_per_token": round(statistics.median(w), 3), "rounds": [round(x, 2) for x in w],
+                     **extra[name]} for name, w in walls.items()}
+    result["same_tokens"] = f"{same} of {len(outs['shipped'])}"
+    return result
 
 
 if __name__ == "__main__":

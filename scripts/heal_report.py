@@ -32,15 +32,16 @@ def heal_curves(run: Path) -> list[dict]:
     recs = read_jsonl(run / "metrics.jsonl")
     info = json.loads((run / "run.json").read_text())
     curves = []
-    for name, evals in ((run.name, [r for r in recs if r.get("eval") and not r["tag"].endswith("-average")]),
-                        (f"{run.name} (weight average)", [r for r in recs if r.get("eval") and r["tag"].endswith("-average")])):
+    for average in (False, True):
+        evals = [r for r in recs if r.get("eval") and r["tag"].endswith("-average") == average]
         if evals:
-            curves.append({"kind": "heal", "name": name, "teacher": info["teacher_eval"]["ppl"],
+            curves.append({"kind": "heal", "name": f"{run.name} (weight average)" if average else run.name,
+                           "teacher": info["teacher_eval"]["ppl"],
                            "minutes": [r["time"] / 60 for r in evals], "tokens": [r["tokens"] for r in evals],
                            "ppl": [r["ppl"] for r in evals], "loop1": [r["ppl_per_loop"][0] for r in evals],
                            "plan": info["plan"], "done": (run / "heal.json").exists(),
                            # the average is first evaluated mid-stage: it has no score of the converted model
-                           "converted": None if name.endswith("(weight average)") else evals[0]["ppl"]})
+                           "converted": None if average else evals[0]["ppl"]})
     return curves
 
 
