@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -344,6 +345,28 @@ def test_a_time_budget_is_replanned_after_warm_up_and_at_half_way(setup):
     assert plan["e2e_steps"] > 60, "too few steps to check the half-way fix"
     assert plan["e2e_replanned_at"][:2] == [3, 30] and len(plan["e2e_replanned_at"]) == 3
     assert steps == list(range(1, plan["e2e_steps"] + 1))
+    # the local visits were replanned too: every visit ran the count stored for it, and the stage's tokens add up
+    visits = [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if x.get("stage") == "local"]
+    by_visit = plan["local_steps_by_visit"]
+    assert len(by_visit) == len(visits) == plan["visits"] and min(by_visit) >= 1
+    assert 0 < plan["local_end_seconds"] < 0.25 * 60
+    assert visits[-1]["local_tokens"] == sum(by_visit) * 2 * 32
+
+
+def test_local_visits_are_replanned_to_end_at_the_local_share(tmp_path):
+    """The visits left share the time to the local stage's planned end, at the speed of the visit just timed."""
+    logs = []
+    healer = types.SimpleNamespace(
+        plan={"local_steps_by_visit": [50, 50, 50, 50], "local_end_seconds": 100.0, "local_steps_per_visit": 50},
+        prev={}, clock=lambda: 40.0, log=logs.append, cfg=HealConfig(out=str(tmp_path), local_batch=2, seq_len=32),
+        student=types.SimpleNamespace(config=types.SimpleNamespace(num_shared_layers=4)))
+    Healer._replan_local(healer, 1, 2.0)  # 60 s left for 3 visits at 2 s a step: 10 steps each
+    assert healer.plan["local_steps_by_visit"] == [50, 10, 10, 10] and "10 steps a visit" in logs[0]
+    assert healer.plan["local_steps_per_layer"] == 20 and healer.plan["local_tokens_per_layer"] == 20 * 2 * 32
+    assert json.loads((tmp_path / "run.json").read_text())["plan"]["local_steps_by_visit"] == [50, 10, 10, 10]
+    healer.clock = lambda: 120.0  # past the end: one step a visit, never none
+    Healer._replan_local(healer, 3, 2.0)
+    assert healer.plan["local_steps_by_visit"] == [50, 10, 10, 1]
 
 
 def test_overfit_script_scores_the_rows_the_cache_holds(setup):

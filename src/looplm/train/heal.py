@@ -413,6 +413,8 @@ class Healer:
                 "e2e_steps": e2e_steps, "local_tokens_per_layer": local_steps * per_local,
                 "e2e_tokens": e2e_steps * per_e2e, "exit_steps": exit_steps, "exit_step_seconds": t_exit,
                 "exit_adapter": self.exit_spec, "loops": B, "shared_layers": K}
+        if c.tokens is None and per_visit:  # the run clock at which the local stage's share of the budget ends
+            plan["local_end_seconds"] = round(c.budget_minutes * 60 - (1 - c.local_share) * left, 1)
         self.log(f"plan: {visits} local visits x {per_visit} steps ({local_steps * per_local:,} tokens per shared layer), "
                  f"{e2e_steps} end-to-end steps ({e2e_steps * per_e2e:,} tokens), {exit_steps} exit-adapter steps")
         if local_steps == 0 and e2e_steps == 0 and exit_steps == 0:
@@ -525,12 +527,13 @@ class Healer:
         if c.compile:
             self._compile_layers(model)
         model.requires_grad_(False)
-        bar = tqdm(total=len(order) * per_visit, initial=self.state["visit"] * per_visit, desc="heal: local",
+        steps = p.setdefault("local_steps_by_visit", [per_visit] * len(order))  # _replan_local changes the rest
+        bar = tqdm(total=sum(steps), initial=sum(steps[:self.state["visit"]]), desc="heal: local",
                    unit="step", disable=not c.progress)
         rng = np.random.default_rng(c.seed + 1)
         try:
             for v in range(self.state["visit"], len(order)):
-                d = order[v]
+                started, d = self.clock(), order[v]
                 layer = cfg.layer_map[d] if c.local_mode == "sequential" else d
                 if c.local_mode == "sequential":
                     if d == 0:
@@ -540,9 +543,9 @@ class Healer:
                 block = model.model.layers[layer]
                 opt = adamw(self._unfreeze(block), lr=c.local_lr, weight_decay=0.0)
                 first = last = None
-                for s in range(per_visit):
+                for s in range(steps[v]):
                     idx = rng.choice(len(self.rows), size=c.local_batch, replace=False)
-                    lr = c.local_lr * _cosine(s, per_visit, max(1, per_visit // 20))
+                    lr = c.local_lr * _cosine(s, steps[v], max(1, steps[v] // 20))
                     loss = self._local_step(model, layer, idx, opt, inputs, lr)
                     first = loss if first is None else first
                     last = loss
@@ -552,6 +555,9 @@ class Healer:
                 block.requires_grad_(False)
                 self.state["visit"] = v + 1
                 self.state["time"] = self.clock()
+                if "local_end_seconds" in p and v + 1 < len(order) and steps[v]:
+                    self._replan_local(v + 1, (self.state["time"] - started) / steps[v])
+                    bar.total = sum(steps)
                 self._append({"stage": "local", "visit": v + 1, "depth": d, "layer": layer, "err_first": first,
                               "err_last": last, "time": round(self.state["time"], 2),
                               "local_tokens": self.state["local_tokens"], "tokens": self.state["tokens"]})
@@ -561,6 +567,25 @@ class Healer:
         finally:
             bar.close()
         model.requires_grad_(False)
+
+    def _replan_local(self, visit: int, seconds_per_step: float) -> None:
+        """The step count of each visit from ``visit`` on that ends the local stage at its share of the time budget,
+        from the visit just timed (its compile and, sequential, its propagation included). The machine's speed moves
+        within an hour: with the counts fixed from the plan's first steps, a rank-128 hour whose local steps ran 1.3-1.6x
+        slower than planned (2026-11-28) was on course to end its local stage at 47 of 60 minutes, not 31, leaving the
+        end-to-end stage, which gains more per minute, a fifth of the hour. Stored in run.json."""
+        steps = self.plan["local_steps_by_visit"]
+        left = self.plan["local_end_seconds"] - self.clock()
+        per = max(1, int(left / (len(steps) - visit) / seconds_per_step))
+        if per != steps[visit]:
+            self.log(f"local: {seconds_per_step:.2f} s per step, {per} steps a visit end the stage at its share "
+                     f"(planned {self.plan['local_steps_per_visit']})")
+        steps[visit:] = [per] * (len(steps) - visit)
+        per_layer = sum(steps) // self.student.config.num_shared_layers  # parallel: the mean over the layers
+        self.plan.update(local_steps_per_layer=per_layer,
+                         local_tokens_per_layer=per_layer * self.cfg.local_batch * self.cfg.seq_len)
+        self.prev["plan"] = self.plan
+        write_json_atomic(Path(self.cfg.out) / "run.json", self.prev)
 
     # ----- stage 2: end to end
     def _trainable(self, model) -> list[torch.nn.Parameter]:
