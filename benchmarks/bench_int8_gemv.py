@@ -8,8 +8,9 @@ measurements, one process, interleaved rounds:
 * ``kernels``: SmolLM2-135M's 30 layers of int8 products (q|k|v, o, gate|up, down; random weights, one row of
   bfloat16 activations, each product a graph input): the op eager, the op compiled, the reduction compiled;
 * ``engine``: the int8 engine compiled as shipped (``Engine(compile=True)``) against the same engine whose int8
-  weights compute a one-row product as the reduction inside compiled graphs. Greedy tokens compared; milliseconds
-  per token of one 30-token prompt and 64 new tokens, and of the batch-1 decode loop's graph alone.
+  weights compute a one-row product as the reduction inside compiled graphs (``bench_int8_template.compare_engines``:
+  greedy tokens compared; milliseconds per token of one 30-token prompt and 64 new tokens, and of the batch-1
+  decode loop's graph alone).
 
     PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --rounds 4 --json OUT.json
 """
@@ -17,7 +18,6 @@ measurements, one process, interleaved rounds:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -25,13 +25,12 @@ import types
 
 import torch
 
-from bench_compiled_b1 import one_round
 from bench_decode_kernels import LAYER_SHAPES
+from bench_int8_template import compare_engines
 from bench_llamacpp import _cpu
 from looplm.models import load_model
 from looplm.models import quantized as Q
-from looplm.serve import Engine, Request, make_scheduler, warm_up
-from looplm.serve.schedulers import replay
+from looplm.serve import Engine
 
 
 def reduction(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -83,54 +82,18 @@ def _reduction_mm(self, rows: torch.Tensor) -> torch.Tensor:
     return Q.Int8Weight._mm(self, rows)
 
 
-def timed_decode_loop(engine: Engine) -> dict:
-    """Wrap the engine's compiled batch-1 loop call with a timer; returns the accumulator."""
-    inner, acc = engine.compiled.decode_loop, {"seconds": 0.0, "calls": 0}
-
-    def decode_loop(*args):
-        t = time.perf_counter()
-        out = inner(*args)
-        acc["seconds"] += time.perf_counter() - t
-        acc["calls"] += 1
-        return out
-    engine.compiled.decode_loop = decode_loop
-    return acc
+def reduction_engine(model) -> Engine:
+    """The shipped compiled engine, its int8 weights computing one-row products as the reduction."""
+    for w in model.modules():
+        if isinstance(w, Q.Int8Weight):
+            w._mm = types.MethodType(_reduction_mm, w)
+    return Engine(model, max_batch=1, max_seq_len=128, compile=True)
 
 
 def engine_part(model_name: str, rounds: int) -> dict:
     model = Q.quantize_model(load_model(model_name)[0], "int8")
-    engines, loops, extra = {}, {}, {}
-    timers = {"step": 0.0, "forward": 0.0, "call": 0.0, "after": 0.0}
-    for name in ("op (shipped)", "reduction"):
-        m = copy.deepcopy(model)
-        if name == "reduction":
-            for w in m.modules():
-                if isinstance(w, Q.Int8Weight):
-                    w._mm = types.MethodType(_reduction_mm, w)
-        t = time.perf_counter()
-        engines[name] = Engine(m, max_batch=1, max_seq_len=128, compile=True)
-        loops[name] = timed_decode_loop(engines[name])
-        warm_up(engines[name])
-        one_round(engines[name], timers, 64)  # first use of each cache length
-        extra[name] = {"warm_up_seconds": round(time.perf_counter() - t, 1)}
-        print(f"{name}: {extra[name]}", flush=True)
-    outs = {}
-    for name, e in engines.items():
-        req = Request(list(range(100, 130)), 64)
-        replay(make_scheduler("sequence", e), [req])
-        outs[name] = req.output
-    walls, loop_ms = {n: [] for n in engines}, {n: [] for n in engines}
-    for r in range(rounds):
-        for name, e in engines.items():
-            loops[name].update(seconds=0.0, calls=0)
-            walls[name].append(one_round(e, timers, 64)["wall"])
-            loop_ms[name].append(loops[name]["seconds"] / max(loops[name]["calls"], 1) * 1e3)
-        print(f"engine round {r + 1}: " + ", ".join(f"{n} {walls[n][-1]:.2f} ms/token (loop {loop_ms[n][-1]:.2f})"
-                                                    for n in engines), flush=True)
-    result = {name: {"ms_per_token": round(statistics.median(walls[name]), 3),
-                     "decode_loop_ms": round(statistics.median(loop_ms[name]), 3), **extra[name]} for name in engines}
-    result["same_tokens"] = f"{sum(a == b for a, b in zip(*outs.values()))} of {len(outs['op (shipped)'])}"
-    return result
+    return compare_engines(model, {"op (shipped)": lambda m: Engine(m, max_batch=1, max_seq_len=128, compile=True),
+                                   "reduction": reduction_engine}, rounds)
 
 
 def main() -> int:
