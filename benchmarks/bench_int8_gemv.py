@@ -57,7 +57,8 @@ def isolated_products(rounds: int, g: torch.Generator) -> dict:
            "reduction compiled": torch.compile(reduction_products)}
     with torch.no_grad():
         ref = op_products(ws, xs)
-        diff = {n: max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, f(ws, xs))) for n, f in fns.items()}
+        diff = {n: max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, f(ws, xs)))
+                for n, f in fns.items()}
         ms = {n: [] for n in fns}
         for r in range(rounds):
             for n, f in fns.items():
@@ -69,8 +70,9 @@ def isolated_products(rounds: int, g: torch.Generator) -> dict:
                 ms[n].append(statistics.median(ts) * 1e3)
             print(f"kernels round {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in ms.items()), flush=True)
     nbytes = sum(q.numel() for q, _ in ws)
-    return {n: {"ms_per_token": round(statistics.median(v), 3), "gb_per_s": round(nbytes / statistics.median(v) / 1e6, 1),
-                "max_abs_difference_to_op": diff[n]} for n, v in ms.items()}
+    medians = {n: statistics.median(v) for n, v in ms.items()}
+    return {n: {"ms_per_token": round(m, 3), "gb_per_s": round(nbytes / m / 1e6, 1), "max_abs_difference_to_op": diff[n]}
+            for n, m in medians.items()}
 
 
 def _reduction_mm(self, rows: torch.Tensor) -> torch.Tensor:

@@ -569,11 +569,12 @@ class Healer:
         model.requires_grad_(False)
 
     def _replan_local(self, visit: int, seconds_per_step: float) -> None:
-        """The step count of each visit from ``visit`` on that ends the local stage at its share of the time budget,
-        from the visit just timed (its compile and, sequential, its propagation included). The machine's speed moves
-        within an hour: with the counts fixed from the plan's first steps, a rank-128 hour whose local steps ran 1.3-1.6x
-        slower than planned (2026-11-28) was on course to end its local stage at 47 of 60 minutes, not 31, leaving the
-        end-to-end stage, which gains more per minute, a fifth of the hour. Stored in run.json."""
+        """The step count of each visit from ``visit`` on that ends the local stage at its share of the time
+        budget, from the visit just timed (its compile and, sequential, its propagation included). The machine's
+        speed moves within an hour: with the counts fixed from the plan's first steps, a rank-128 hour whose local
+        steps ran 1.2-1.6x slower than planned (2026-11-28) was on course to end its local stage at 45-47 of 60
+        minutes, not 31, leaving the end-to-end stage, which gains more per minute, a fifth of the hour. Stored
+        in run.json."""
         steps = self.plan["local_steps_by_visit"]
         left = self.plan["local_end_seconds"] - self.clock()
         per = max(1, int(left / (len(steps) - visit) / seconds_per_step))
