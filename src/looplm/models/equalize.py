@@ -111,7 +111,7 @@ def _divide_norm(norm: DepthNorm, s: torch.Tensor) -> None:
         norm.bias.div_(s)
 
 
-def input_groups(model: nn.Module) -> list[dict]:
+def equalization_groups(model: nn.Module) -> list[dict]:
     """Each group of linears that read one input, with the float part its scale is divided into:
     {"names", "linears", "norm" | "rows" (a LoopLinear whose output rows produce the input), "prefix" (the
     attention's per-depth prefix vectors, which enter k and v without the norm), "tie"}."""
@@ -133,13 +133,13 @@ def input_groups(model: nn.Module) -> list[dict]:
 
 
 def equalize(model: nn.Module, moments: dict, fmt: str, group: int = Q.DEFAULT_GROUP) -> tuple[dict, list[dict]]:
-    """Scale every group's input channels (``input_groups``) by the ``search_scales`` choice, in place; the model
+    """Scale every group's input channels (``equalization_groups``) by the ``search_scales`` choice, in place; the model
     computes the same function. ``moments`` are ``gptq.input_moments``'s of the unscaled model. Returns the
     moments of the scaled model's inputs (for GPTQ after it) and one record per group."""
     c = model.config
     moments = {n: dict(v) if isinstance(v, dict) else v for n, v in moments.items()}  # the head's is one tensor
     records = []
-    for g in input_groups(model):
+    for g in equalization_groups(model):
         w = torch.cat([lin.weight.detach() for lin in g["linears"]])
         h = sum(moments[g["names"][0]].values())
         s, rec = search_scales(w, h, fmt, group, g.get("tie"))
