@@ -353,6 +353,51 @@ def test_a_time_budget_is_replanned_after_warm_up_and_at_half_way(setup):
     assert visits[-1]["local_tokens"] == sum(by_visit) * 2 * 32
 
 
+def test_a_run_killed_before_its_first_checkpoint_resumes_on_the_budget_it_had_spent(setup):
+    """The teacher cache and the plan are kept by a kill before the first checkpoint, so the time they took stays
+    spent: the resumed run's clock starts where the plan left it (run.json's plan_clock), not at zero."""
+    tmp, models, corpus = setup
+    out = tmp / "killed-before-checkpoint"
+    args = heal_args(models, corpus, out, "--budget-minutes", 0.1, "--local-share", 0.5)
+    assert run_cli(*args).returncode == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["plan_clock"] > 0
+    # what a kill before the first checkpoint leaves: run.json with the plan, the cache, the first records
+    for p in ("checkpoints", "local-end", "final"):
+        shutil.rmtree(out / p)
+    for p in ("latest", "heal.json"):
+        (out / p).unlink()
+    r = run_cli(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "after its plan" in r.stdout and (out / "final").exists()
+    steps = [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not x.get("eval")]
+    assert steps and all(x["time"] >= run["plan_clock"] for x in steps)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc only")
+def test_freed_host_memory_is_kept_instead_of_faulted_in_again():
+    """keep_freed_host_memory (called by `looplm heal` on CPU): a 64 MiB block freed and allocated again, as a
+    training step's largest ones are, comes back without page faults once the heap holds it, where glibc's defaults
+    unmap it and fault it in again every time. Each setting in its own process."""
+    probe = ("import sys, torch\n"
+             "from looplm.util import keep_freed_host_memory\n"
+             "applied = keep_freed_host_memory() if sys.argv[1] == 'keep' else None\n"
+             "def faults():\n"
+             "    return int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[7])\n"
+             "for _ in range(12):\n"  # the heap grows until a freed block fits the next (1-5 rounds measured)
+             "    torch.ones(16 << 20)\n"  # 64 MiB, freed at once
+             "before = faults()\n"
+             "for _ in range(4):\n"
+             "    torch.ones(16 << 20)\n"
+             "print(applied, faults() - before)\n")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    out = {v: subprocess.run([sys.executable, "-c", probe, v], env=env, capture_output=True, text=True, check=True)
+           .stdout.split() for v in ("default", "keep")}
+    assert out["keep"][0] == "True"
+    assert int(out["default"][1]) > 4 * 15_000  # 16,384 pages of 4 KiB faulted in again each time
+    assert int(out["keep"][1]) < 1_000
+
+
 def test_local_visits_are_replanned_to_end_at_the_local_share(tmp_path):
     """The visits left share the time to the local stage's planned end, at the speed of the visit just timed."""
     logs = []

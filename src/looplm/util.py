@@ -47,6 +47,25 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def keep_freed_host_memory() -> bool:
+    """For training on CPU: glibc gives freed blocks larger than its mmap threshold (and a heap top larger than its
+    trim threshold) back to the kernel, and the next step faults the same memory in again, zeroed page by page. An
+    end-to-end healing step of SmolLM2 B=2 took ~110k page faults and 0.2-0.9 s of system time that way. This makes
+    glibc serve large blocks from its heap and keep what is freed (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD 2 GiB):
+    measured in docs/BENCHMARKS.md ("Freed memory kept by the allocator"). Only where the process's C library is
+    glibc; returns whether it applied (elsewhere, nothing changes)."""
+    import ctypes
+    import platform
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 # One compiled region (`serve --compile`, `heal --compile`) serves every layer of every model in the process, with
 # one graph per weight kind, step shape and depth specialisation: benchmarks that serve fp32, int8, int4 and a
 # looped model in one process need more entries than dynamo's default of 8, beyond which it silently runs the

@@ -77,7 +77,7 @@ from ..models.decoder import attention_masks
 from ..models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter, parse_exit_adapter
 from ..models.gptq import gptq_portable, input_moments, output_error
 from ..models.quantized import dequantize, linears
-from ..util import check_compile_available, write_json_atomic, write_text_atomic
+from ..util import check_compile_available, keep_freed_host_memory, write_json_atomic, write_text_atomic
 from .loop import resolve_precision
 from .losses import head_kd_loss, kd_loss
 from .optim import WeightAverage, adamw
@@ -318,6 +318,8 @@ class Healer:
             shutil.rmtree(stale, ignore_errors=True)
         torch.manual_seed(c.seed)
         dev = self.device
+        if dev.type == "cpu":
+            keep_freed_host_memory()  # ~110k fewer page faults an end-to-end step: 1.12x (docs/BENCHMARKS.md)
         self.student.to(dev)
         self.teacher.to(dev)
         self.state = {"stage": "cache", "visit": 0, "step": 0, "time": 0.0, "tokens": 0, "local_tokens": 0}
@@ -325,6 +327,10 @@ class Healer:
         if latest:
             self._load(out / "checkpoints" / latest)
             self.log(f"resumed {out} at stage {self.state['stage']} ({self.state['time'] / 60:.1f} min done)")
+        elif self.prev is not None and "plan_clock" in self.prev:
+            # killed before the first checkpoint: the cache and the plan it kept were paid from the budget
+            self.state["time"] = self.prev["plan_clock"]
+            self.log(f"resumed {out} after its plan ({self.state['time'] / 60:.1f} min done)")
         self._truncate_metrics(out / "metrics.jsonl")
 
         cache_dir = Path(c.cache) if c.cache else out / "cache"
@@ -341,6 +347,7 @@ class Healer:
             self.state["time"] = self.clock()
         if "plan" not in self.prev:
             self.prev.update(plan=self._plan(), teacher_eval=self.evaluate(self.teacher))
+            self.prev["plan_clock"] = round(self.clock(), 2)  # what a run killed before its first checkpoint resumes at
             write_json_atomic(out / "run.json", self.prev)
         if c.base_weights != "float" and not latest:
             self._round_base()  # a resumed run's checkpoint holds the rounded weights already
