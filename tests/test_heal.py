@@ -5,6 +5,7 @@ run brings the student closer to the original; kill -9 resumes; bad input is ref
 
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -374,7 +375,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_on_the_budget_it_had_s
     assert steps and all(x["time"] >= run["plan_clock"] for x in steps)
 
 
-@pytest.mark.skipif(sys.platform != "linux" or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc only")
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_freed_host_memory_is_kept_instead_of_faulted_in_again():
     """keep_freed_host_memory (called by `looplm heal` on CPU): a 64 MiB block freed and allocated again, as a
     training step's largest ones are, comes back without page faults once the heap holds it, where glibc's defaults
