@@ -50,7 +50,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 def keep_freed_host_memory() -> bool:
     """For training on CPU: glibc gives freed blocks larger than its mmap threshold (and a heap top larger than its
     trim threshold) back to the kernel, and the next step faults the same memory in again, zeroed page by page. An
-    end-to-end healing step of SmolLM2 B=2 took ~110k page faults and 0.2-0.9 s of system time that way. This makes
+    end-to-end healing step of SmolLM2 B=2 took 104-159k page faults and 0.2-1.5 s of system time that way. This makes
     glibc serve large blocks from its heap and keep what is freed (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD 2 GiB):
     measured in docs/BENCHMARKS.md ("Freed memory kept by the allocator"). Only where the process's C library is
     glibc; returns whether it applied (elsewhere, nothing changes)."""
