@@ -86,9 +86,12 @@ from .teacher_cache import build_cache, teacher_states
 LOCAL_MODES = ("parallel", "sequential")
 E2E_ROWS = ("cache", "online")
 # End-to-end steps after which a time budget's step count is fixed again from the steps since the last
-# fix, and once more at half way: steps get faster after the first few (4.7 s -> 3.6 s at B=2 rank 128),
-# so a count fixed from the first three alone left 5 of the hour's 60 minutes unused.
+# fix: steps get faster after the first few (4.7 s -> 3.6 s at B=2 rank 128), so a count fixed from the first
+# three alone left 5 of the hour's 60 minutes unused.
 REPLAN_AT = (3, 30)
+# ... and at these shares of the count: the machine's speed also changes late (2026-11-28: one fix at half way, then
+# steps 3.4 -> 3.9 s, and the hour ran 63.9 minutes). The shares are of the count fixed last.
+REPLAN_SHARES = (0.5, 0.75, 0.9)
 
 
 BASE_WEIGHTS = ("float", "int4", "int8")
@@ -101,8 +104,9 @@ def replan_due(step: int, total: int, done: list[int]) -> bool:
         return False
     if step in REPLAN_AT:
         return True
-    # half way moves when the count is fixed there: once only
-    return step == total // 2 and step > REPLAN_AT[-1] and max(done, default=0) <= REPLAN_AT[-1]
+    # the next share of the count beyond the last fix (a count that shrank past a share skips it)
+    late = [share * total for share in REPLAN_SHARES if share * total > max(done, default=0)]
+    return step > REPLAN_AT[-1] and bool(late) and step >= late[0]
 
 
 @dataclass
