@@ -7,12 +7,15 @@ measurements, one process, interleaved rounds:
 
 * ``kernels``: SmolLM2-135M's 30 layers of int8 products (q|k|v, o, gate|up, down; random weights, one row of
   bfloat16 activations, each product a graph input): the op eager, the op compiled, the reduction compiled;
-* ``engine``: the int8 engine compiled as shipped (``Engine(compile=True)``) against the same engine whose int8
-  weights compute a one-row product as the reduction inside compiled graphs (``bench_int8_template.compare_engines``:
-  greedy tokens compared; milliseconds per token of one 30-token prompt and 64 new tokens, and of the batch-1
-  decode loop's graph alone).
+* ``engine``: the int8 engine compiled as shipped (``op``: ``Engine(compile=True)``) against variants
+  (``bench_int8_template.compare_engines``: greedy tokens compared with the first engine's; milliseconds per token of
+  one 30-token prompt and 64 new tokens, and of the batch-1 decode loop's graph alone). ``reduction``: int8 weights
+  compute a one-row product as the reduction inside compiled graphs; ``-unfused``: the decode loop compiled with
+  inductor fusing no two nodes; ``-head-reduction``: the LM head's one-row product (eager, outside the loop) as the
+  reduction compiled in a graph of its own.
 
     PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --rounds 4 --json OUT.json
+    PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --skip-kernels --engines NAMES
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from bench_llamacpp import _cpu
 from looplm.models import load_model
 from looplm.models import quantized as Q
 from looplm.serve import Engine
+from looplm.serve.compiled import _decode_loop, _decode_loop_options, _own_copy
 
 
 def reduction(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -92,10 +96,41 @@ def reduction_engine(model) -> Engine:
     return Engine(model, max_batch=1, max_seq_len=128, compile=True)
 
 
-def engine_part(model_name: str, rounds: int) -> dict:
+def unfused(engine: Engine) -> Engine:
+    """``engine`` with its batch-1 decode loop compiled without fusing any two nodes (inductor's
+    ``max_fusion_size=1``): every product, norm and elementwise step its own kernel."""
+    options = {**_decode_loop_options(engine.device), "max_fusion_size": 1}
+    engine.compiled.decode_loop_fn = torch.compile(_own_copy(_decode_loop), options=options)
+    return engine
+
+
+def head_as_reduction(engine: Engine) -> Engine:
+    """``engine`` with the LM head's one-row product (called eagerly, outside the decode loop) as the reduction
+    compiled in a graph of its own."""
+    head = engine.model.lm_head.weight_q
+    compiled = torch.compile(reduction, options=_decode_loop_options(engine.device))
+
+    def mm(rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] == 1 and not torch.compiler.is_compiling():
+            return compiled(head.q[:, :head.in_features], head.scale, rows)
+        return Q.Int8Weight._mm(head, rows)
+    head._mm = mm
+    return engine
+
+
+ENGINES = {
+    "op": lambda m: Engine(m, max_batch=1, max_seq_len=128, compile=True),
+    "reduction": reduction_engine,
+    "op-unfused": lambda m: unfused(Engine(m, max_batch=1, max_seq_len=128, compile=True)),
+    "reduction-unfused": lambda m: unfused(reduction_engine(m)),
+    "op-head-reduction": lambda m: head_as_reduction(Engine(m, max_batch=1, max_seq_len=128, compile=True)),
+    "reduction-unfused-head-reduction": lambda m: head_as_reduction(unfused(reduction_engine(m))),
+}
+
+
+def engine_part(model_name: str, rounds: int, names: list[str]) -> dict:
     model = Q.quantize_model(load_model(model_name)[0], "int8")
-    return compare_engines(model, {"op (shipped)": lambda m: Engine(m, max_batch=1, max_seq_len=128, compile=True),
-                                   "reduction": reduction_engine}, rounds)
+    return compare_engines(model, {n: ENGINES[n] for n in names}, rounds)
 
 
 def main() -> int:
@@ -104,12 +139,18 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--engines", default=",".join(ENGINES), help="engines compared, comma separated, the first the "
+                   "reference: " + ", ".join(ENGINES))
+    p.add_argument("--skip-kernels", action="store_true", help="the engine part only")
     args = p.parse_args()
+    unknown = set(args.engines.split(",")) - set(ENGINES)
+    if unknown:
+        p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     torch.set_num_threads(args.threads)
     result = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
               "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "kernels": isolated_products(args.rounds, torch.Generator().manual_seed(0)),
-              "engine": engine_part(args.model, args.rounds)}
+              "kernels": None if args.skip_kernels else isolated_products(args.rounds, torch.Generator().manual_seed(0)),
+              "engine": engine_part(args.model, args.rounds, args.engines.split(","))}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

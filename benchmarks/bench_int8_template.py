@@ -161,7 +161,8 @@ def timed_decode_loop(engine: Engine) -> dict:
 def compare_engines(model, makers: dict, rounds: int) -> dict:
     """Engines built by ``makers`` (name -> function of a model copy) on copies of ``model``, warmed up, then
     interleaved rounds of one 30-token prompt and 64 new tokens: milliseconds per token, of the batch-1 decode
-    loop's graph per call, warm-up time and resident memory added, and how many greedy tokens of the first two agree."""
+    loop's graph per call, warm-up time and resident memory added, and how many greedy tokens of each agree with the
+    first's."""
     engines, loops, extra = {}, {}, {}
     timers = {"step": 0.0, "forward": 0.0, "call": 0.0, "after": 0.0}
     for name, make in makers.items():
@@ -189,8 +190,10 @@ def compare_engines(model, makers: dict, rounds: int) -> dict:
                                                     for n in engines), flush=True)
     result = {name: {"ms_per_token": round(statistics.median(walls[name]), 3), "rounds": [round(x, 2) for x in walls[name]],
                      "decode_loop_ms": round(statistics.median(loop_ms[name]), 3), **extra[name]} for name in engines}
-    a, b = list(outs.values())[:2]
-    result["same_tokens"] = f"{sum(x == y for x, y in zip(a, b))} of {len(a)}"
+    first, *others = outs
+    result["same_tokens"] = (f"{sum(x == y for x, y in zip(outs[first], outs[others[0]]))} of {len(outs[first])}"
+                             if len(others) == 1 else {n: f"{sum(x == y for x, y in zip(outs[first], outs[n]))} of "
+                                                          f"{len(outs[first])} with {first}" for n in others})
     return result
 
 

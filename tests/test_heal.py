@@ -344,14 +344,16 @@ def replans(total: int, refix=lambda step, total: total) -> list[int]:
 
 def test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage(setup):
     """The end-to-end step count is fixed again after steps 3 and 30 and at a half, three quarters and nine tenths
-    of the count (the next share beyond the last fix), from the steps since the previous fix; the run then takes
-    exactly the count last fixed."""
+    of the count (each once, in order, skipping those the count has passed), from the steps since the previous fix;
+    the run then takes exactly the count last fixed."""
     assert replans(100) == [3, 30, 50, 75, 90]
     assert replans(2) == [] and replans(35) == [3, 30, 32]  # the shares at or before step 30 are passed
-    # a count that grows at a fix moves the shares after it; one that shrinks below them ends the fixes
-    assert replans(100, lambda s, t: 200 if s == 50 else t) == [3, 30, 50, 100, 150, 180]
+    # a count that grows at a fix moves the shares after it, one that shrinks skips those it passed; each share
+    # is used once (a count growing by a few steps at nine tenths does not ask for a fix two steps later)
+    assert replans(100, lambda s, t: 200 if s == 50 else t) == [3, 30, 50, 150, 180]
     assert replans(200, lambda s, t: 110 if s == 100 else t) == [3, 30, 100]
     assert replans(200, lambda s, t: 130 if s == 100 else t) == [3, 30, 100, 117]
+    assert replans(500, lambda s, t: t + 3 if s > 30 else t) == [3, 30, 250, 378, 456]
     tmp, models, corpus = setup
     out = tmp / "budget"
     r = run_cli(*heal_args(models, corpus, out, "--budget-minutes", 0.25, "--local-share", 0.1))
@@ -361,8 +363,7 @@ def test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage(setup):
              if x.get("stage") == "e2e" and not x.get("eval")]
     assert plan["e2e_steps"] > 60, "too few steps to check the late fixes"
     fixed = plan["e2e_replanned_at"]
-    assert fixed[:2] == [3, 30] and fixed == sorted(fixed)
-    assert 0.9 * plan["e2e_steps"] <= fixed[-1] < plan["e2e_steps"]  # the last fix guards the last tenth
+    assert fixed[:2] == [3, 30] and fixed == sorted(fixed) and 3 <= len(fixed) <= 5 and fixed[-1] < plan["e2e_steps"]
     assert steps == list(range(1, plan["e2e_steps"] + 1))
     # the local visits were replanned too: every visit ran the count stored for it, and the stage's tokens add up
     visits = [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if x.get("stage") == "local"]
