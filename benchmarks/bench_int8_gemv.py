@@ -88,12 +88,17 @@ def _reduction_mm(self, rows: torch.Tensor) -> torch.Tensor:
     return Q.Int8Weight._mm(self, rows)
 
 
+def shipped_engine(model) -> Engine:
+    """The compiled batch-1 engine as ``looplm serve --compile`` builds it."""
+    return Engine(model, max_batch=1, max_seq_len=128, compile=True)
+
+
 def reduction_engine(model) -> Engine:
     """The shipped compiled engine, its int8 weights computing one-row products as the reduction."""
     for w in model.modules():
         if isinstance(w, Q.Int8Weight):
             w._mm = types.MethodType(_reduction_mm, w)
-    return Engine(model, max_batch=1, max_seq_len=128, compile=True)
+    return shipped_engine(model)
 
 
 def unfused(engine: Engine) -> Engine:
@@ -119,11 +124,11 @@ def head_as_reduction(engine: Engine) -> Engine:
 
 
 ENGINES = {
-    "op": lambda m: Engine(m, max_batch=1, max_seq_len=128, compile=True),
+    "op": shipped_engine,
     "reduction": reduction_engine,
-    "op-unfused": lambda m: unfused(Engine(m, max_batch=1, max_seq_len=128, compile=True)),
+    "op-unfused": lambda m: unfused(shipped_engine(m)),
     "reduction-unfused": lambda m: unfused(reduction_engine(m)),
-    "op-head-reduction": lambda m: head_as_reduction(Engine(m, max_batch=1, max_seq_len=128, compile=True)),
+    "op-head-reduction": lambda m: head_as_reduction(shipped_engine(m)),
     "reduction-unfused-head-reduction": lambda m: head_as_reduction(unfused(reduction_engine(m))),
 }
 
