@@ -1,21 +1,27 @@
-"""int8 at batch 1 as an inductor-fused reduction against PyTorch's int8 op: in isolation, and in the engine.
+"""int8 at batch 1: PyTorch's op against the compiled reduction in one or more streams, in isolation and in the engine.
 
 A batch-1 decode product is a matrix-vector product, bound by how fast the int8 weight streams from memory.
 Written as ``((q.float() * x.float()).sum(-1) * scale)`` inside a compiled graph, inductor emits one vectorised
-C++ loop per product that reads the int8 rows directly (no dequantized copy, no second weight). Two
-measurements, one process, interleaved rounds:
+C++ loop per product that reads the int8 rows directly (no dequantized copy, no second weight). Split into N
+blocks of rows, each its own reduction over the same input (``quantized.int8_gemv``), inductor fuses the blocks
+into one loop that reads N weight streams at once: what the engine ships, with N = 4. Two measurements, one
+process, interleaved rounds:
 
-* ``kernels``: SmolLM2-135M's 30 layers of int8 products (q|k|v, o, gate|up, down; random weights, one row of
-  bfloat16 activations, each product a graph input): the op eager, the op compiled, the reduction compiled;
-* ``engine``: the int8 engine compiled as shipped (``op``: ``Engine(compile=True)``) against variants
-  (``bench_int8_template.compare_engines``: greedy tokens compared with the first engine's; milliseconds per token of
-  one 30-token prompt and 64 new tokens, and of the batch-1 decode loop's graph alone). ``reduction``: int8 weights
-  compute a one-row product as the reduction inside compiled graphs; ``-unfused``: the decode loop compiled with
-  inductor fusing no two nodes; ``-head-reduction``: the LM head's one-row product (eager, outside the loop) as the
-  reduction compiled in a graph of its own.
+* ``kernels``: SmolLM2-135M's 30 layers of int8 products (q|k|v, o, gate|up, down; random weights in four copies,
+  420 MB, cycled; one row of bfloat16 activations per product, each its own tensor as in the engine): the op
+  eager, the reduction compiled in one stream and in ``int8_gemv``'s four, and the one-stream reduction with one
+  input shared by every product of a shape (the earlier form of this comparison: inductor then fuses the products
+  that share an input into one loop, which is what made it fast);
+* ``engine``: compiled int8 engines (``bench_int8_template.compare_engines``: greedy tokens compared with the first
+  engine's; milliseconds per token of one 30-token prompt and 64 new tokens, and of the batch-1 decode loop's graph
+  alone). ``shipped``: ``Engine(compile=True)`` as shipped (one-row products in four streams, the LM head's one row
+  in a graph of its own); ``op``: one-row products through PyTorch's op and the head eager, as shipped before
+  2026-11-28; ``streams-N``: the shipped engine with N streams; ``-unfused``: the decode loop compiled with
+  inductor fusing no two nodes.
 
-    PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --rounds 4 --json OUT.json
-    PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --skip-kernels --engines NAMES
+    PYTHONPATH=src:benchmarks OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --rounds 4 --json OUT.json
+    PYTHONPATH=src:benchmarks OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --skip-kernels \
+        --engines NAMES
 """
 
 from __future__ import annotations
@@ -36,56 +42,72 @@ from looplm.models import quantized as Q
 from looplm.serve import Engine
 from looplm.serve.compiled import _decode_loop, _decode_loop_options, _own_copy
 
+WEIGHT_COPIES = 4  # 4 x 106 MB: more than a core's share of the last-level cache on any machine measured
+
 
 def reduction(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ (q [N, K] * scale [N]).T as a float32 reduction over K."""
+    """x [1, K] @ (q [N, K] * scale [N]).T as one float32 reduction over K: one weight stream."""
     return ((q.float() * x.float()).sum(-1) * scale.float()).to(x.dtype).unsqueeze(0)
 
 
 def op_products(ws, xs):
-    return [torch.ops.aten._weight_int8pack_mm(xs[i % len(xs)], q, s) for i, (q, s) in enumerate(ws)]
+    return [torch.ops.aten._weight_int8pack_mm(x, q, s) for (q, s), x in zip(ws, xs)]
 
 
 def reduction_products(ws, xs):
-    return [reduction(q, s, xs[i % len(xs)]) for i, (q, s) in enumerate(ws)]
+    return [reduction(q, s, x) for (q, s), x in zip(ws, xs)]
+
+
+def streamed_products(ws, xs):
+    return [Q.int8_gemv(q, s, x) for (q, s), x in zip(ws, xs)]
 
 
 def isolated_products(rounds: int, g: torch.Generator) -> dict:
-    ws = []
-    for _ in range(30):
-        for shape in LAYER_SHAPES.values():
-            t = Q.int8_portable(torch.randn(*shape, generator=g) * 0.02)
-            ws.append((t["q"].contiguous(), t["scale"].to(torch.bfloat16)))
-    xs = [torch.randn(1, s[1], generator=g).to(torch.bfloat16) for s in LAYER_SHAPES.values()]
-    fns = {"op eager": op_products, "op compiled": torch.compile(op_products),
-           "reduction compiled": torch.compile(reduction_products)}
+    copies = []
+    for _ in range(WEIGHT_COPIES):
+        ws = []
+        for _ in range(30):
+            for shape in LAYER_SHAPES.values():
+                t = Q.int8_portable(torch.randn(*shape, generator=g) * 0.02)
+                ws.append((t["q"].contiguous(), t["scale"].to(torch.bfloat16)))
+        copies.append(ws)
+    xs = [torch.randn(1, q.shape[1], generator=g).to(torch.bfloat16) for q, _ in copies[0]]
+    shared = {k: torch.randn(1, k, generator=g).to(torch.bfloat16) for k in {q.shape[1] for q, _ in copies[0]}}
+    xs_shared = [shared[q.shape[1]] for q, _ in copies[0]]
+    fns = {"op eager": (op_products, xs), "reduction, one stream": (torch.compile(reduction_products), xs),
+           "int8_gemv, four streams": (torch.compile(streamed_products), xs),
+           "reduction, one input per shape": (torch.compile(reduction_products), xs_shared)}
     with torch.no_grad():
-        ref = op_products(ws, xs)
-        diff = {n: max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, f(ws, xs)))
-                for n, f in fns.items()}
+        diff = {n: max(float((a.float() - b.float()).abs().max()) for a, b in zip(op_products(copies[0], x),
+                                                                                 f(copies[0], x)))
+                for n, (f, x) in fns.items()}
         ms = {n: [] for n in fns}
         for r in range(rounds):
-            for n, f in fns.items():
+            for n, (f, x) in fns.items():
                 ts = []
-                for _ in range(20):
+                for i in range(4 * WEIGHT_COPIES):
                     t = time.perf_counter()
-                    f(ws, xs)
+                    f(copies[i % WEIGHT_COPIES], x)
                     ts.append(time.perf_counter() - t)
                 ms[n].append(statistics.median(ts) * 1e3)
             print(f"kernels round {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in ms.items()), flush=True)
-    nbytes = sum(q.numel() for q, _ in ws)
+    nbytes = sum(q.numel() for q, _ in copies[0])
     medians = {n: statistics.median(v) for n, v in ms.items()}
     return {n: {"ms_per_token": round(m, 3), "gb_per_s": round(nbytes / m / 1e6, 1), "max_abs_difference_to_op": diff[n]}
             for n, m in medians.items()}
 
 
-def _reduction_mm(self, rows: torch.Tensor) -> torch.Tensor:
-    """Int8Weight._mm with a one-row product inside a compiled graph as the reduction (the padding columns are
-    zero and not read); the realisation hint keeps inductor from recomputing the input per output row."""
-    if rows.shape[0] == 1 and torch.compiler.is_compiling():
-        rows = torch.ops.prims.inductor_force_stride_order(rows, rows.stride())
-        return reduction(self.q[:, :self.in_features], self.scale, rows)
-    return Q.Int8Weight._mm(self, rows)
+def _op_mm(self, rows: torch.Tensor) -> torch.Tensor:
+    """``Int8Weight._mm`` as shipped before 2026-11-28: PyTorch's op at every row count."""
+    if self.pad:
+        rows = torch.nn.functional.pad(rows, (0, self.pad))
+    elif not torch.compiler.is_compiling():
+        rows = Q._own_memory(rows)
+    return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q, self.scale)
+
+
+def _int8_weights(model):
+    return [w for w in model.modules() if isinstance(w, Q.Int8Weight)]
 
 
 def shipped_engine(model) -> Engine:
@@ -93,12 +115,25 @@ def shipped_engine(model) -> Engine:
     return Engine(model, max_batch=1, max_seq_len=128, compile=True)
 
 
-def reduction_engine(model) -> Engine:
-    """The shipped compiled engine, its int8 weights computing one-row products as the reduction."""
-    for w in model.modules():
-        if isinstance(w, Q.Int8Weight):
-            w._mm = types.MethodType(_reduction_mm, w)
-    return shipped_engine(model)
+def op_engine(model) -> Engine:
+    """The compiled engine before the streamed reduction: one-row products through the op, the head eager."""
+    for w in _int8_weights(model):
+        w._mm = types.MethodType(_op_mm, w)
+    engine = shipped_engine(model)
+    engine.quantized = False  # keeps the head's one row out of a compiled graph, as it was
+    return engine
+
+
+def streams_engine(streams: int):
+    def make(model) -> Engine:
+        def mm(self, rows):
+            if rows.shape[0] == 1 and torch.compiler.is_compiling():
+                return Q.int8_gemv(self.q[:, :self.in_features], self.scale, rows, streams)
+            return _op_mm(self, rows)
+        for w in _int8_weights(model):
+            w._mm = types.MethodType(mm, w)
+        return shipped_engine(model)
+    return make
 
 
 def unfused(engine: Engine) -> Engine:
@@ -109,27 +144,14 @@ def unfused(engine: Engine) -> Engine:
     return engine
 
 
-def head_as_reduction(engine: Engine) -> Engine:
-    """``engine`` with the LM head's one-row product (called eagerly, outside the decode loop) as the reduction
-    compiled in a graph of its own."""
-    head = engine.model.lm_head.weight_q
-    compiled = torch.compile(reduction, options=_decode_loop_options(engine.device))
-
-    def mm(rows: torch.Tensor) -> torch.Tensor:
-        if rows.shape[0] == 1 and not torch.compiler.is_compiling():
-            return compiled(head.q[:, :head.in_features], head.scale, rows)
-        return Q.Int8Weight._mm(head, rows)
-    head._mm = mm
-    return engine
-
-
 ENGINES = {
-    "op": shipped_engine,
-    "reduction": reduction_engine,
-    "op-unfused": lambda m: unfused(shipped_engine(m)),
-    "reduction-unfused": lambda m: unfused(reduction_engine(m)),
-    "op-head-reduction": lambda m: head_as_reduction(shipped_engine(m)),
-    "reduction-unfused-head-reduction": lambda m: head_as_reduction(unfused(reduction_engine(m))),
+    "shipped": shipped_engine,
+    "op": op_engine,
+    "streams-1": streams_engine(1),
+    "streams-2": streams_engine(2),
+    "streams-8": streams_engine(8),
+    "op-unfused": lambda m: unfused(op_engine(m)),
+    "shipped-unfused": lambda m: unfused(shipped_engine(m)),
 }
 
 

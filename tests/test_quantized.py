@@ -92,6 +92,30 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
 
 
+@pytest.mark.skipif("int8" not in FORMATS, reason="needs the int8 op")
+@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
+                    reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.parametrize("rows_out,columns", [(96, 128), (54, 40), (7, 100)])
+def test_a_compiled_one_row_int8_product_is_the_streamed_reduction_and_equals_the_op(rows_out, columns, monkeypatch):
+    """Inside a compiled graph an int8 weight multiplies one row as ``int8_gemv`` (in 4, 3 or 1 blocks of rows: the
+    most, up to four, that divide the row count; input widths padded in memory): the same products as the op, to
+    bfloat16 rounding, and other row counts still take the op."""
+    torch.manual_seed(columns)
+    w = Q.make_weight(Q.portable(torch.randn(rows_out, columns), "int8"), torch.bfloat16)
+    calls, gemv = [], Q.int8_gemv
+    monkeypatch.setattr(Q, "int8_gemv", lambda *a: calls.append(tuple(a[0].shape)) or gemv(*a))
+    compiled = torch.compile(lambda x: w.linear(x), fullgraph=True, dynamic=False)
+    for rows in (1, 3):
+        x = torch.randn(rows, columns)
+        want = x.bfloat16().float() @ w.dequantize().t()
+        tol = 2e-2 * float(want.abs().max())  # bfloat16 outputs
+        got = compiled(x)
+        assert got.dtype == x.dtype and got.shape == (rows, rows_out)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=tol)
+        torch.testing.assert_close(got, w.linear(x), rtol=2e-2, atol=tol)
+    assert calls == [(rows_out, columns)]  # traced once, for the one-row graph; three rows took the op
+
+
 def _round_to_nearest_int4(w, g=32):
     """Plain round-to-nearest over each group's [min, max] range (what int4 did before its ranges were fitted)."""
     wg = w.reshape(w.shape[0], -1, g)

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from looplm.convert import convert
 from looplm.errors import UsageError
-from looplm.models import LoopLMConfig, LoopLMForCausalLM
+from looplm.models import LoopLMConfig, LoopLMForCausalLM, add_exit_adapters
 from looplm.models import quantized as Q
 from looplm.serve import Engine, Request, make_scheduler, warm_up
 from looplm.serve import compiled as C
@@ -97,18 +97,24 @@ def test_compiled_regions_match_the_eager_layer_outputs():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif("int4" not in Q.supported_formats("cpu"), reason="this torch build lacks the int4 CPU op")
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.skipif(
+    f not in Q.supported_formats("cpu"), reason=f"this torch build lacks the {f} CPU op")) for f in ("int8", "int4")])
 @pytest.mark.parametrize("lora", ["shared", "merged"])
-def test_compiled_engine_on_int4_weights_serves_the_eager_engines_tokens(lora):
+def test_compiled_engine_on_quantized_weights_serves_the_eager_engines_tokens(fmt, lora):
     """Shared weights with the LoRA on top, or one merged weight per depth: the compiled engine (regional
-    graphs, and the whole-loop graph at batch 1) serves the eager engine's tokens."""
-    qm = Q.quantize_model(copy.deepcopy(_relaxed()), "int4", lora=lora)
+    graphs, and the whole-loop graph at batch 1, where int8 products are the streamed reduction) serves the
+    eager engine's tokens. At batch 1 the LM head (int8 under both formats) runs in a graph of its own."""
+    qm = Q.quantize_model(copy.deepcopy(_relaxed()), fmt, lora=lora)
     prompts = _prompts()
     for rows, batch in ((3, prompts), (1, prompts[:1])):
         want = _serve(Engine(qm, max_batch=rows, max_seq_len=64), batch, 5, "sequence")
         engine = Engine(qm, max_batch=rows, max_seq_len=64, compile=True)
         warm_up(engine)
+        heads, inner = [], engine.compiled.exit_logits
+        engine.compiled.exit_logits = lambda *a: heads.append(a[1].shape[0]) or inner(*a)
         assert _serve(engine, batch, 5, "sequence") == want
+        if rows == 1:
+            assert heads == [1] * 5  # every token's head in the compiled graph
 
 
 @pytest.mark.parametrize("rows,make,lengths", [(1, _relaxed, (5,)), (1, _relaxed, (1,)), (3, _relaxed, (5, 11, 1)),
@@ -186,6 +192,34 @@ def test_the_kv_fill_of_exited_tokens_is_one_compiled_call_that_writes_the_eager
             got = getattr(engine.cache, name)[[d * R + rows_of[1][i] for d in range(L)]]
             want = getattr(eager.cache, name)[[d * R + rows_of[0][i] for d in range(L)]]
             torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif("int8" not in Q.supported_formats("cpu"), reason="this torch build lacks the int8 CPU op")
+@pytest.mark.parametrize("kind,rank", [("affine", None), ("head-lora", 4)])
+def test_a_quantized_batch_1_head_runs_compiled_after_every_loop_with_an_exit_adapter(kind, rank):
+    """int8 weights at batch 1: the head of every emitted token, after loop 1 (through the model's exit adapter)
+    and after the last loop, is one compiled call, with the eager engine's tokens and nothing compiled after
+    warm-up (the adapter's per-loop choice is data-dependent on a loop tensor, so the row's loop enters as an int)."""
+    model = _relaxed()
+    add_exit_adapters(model, kind, rank)
+    with torch.no_grad():
+        for p in model.exit_adapter.parameters():
+            p.normal_(std=0.3)
+    qm = Q.quantize_model(model, "int8")
+    policy = ExitPolicy("margin", 0.02)
+    prompts = _prompts()[:2]
+    want = _serve(Engine(qm, max_batch=1, max_seq_len=64, exit_policy=policy), prompts, 6, "depth")
+    engine = Engine(qm, max_batch=1, max_seq_len=64, exit_policy=policy, compile=True)
+    warm_up(engine)
+    before = _frames()
+    heads, inner = [], engine.compiled.exit_logits
+    engine.compiled.exit_logits = lambda *a: heads.append(a[2]) or inner(*a)
+    reqs = [Request(p, 6) for p in prompts]
+    arrive_one_per_step(make_scheduler("depth", engine), reqs)
+    assert [r.output for r in reqs] == want
+    assert {1, 2} <= {l for r in reqs for l in r.exit_loops}  # tokens left after loop 1 and after loop 2
+    assert len(heads) >= 12 and set(heads) == {0, 1}  # margin: a token that stays had its loop-1 head read too
+    assert _frames() == before, "serving after warm_up compiled again"
 
 
 def test_engines_on_other_weights_in_one_process_never_share_a_whole_loop_graph():

@@ -27,7 +27,9 @@ which would break the graph, so it runs eagerly as before.
 
 Weights: no MKL-packed copies (MKL's packed tensor cannot be traced; models/packed.py steps aside under
 compilation), so a compiled float32 engine multiplies with inductor's own kernels; int8/int4 weights use the
-same PyTorch ops as the eager engine (models/quantized.py).
+same PyTorch ops as the eager engine (models/quantized.py), except int8's one-row products, which inductor compiles
+as a reduction in several weight streams (``quantized.int8_gemv``). So a quantized engine's batch-1 head (int8 under
+both formats) also runs compiled: the final norm, the head and its exact rescoring in one graph (``exit_logits``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def _fill_kv(layers, slots, kinds, depths, h, tables, cache, rows, pos):
         cache.write(cache.flat(d, rows), pos, k[0].transpose(0, 1), v[0].transpose(0, 1))
 
 
+def _exit_logits(model, h, loop):
+    return model.exit_logits(h, loop)
+
+
 def _own_copy(fn):
     """``fn`` with a code object of its own: dynamo keeps compiled graphs per code object, so graphs compiled
     through this copy are never offered to another caller's arguments."""
@@ -101,6 +107,7 @@ class CompiledBlock:
         self.after_attention = torch.compile(_after_attention)
         self.decode_loop_fn = torch.compile(_own_copy(_decode_loop), options=_decode_loop_options(device))
         self.fill_kv_fn = torch.compile(_own_copy(_fill_kv), options=_decode_loop_options(device))
+        self.exit_logits_fn = torch.compile(_own_copy(_exit_logits), options=_decode_loop_options(device))
 
     def decode_loop(self, layers, slots, kinds, depths, h, tables, cache, pos, masks):
         """``_decode_loop`` compiled: one graph per loop of the model, dynamic in the cache length read."""
@@ -117,6 +124,11 @@ class CompiledBlock:
             for t in (rows, pos):
                 torch._dynamo.mark_dynamic(t, 0)
         self.fill_kv_fn(layers, slots, kinds, depths, h, tables, cache, rows, pos)
+
+    def exit_logits(self, model, h, loop):
+        """``model.exit_logits`` of one row compiled: the final norm and the LM head in one graph, in which an int8
+        head's product is the streamed reduction (models/quantized.py ``int8_gemv``), 28 MB for SmolLM2."""
+        return self.exit_logits_fn(model, h, loop)
 
     def forward_attend(self, layer, h, slot, cos, sin, attend_fn):
         if h.shape[1] > 1:  # one graph for every multi-token step (a single token keeps its own)

@@ -28,6 +28,7 @@ import torch
 from ..models.config import ConfigError
 from ..models.layers import prefix_columns
 from ..models.packed import pack_for_cpu, unpack
+from ..models.quantized import is_quantized
 from .cache import KVCache
 from .compiled import CompiledBlock
 from .exits import ExitPolicy
@@ -97,6 +98,7 @@ class Engine:
         # compile: each layer's work around attention runs as a torch.compile region (serve/compiled.py);
         # call schedulers.warm_up(engine) before serving, or the first requests pay for compiling
         self.compiled = CompiledBlock(self.device) if compile else None
+        self.quantized = is_quantized(model)  # a compiled engine then runs a one-row head in a graph too
         # float32 on CPU: MKL-packed weight copies stream faster at decode-step sizes (models/packed.py).
         # Compiled regions cannot use them (and would be guarded on each copy, one graph per layer), so a
         # compiled engine drops any the model holds.
@@ -445,11 +447,15 @@ class Engine:
 
     def _exit_logits(self, h_out: torch.Tensor, pairs: list) -> torch.Tensor:
         """Exit logits of the rows of (item, row) pairs. With an exit adapter every row uses its own loop's
-        (rows from different loops share one call, grouped by loop inside); without one, the plain exit."""
+        (rows from different loops share one call, grouped by loop inside); without one, the plain exit. A compiled
+        quantized engine runs a lone row's head as a graph (serve/compiled.py): the int8 head's streamed product."""
         h = h_out.index_select(0, torch.tensor([r for _, r in pairs], device=self.device))
-        if self.model.exit_adapter is None:
-            return self.model.exit_logits(h)
-        return self.model.exit_logits(h, torch.tensor([it.loop for it, _ in pairs], device=self.device))
+        adapter = self.model.exit_adapter is not None
+        if self.compiled is not None and self.quantized and len(pairs) == 1:
+            # one row: its loop an int, so the adapter's choice of loop is made while tracing (a graph per loop)
+            return self.compiled.exit_logits(self.model, h, pairs[0][0].loop if adapter else None)
+        loops = torch.tensor([it.loop for it, _ in pairs], device=self.device) if adapter else None
+        return self.model.exit_logits(h, loops)
 
     def _fill_skipped(self, exited, h_out, cont):
         """KV entries of the loops an early-exited token skipped."""

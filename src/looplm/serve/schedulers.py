@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 from collections import deque
 
 import torch
@@ -182,8 +183,9 @@ def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens
     """Build a compiled engine's graphs (serve/compiled.py) before it serves, so requests pay no compile
     time: a one-token prompt, prompts of two lengths (the dynamic token count) decoded one at a time and
     together, then one prompt per cache row (the whole-loop decode graph of a full batch), at every loop;
-    with exits in kv mode ``copy``, the KV fill of one and of two exited tokens after each loop. Returns the
-    seconds it took; the engine's statistics are reset afterwards. A no-op for an eager engine."""
+    with exits, after each loop, the head of an exited token and (kv mode ``copy``) the KV fill of one and of two
+    exited tokens. Returns the seconds it took; the engine's statistics are reset afterwards. A no-op for an eager
+    engine."""
     if engine.compiled is None:
         return 0.0
     t0, clock = time.perf_counter(), engine.clock  # replay sets its own clock on the engine
@@ -206,6 +208,11 @@ def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens
                                  torch.tensor(rows, device=engine.device))
                 for r in rows:
                     engine.cache.release(r)
+    if engine.policy.active:  # an exited token's head after each earlier loop (its own graph with an exit adapter)
+        h = torch.zeros(1, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
+        with torch.no_grad():
+            for loop in range(engine.B - 1):
+                engine._exit_logits(h, [(types.SimpleNamespace(loop=loop), 0)])
     engine.clock = clock
     engine.reset_stats()
     return time.perf_counter() - t0
