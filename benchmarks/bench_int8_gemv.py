@@ -21,7 +21,7 @@ process, interleaved rounds:
 
     PYTHONPATH=src:benchmarks OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --rounds 4 --json OUT.json
     PYTHONPATH=src:benchmarks OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --skip-kernels \
-        --engines NAMES
+        --engines NAMES [--format int4]
 """
 
 from __future__ import annotations
@@ -97,15 +97,6 @@ def isolated_products(rounds: int, g: torch.Generator) -> dict:
             for n, m in medians.items()}
 
 
-def _op_mm(self, rows: torch.Tensor) -> torch.Tensor:
-    """``Int8Weight._mm`` as shipped before 2026-11-28: PyTorch's op at every row count."""
-    if self.pad:
-        rows = torch.nn.functional.pad(rows, (0, self.pad))
-    elif not torch.compiler.is_compiling():
-        rows = Q._own_memory(rows)
-    return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q, self.scale)
-
-
 def _int8_weights(model):
     return [w for w in model.modules() if isinstance(w, Q.Int8Weight)]
 
@@ -118,7 +109,7 @@ def shipped_engine(model) -> Engine:
 def op_engine(model) -> Engine:
     """The compiled engine before the streamed reduction: one-row products through the op, the head eager."""
     for w in _int8_weights(model):
-        w._mm = types.MethodType(_op_mm, w)
+        w._mm = w._op_mm  # as shipped before 2026-11-28: PyTorch's op at every row count
     engine = shipped_engine(model)
     engine.quantized = False  # keeps the head's one row out of a compiled graph, as it was
     return engine
@@ -129,7 +120,7 @@ def streams_engine(streams: int):
         def mm(self, rows):
             if rows.shape[0] == 1 and torch.compiler.is_compiling():
                 return Q.int8_gemv(self.q[:, :self.in_features], self.scale, rows, streams)
-            return _op_mm(self, rows)
+            return self._op_mm(rows)
         for w in _int8_weights(model):
             w._mm = types.MethodType(mm, w)
         return shipped_engine(model)
@@ -155,8 +146,9 @@ ENGINES = {
 }
 
 
-def engine_part(model_name: str, rounds: int, names: list[str]) -> dict:
-    model = Q.quantize_model(load_model(model_name)[0], "int8")
+def engine_part(model_name: str, rounds: int, names: list[str], fmt: str = "int8") -> dict:
+    """The engines on ``fmt`` weights (int4: only the int8 LM head takes the int8 paths compared)."""
+    model = Q.quantize_model(load_model(model_name)[0], fmt)
     return compare_engines(model, {n: ENGINES[n] for n in names}, rounds)
 
 
@@ -169,6 +161,8 @@ def main() -> int:
     p.add_argument("--engines", default=",".join(ENGINES), help="engines compared, comma separated, the first the "
                    "reference: " + ", ".join(ENGINES))
     p.add_argument("--skip-kernels", action="store_true", help="the engine part only")
+    p.add_argument("--format", default="int8", choices=["int8", "int4"], help="the engines' layer weights (the LM "
+                   "head is int8 under both)")
     args = p.parse_args()
     unknown = set(args.engines.split(",")) - set(ENGINES)
     if unknown:
@@ -177,7 +171,7 @@ def main() -> int:
     result = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
               "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "kernels": None if args.skip_kernels else isolated_products(args.rounds, torch.Generator().manual_seed(0)),
-              "engine": engine_part(args.model, args.rounds, args.engines.split(","))}
+              "format": args.format, "engine": engine_part(args.model, args.rounds, args.engines.split(","), args.format)}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

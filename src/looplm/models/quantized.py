@@ -179,6 +179,10 @@ class Int8Weight(QuantWeight):
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] == 1 and torch.compiler.is_compiling():
             return int8_gemv(self.q[:, :self.in_features], self.scale, rows)
+        return self._op_mm(rows)
+
+    def _op_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """The product through PyTorch's op (any row count)."""
         if self.pad:
             rows = torch.nn.functional.pad(rows, (0, self.pad))
         elif not torch.compiler.is_compiling():  # compiled graphs allocate their own aligned buffers
