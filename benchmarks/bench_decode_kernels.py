@@ -7,7 +7,8 @@ than staying in cache. Kernels: PyTorch's weight-only int4 (`_weight_int4pack_mm
 (`_weight_int8pack_mm`, per channel), each fed bfloat16 (the engine's default), float16 or float32 activations; float32
 `F.linear`; bfloat16 weights and activations through `F.linear`; FBGEMM's dynamically quantized int8 linear (`torch.ao` dynamic quantization: int8 activations per
 tensor, a different numerical contract from weight-only); int8 x int8 with activations quantized per row through
-``torch._int_mm``. Reports milliseconds per step for the layers and
+``torch._int_mm``; int8 or int4 weights dequantized to bfloat16 at every call and multiplied by the bfloat16 GEMM,
+compiled (``dequantized``: a many-row step's alternative to the ops). Reports milliseconds per step for the layers and
 for the head, and the rate of weight bytes read. ``--batch N`` makes a step N tokens (N rows through every
 product: a batched decode step of the serving engine); the default is batch 1.
 
@@ -39,6 +40,13 @@ def weight_only(fmt: str, act: torch.dtype):
         q = Q.make_weight(Q.portable(w, fmt, Q.DEFAULT_GROUP), act)
         return q.linear, q.nbytes
     return make
+
+
+def int8_op(w):
+    """int8 weights through PyTorch's op at every row count (``Int8Weight._op_mm``; the shipped weight multiplies
+    ``DENSE_ROWS`` rows or more as ``int8_dense``)."""
+    q = Q.make_weight(Q.portable(w, "int8"), torch.bfloat16)
+    return (lambda x: q._op_mm(x.to(torch.bfloat16))), q.nbytes
 
 
 def fp32(w):
@@ -73,10 +81,43 @@ def int8_per_row(w):
     return f, w.numel()
 
 
+def _int8_dense(x, q, scale):
+    return (x.to(torch.bfloat16) @ q.to(torch.bfloat16).t()) * scale
+
+
+def _int4_dense(x, packed, scales_zeros, group):
+    """x @ W.T with W dequantized from the int4 op's CPU layout, decoded (torch 2.13, AVX-512): [N/64, K, 32] bytes,
+    byte d of a 64-row block's column k holding row d in its low nibble and row d + 32 in its high one. Built as
+    W.T [K, N] in bfloat16, equal to the op's own dequantized weight (``QuantWeight.dequantize``)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    p = packed.view(n // 64, k, 32).permute(1, 0, 2)
+    codes = torch.stack([p & 15, p >> 4], 2).reshape(k // group, group, n)
+    w = (codes.to(torch.bfloat16) - 8) * scales_zeros[..., 0].unsqueeze(1) + scales_zeros[..., 1].unsqueeze(1)
+    return x.to(torch.bfloat16) @ w.reshape(k, n)
+
+
+_int8_dense_c, _int4_dense_c = torch.compile(_int8_dense), torch.compile(_int4_dense)
+
+
+def dequantized(fmt: str):
+    """``fmt`` weights dequantized to bfloat16 at every call and multiplied by oneDNN's bfloat16 GEMM, the two
+    compiled together (the weights are graph inputs: one graph per shape): what a many-row step could run in place of
+    the op, whose cost grows with the rows. Only the quantized weight is held; the bfloat16 one is a temporary."""
+    def make(w):
+        q = Q.make_weight(Q.portable(w, fmt, Q.DEFAULT_GROUP), torch.bfloat16)
+        if fmt == "int8":
+            qq = q.q[:, :q.in_features]
+            return (lambda x: _int8_dense_c(x, qq, q.scale)), q.nbytes
+        return (lambda x: _int4_dense_c(x, q.packed, q.scales_zeros, q.group)), q.nbytes
+    return make
+
+
 KERNELS = {"int4 (bf16 act)": weight_only("int4", torch.bfloat16), "int4 (fp32 act)": weight_only("int4", torch.float32),
            "int8 (bf16 act)": weight_only("int8", torch.bfloat16), "int8 (fp32 act)": weight_only("int8", torch.float32),
            "int4 (fp16 act)": weight_only("int4", torch.float16), "int8 (fp16 act)": weight_only("int8", torch.float16),
-           "fp32": fp32, "bf16": bf16, "fbgemm dynamic int8": fbgemm_dynamic, "int8 x int8 per row": int8_per_row}
+           "fp32": fp32, "bf16": bf16, "fbgemm dynamic int8": fbgemm_dynamic, "int8 x int8 per row": int8_per_row,
+           "int8 op (bf16 act)": int8_op, "int8 dequantized per call": dequantized("int8"),
+           "int4 dequantized per call": dequantized("int4")}
 
 
 def main() -> int:

@@ -96,24 +96,41 @@ print("ok")
 @pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
                     reason="torch.compile on CPU needs a C++ compiler")
 @pytest.mark.parametrize("rows_out,columns", [(96, 128), (54, 40), (7, 100)])
-def test_a_compiled_one_row_int8_product_is_the_streamed_reduction_and_equals_the_op(rows_out, columns, monkeypatch):
+def test_int8_products_are_streamed_for_one_compiled_row_and_dense_for_many(rows_out, columns, monkeypatch):
     """Inside a compiled graph an int8 weight multiplies one row as ``int8_gemv`` (in 4, 3 or 1 blocks of rows: the
-    most, up to four, that divide the row count; input widths padded in memory): the same products as the op, to
-    bfloat16 rounding, and other row counts still take the op."""
+    most, up to four, that divide the row count; input widths padded in memory); ``DENSE_ROWS`` rows or more, compiled
+    or not, as ``int8_dense`` (a bfloat16 GEMM, where this CPU multiplies bfloat16 natively): the same products as the
+    op, to bfloat16 rounding. The row counts between take the op."""
+    torch._dynamo.reset()  # the lambda's code is every parametrization's: three graphs each
     torch.manual_seed(columns)
     w = Q.make_weight(Q.portable(torch.randn(rows_out, columns), "int8"), torch.bfloat16)
-    calls, gemv = [], Q.int8_gemv
-    monkeypatch.setattr(Q, "int8_gemv", lambda *a: calls.append(tuple(a[0].shape)) or gemv(*a))
+    assert w.dense == Q.has_bf16_matmuls("cpu")
+    deq = w.dequantize()
+    calls, gemv, dense = [], Q.int8_gemv, Q.int8_dense
+    monkeypatch.setattr(Q, "int8_gemv", lambda *a: calls.append(("gemv", tuple(a[0].shape))) or gemv(*a))
+    monkeypatch.setattr(Q, "int8_dense", lambda *a: calls.append(("dense", a[2].shape[0])) or dense(*a))
     compiled = torch.compile(lambda x: w.linear(x), fullgraph=True, dynamic=False)
-    for rows in (1, 3):
-        x = torch.randn(rows, columns)
-        want = x.bfloat16().float() @ w.dequantize().t()
-        tol = 2e-2 * float(want.abs().max())  # bfloat16 outputs
-        got = compiled(x)
-        assert got.dtype == x.dtype and got.shape == (rows, rows_out)
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=tol)
-        torch.testing.assert_close(got, w.linear(x), rtol=2e-2, atol=tol)
-    assert calls == [(rows_out, columns)]  # traced once, for the one-row graph; three rows took the op
+    many = Q.DENSE_ROWS + 4
+    xs = [torch.randn(rows, columns) for rows in (1, 3, many)]
+    got = [compiled(x) for x in xs]
+    assert calls == [("gemv", (rows_out, columns))] + [("dense", many)] * w.dense
+    calls.clear()
+    for x, y in zip(xs, got):
+        want, tol = x.bfloat16().float() @ deq.t(), 2e-2 * float(y.abs().max())  # bfloat16 outputs
+        assert y.dtype == x.dtype and y.shape == (x.shape[0], rows_out)
+        torch.testing.assert_close(y, want, rtol=2e-2, atol=tol)
+        torch.testing.assert_close(y, w.linear(x), rtol=2e-2, atol=tol)
+    assert calls == [("dense", many)] * w.dense  # eager: the op for one and three rows
+
+
+def test_the_lm_heads_int8_weight_is_never_dequantized_whole():
+    """``int8_dense``'s bfloat16 temporary is for weights of a few MB (a layer's); a vocabulary-sized head keeps the op
+    at every row count (its temporary cost as much as the op, docs/BENCHMARKS.md)."""
+    small = Q.make_weight(Q.portable(torch.randn(64, 32), "int8"), torch.bfloat16)
+    head = Q.Int8Weight(torch.zeros(Q.DENSE_MAX_BYTES // 2 // 64 + 1, 64, dtype=torch.int8), torch.ones(
+        Q.DENSE_MAX_BYTES // 2 // 64 + 1), torch.bfloat16)
+    assert small.dense == Q.has_bf16_matmuls("cpu") and not head.dense
+    assert not Q.make_weight(Q.portable(torch.randn(64, 32), "int8"), torch.float32).dense  # float32 activations
 
 
 def _round_to_nearest_int4(w, g=32):

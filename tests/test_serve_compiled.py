@@ -102,19 +102,23 @@ def test_compiled_regions_match_the_eager_layer_outputs():
 @pytest.mark.parametrize("lora", ["shared", "merged"])
 def test_compiled_engine_on_quantized_weights_serves_the_eager_engines_tokens(fmt, lora):
     """Shared weights with the LoRA on top, or one merged weight per depth: the compiled engine (regional
-    graphs, and the whole-loop graph at batch 1, where int8 products are the streamed reduction) serves the
-    eager engine's tokens. At batch 1 the LM head (int8 under both formats) runs in a graph of its own."""
+    graphs, and the whole-loop graph at batch 1, where int8 products are the streamed reduction; a prompt of
+    ``DENSE_ROWS`` tokens or more, where they are dense) serves the eager engine's tokens and compiles nothing after
+    warm-up. At batch 1 the LM head (int8 under both formats) runs in a graph of its own."""
     qm = Q.quantize_model(copy.deepcopy(_relaxed()), fmt, lora=lora)
-    prompts = _prompts()
-    for rows, batch in ((3, prompts), (1, prompts[:1])):
+    g = torch.Generator().manual_seed(2)
+    prompts = _prompts() + [torch.randint(0, 256, (Q.DENSE_ROWS + 3,), generator=g).tolist()]
+    for rows, batch in ((3, prompts), (1, prompts[:1] + prompts[-1:])):
         want = _serve(Engine(qm, max_batch=rows, max_seq_len=64), batch, 5, "sequence")
         engine = Engine(qm, max_batch=rows, max_seq_len=64, compile=True)
         warm_up(engine)
+        before = _frames()
         heads, inner = [], engine.compiled.exit_logits
         engine.compiled.exit_logits = lambda *a: heads.append(a[1].shape[0]) or inner(*a)
         assert _serve(engine, batch, 5, "sequence") == want
+        assert _frames() == before, "serving after warm_up compiled again"
         if rows == 1:
-            assert heads == [1] * 5  # every token's head in the compiled graph
+            assert heads == [1] * 5 * len(batch)  # every token's head in the compiled graph
 
 
 @pytest.mark.parametrize("rows,make,lengths", [(1, _relaxed, (5,)), (1, _relaxed, (1,)), (3, _relaxed, (5, 11, 1)),

@@ -5,7 +5,9 @@ lever. The kernels are PyTorch's own CPU ops, no hand-made one:
 
 * ``int8``: symmetric, one scale per output channel, ``torch.ops.aten._weight_int8pack_mm``. Inside a compiled
   graph a one-row product (the batch-1 token) is ``int8_gemv`` instead: a reduction inductor compiles to one
-  loop over the same int8 rows in several streams, 1.5x the op per token (docs/BENCHMARKS.md).
+  loop over the same int8 rows in several streams, 1.5x the op per token (docs/BENCHMARKS.md); a product of
+  ``DENSE_ROWS`` rows or more (a prompt, a batched step), compiled or not, is ``int8_dense``: the weight dequantized
+  to a bfloat16 temporary and oneDNN's GEMM, 2.1x the op at 64 rows.
 * ``int4``: asymmetric groups of G input columns (a scale and a minimum per group, as llama.cpp's Q4_1,
   chosen per group against the float weight among clipped ranges and least-squares fits: ``int4_portable``),
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout ``_convert_weight_to_int4pack_for_cpu``
@@ -164,6 +166,22 @@ def int8_gemv(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, streams: in
     return (y * scale.float()).to(dtype).unsqueeze(0)
 
 
+# PyTorch's int8 op costs about as much per row as it does for one (it dequantizes as it goes): 30 SmolLM2 layers took
+# 12.8 ms for one row, 39 for 16 and 103 for 64, where bfloat16 weights took 29 ms for 64 rows (oneDNN's GEMM, AMX).
+# So from DENSE_ROWS rows a product dequantizes the int8 weight to a bfloat16 temporary and runs that GEMM, eager or
+# compiled: the 30 layers at 64 rows in 49 ms, even with the op at 16 (docs/BENCHMARKS.md, "int8 steps of many
+# rows"). Only where bfloat16 products are native, and for weights whose temporary stays small (DENSE_MAX_BYTES):
+# the LM head's 56 MB one costs a fixed 22 ms a step.
+DENSE_ROWS = 16
+DENSE_MAX_BYTES = 8 * 2 ** 20
+
+
+def int8_dense(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] * scale [N]).T for bfloat16 rows x, through a bfloat16 GEMM on q itself (integers up to
+    127 are exact in bfloat16), the scale applied to the output; the temporary bfloat16 q lives only during the call."""
+    return (x @ q.to(x.dtype).t()) * scale
+
+
 class Int8Weight(QuantWeight):
     fmt = "int8"
 
@@ -175,10 +193,13 @@ class Int8Weight(QuantWeight):
         q = torch.nn.functional.pad(q, (0, self.pad)) if self.pad else _own_memory(q)
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", _own_memory(scale.to(dtype)), persistent=False)
+        self.dense = (dtype == torch.bfloat16 and q.numel() * 2 <= DENSE_MAX_BYTES and has_bf16_matmuls("cpu"))
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] == 1 and torch.compiler.is_compiling():
             return int8_gemv(self.q[:, :self.in_features], self.scale, rows)
+        if self.dense and rows.shape[0] >= DENSE_ROWS:  # compiled: a guard, such steps get graphs of their own
+            return int8_dense(self.q[:, :self.in_features], self.scale, rows)
         return self._op_mm(rows)
 
     def _op_mm(self, rows: torch.Tensor) -> torch.Tensor:

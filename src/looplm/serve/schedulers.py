@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from ..models.config import ConfigError
+from ..models.quantized import DENSE_ROWS
 from .engine import Engine, Item, Request
 from .sampling import RequestError
 
@@ -182,10 +183,11 @@ def generate(engine: Engine, prompts, max_tokens: int = 16, scheduler: str = "de
 def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens: int = 3) -> float:
     """Build a compiled engine's graphs (serve/compiled.py) before it serves, so requests pay no compile
     time: a one-token prompt, prompts of two lengths (the dynamic token count) decoded one at a time and
-    together, then one prompt per cache row (the whole-loop decode graph of a full batch), at every loop;
-    with exits, after each loop, the head of an exited token and (kv mode ``copy``) the KV fill of one and of two
-    exited tokens. Returns the seconds it took; the engine's statistics are reset afterwards. A no-op for an eager
-    engine."""
+    together, then one prompt per cache row (the whole-loop decode graph of a full batch), and a prompt of
+    ``DENSE_ROWS`` tokens (from there int8 products take another kernel, a graph of their own), at every loop;
+    with exits, after each loop, the head of an exited token and (kv mode ``copy``) the KV fill of one, two and
+    ``DENSE_ROWS`` exited tokens (as many as the batch holds). Returns the seconds it took; the engine's
+    statistics are reset afterwards. A no-op for an eager engine."""
     if engine.compiled is None:
         return 0.0
     t0, clock = time.perf_counter(), engine.clock  # replay sets its own clock on the engine
@@ -193,15 +195,17 @@ def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens
     groups = [[1], [prompt_lengths[0]], list(prompt_lengths)[:R]]  # [1]: a lone first token, regional
     if R > len(prompt_lengths):
         groups.append([prompt_lengths[0]] * R)
+    if engine.max_seq_len > DENSE_ROWS:  # a step of that many tokens: int8 products change kernels there
+        groups.append([DENSE_ROWS])
     for group in groups:
-        reqs = [Request([1] * n, max_tokens, full_depth=True) for n in group]
+        reqs = [Request([1] * n, min(max_tokens, engine.max_seq_len - n), full_depth=True) for n in group]
         replay(make_scheduler("sequence", engine), reqs)
         bad = [r for r in reqs if r.status != "done"]
         if bad:
             raise RuntimeError(f"compiling the engine failed: {bad[0].error}")
-    if engine.policy.active and engine.kv_mode == "copy":  # the KV fill of exited tokens: one and two tokens
+    if engine.policy.active and engine.kv_mode == "copy":  # the KV fill of exited tokens
         for loop in range(engine.B - 1):
-            for n in sorted({1, min(2, R)}):
+            for n in sorted({1, min(2, R), min(DENSE_ROWS, R)}):
                 rows = [engine.cache.allocate() for _ in range(n)]  # free rows: their stale entries are never read
                 h = torch.zeros(1, n, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
                 engine.fill_copy(loop, h, torch.zeros(n, dtype=torch.long, device=engine.device),
