@@ -82,7 +82,7 @@ def int8_per_row(w):
 
 
 def _int8_dense(x, q, scale):
-    return (x.to(torch.bfloat16) @ q.to(torch.bfloat16).t()) * scale
+    return Q.int8_dense(q, scale, x.to(torch.bfloat16))
 
 
 def _int4_dense(x, packed, scales_zeros, group):
