@@ -15,8 +15,8 @@ process, interleaved rounds:
 * ``engine``: compiled int8 engines (``bench_int8_template.compare_engines``: greedy tokens compared with the first
   engine's; milliseconds per token of one 30-token prompt and 64 new tokens, and of the batch-1 decode loop's graph
   alone). ``shipped``: ``Engine(compile=True)`` as shipped (one-row products in four streams, the LM head's one row
-  in a graph of its own); ``op``: one-row products through PyTorch's op and the head eager, as shipped before
-  2026-11-28; ``streams-N``: the shipped engine with N streams; ``-unfused``: the decode loop compiled with
+  in a graph of its own, products of 16 rows or more dense: ``quantized.int8_dense``); ``op``: every product through
+  PyTorch's op and the head eager, as shipped before 2026-11-28; ``streams-N``: the shipped engine with N streams; ``-unfused``: the decode loop compiled with
   inductor fusing no two nodes.
 
     PYTHONPATH=src:benchmarks OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_int8_gemv.py --rounds 4 --json OUT.json
@@ -107,7 +107,8 @@ def shipped_engine(model) -> Engine:
 
 
 def op_engine(model) -> Engine:
-    """The compiled engine before the streamed reduction: one-row products through the op, the head eager."""
+    """The compiled engine before the streamed reduction: one-row products through the op, the head eager (and
+    products of many rows through the op too, as before ``int8_dense``)."""
     for w in _int8_weights(model):
         w._mm = w._op_mm  # as shipped before 2026-11-28: PyTorch's op at every row count
     engine = shipped_engine(model)
@@ -120,7 +121,7 @@ def streams_engine(streams: int):
         def mm(self, rows):
             if rows.shape[0] == 1 and torch.compiler.is_compiling():
                 return Q.int8_gemv(self.q[:, :self.in_features], self.scale, rows, streams)
-            return self._op_mm(rows)
+            return Q.Int8Weight._mm(self, rows)  # other row counts as shipped
         for w in _int8_weights(model):
             w._mm = types.MethodType(mm, w)
         return shipped_engine(model)
