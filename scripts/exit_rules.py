@@ -18,6 +18,12 @@ Every rule's threshold is swept over its scores on the held-out rows (a token le
 whose score reaches the threshold), so the figures are each rule's best case; compare rules, not
 thresholds. Writes a JSON report and a PNG of exit fraction against agreement.
 
+``--text generated`` ranks the tokens the model generates instead (issue 18 asks for those): the first
+``--prompt-tokens`` of each row are a prompt, the model continues it greedily at full depth, and only the
+continuation's tokens are scored (learned rules are fitted on continuations of training prompts too). A
+small model's greedy text repeats itself: the report gives the share of continuation tokens that close a
+4-gram seen earlier in their row, and the first three continuations as text.
+
     PYTHONPATH=src .venv/bin/python scripts/exit_rules.py out/paper-b2/runs/rec-stepwise-exit-more/final \
         --data out/corpus-smollm2-512 --out docs/exits/rules-b2
 """
@@ -40,10 +46,11 @@ from looplm.data.corpus import PackedCorpus
 
 
 @torch.no_grad()
-def collect(model, rows: list[list[int]], log) -> dict[str, torch.Tensor]:
+def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torch.Tensor]:
     """Teacher-forced full-depth passes: per exitable loop i < B - 1, both probe feature sets (probe.py:
     ``hidden``, final-normed h and cosine; ``confidence``, p1..p5, margin, -entropy, logit gap, cosine);
-    the argmax of every loop."""
+    the argmax of every loop. With ``first`` > 0 only positions first..len(row) - 2 count: those that predict
+    a token of the row from position first + 1 on (a continuation's tokens)."""
     B = model.config.num_loops
     dev = next(model.parameters()).device
     hidden, conf, args = [], [], []
@@ -51,20 +58,46 @@ def collect(model, rows: list[list[int]], log) -> dict[str, torch.Tensor]:
         x = torch.tensor([row], device=dev)
         h0 = model.model.embed(x)
         _, states, _ = model.model(x, output_loop_states=True)
-        prev = [h0] + states[:-1]
+        keep = slice(first, len(row) - 1) if first else slice(None)
+        states = [s[0, keep] for s in states]
+        prev = [h0[0, keep]] + states[:-1]
         h_l, c_l, a_l = [], [], []
         for i in range(B):
-            logits = model.exit_logits(states[i][0], loop=i).float()
+            logits = model.exit_logits(states[i], loop=i).float()
             a_l.append(logits.argmax(-1))
             if i == B - 1:
                 break
-            h_l.append(probe_features(model, states[i][0], prev[i][0]))
-            c_l.append(confidence_features(logits, states[i][0], prev[i][0]))
+            h_l.append(probe_features(model, states[i], prev[i]))
+            c_l.append(confidence_features(logits, states[i], prev[i]))
         hidden.append(torch.stack(h_l))
         conf.append(torch.stack(c_l))
         args.append(torch.stack(a_l))
         log(f"  row {n + 1}/{len(rows)}")
     return {"hidden": torch.cat(hidden, 1).cpu(), "conf": torch.cat(conf, 1).cpu(), "args": torch.cat(args, 1).cpu()}
+
+
+@torch.no_grad()
+def continue_greedily(model, rows: list[list[int]], prompt_tokens: int, new_tokens: int) -> list[list[int]]:
+    """Each row's first ``prompt_tokens`` continued by ``new_tokens`` greedy tokens at full depth (all rows'
+    prompts have one length, so they run as one batch with no padding)."""
+    dev = next(model.parameters()).device
+    prompts = torch.tensor([r[:prompt_tokens] for r in rows], device=dev)
+    out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0)
+    return out.tolist()
+
+
+def repeated_share(rows: list[list[int]], first: int, n: int = 4) -> float:
+    """Share of the tokens from ``first`` on that close an n-gram already seen earlier in their row."""
+    hits = total = 0
+    for row in rows:
+        seen = {tuple(row[j:j + n]) for j in range(first - n + 1)}
+        for t in range(first, len(row)):
+            gram = tuple(row[t - n + 1:t + 1])
+            hits += gram in seen
+            total += 1
+            seen.add(gram)
+    return hits / max(total, 1)
 
 
 def fit_mlp(x: torch.Tensor, y: torch.Tensor, width: int = 128, steps: int = 400, seed: int = 0):
@@ -133,6 +166,10 @@ def main() -> int:
     p.add_argument("--fit-rows", type=int, default=32, help="training-split rows to fit the learned rules on")
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows to rank on")
     p.add_argument("--target", type=float, default=0.95, help="agreement with full depth to report the exit fraction at")
+    p.add_argument("--text", default="heldout", choices=("heldout", "generated"), help="rank teacher-forced "
+                   "corpus text (heldout) or the model's own greedy continuations of prompts cut from it (generated)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="--text generated: prompt length")
+    p.add_argument("--new-tokens", type=int, default=128, help="--text generated: tokens generated per prompt")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.png")
     args = p.parse_args()
@@ -140,7 +177,7 @@ def main() -> int:
     torch.manual_seed(0)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     model_dir = Path(args.model)
-    model, _ = load_model(model_dir)
+    model, tok = load_model(model_dir)
     model.eval()
     if model.config.num_loops < 2:
         raise SystemExit(f"{model_dir} has B = 1: no early exit to rank")
@@ -150,10 +187,20 @@ def main() -> int:
         raise SystemExit(f"the corpus has {len(train)} training and {len(held)} held-out rows; lower --fit-rows/--eval-rows")
     pick = lambda split, n: [split[i].astype(np.int64).tolist() for i in np.linspace(0, len(split) - 1, n).round().astype(int)]  # noqa: E731
     t0 = time.time()
+    fit_rows, eval_rows, first, repeated, samples = pick(train, args.fit_rows), pick(held, args.eval_rows), 0, None, []
+    if args.text == "generated":
+        if not 0 < args.prompt_tokens < len(eval_rows[0]) or args.new_tokens < 1:
+            raise SystemExit(f"--prompt-tokens must lie in 1..{len(eval_rows[0]) - 1} and --new-tokens be >= 1")
+        log(f"continuing {args.fit_rows} + {args.eval_rows} prompts of {args.prompt_tokens} tokens by {args.new_tokens}")
+        fit_rows = continue_greedily(model, fit_rows, args.prompt_tokens, args.new_tokens)
+        eval_rows = continue_greedily(model, eval_rows, args.prompt_tokens, args.new_tokens)
+        first, repeated = args.prompt_tokens - 1, repeated_share(eval_rows, args.prompt_tokens)
+        samples = [tok.decode(r[args.prompt_tokens:]) for r in eval_rows[:3]]
+        log(f"{repeated:.1%} of the generated tokens close a 4-gram seen earlier in their row")
     log(f"collecting {args.fit_rows} training rows")
-    fit = collect(model, pick(train, args.fit_rows), log)
+    fit = collect(model, fit_rows, log, first)
     log(f"collecting {args.eval_rows} held-out rows")
-    ev = collect(model, pick(held, args.eval_rows), log)
+    ev = collect(model, eval_rows, log, first)
     scores = rule_scores(model_dir, fit, ev)
     B, N = ev["args"].shape
     oracle_loop = torch.full((N,), B - 1)
@@ -167,6 +214,9 @@ def main() -> int:
         rules[name] = {"at_target": best_at(curve, args.target, B), "curve": curve}
         log(f"{name:<14} {rules[name]['at_target']['early_exit_fraction']:.1%} exit at >= {args.target} agreement")
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": str(model_dir), "data": args.data,
+              "text": args.text, **({"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                                     "repeated_4gram_share": round(repeated, 4), "samples": samples}
+                 if args.text == "generated" else {}),
               "fit_tokens": int(fit["args"].shape[1]), "eval_tokens": N, "target_agreement": args.target,
               "oracle_early_fraction": round(oracle, 4),
               "perfect_ranking_bound": round(min(1.0, oracle + (1 - args.target)), 4) if B == 2 else None,
@@ -203,7 +253,8 @@ def plot(rules: dict, report: dict, path: Path) -> None:
     ax.axvline(report["oracle_early_fraction"], color="black", ls="--", lw=1, label="oracle")
     ax.set_xlabel("fraction of tokens leaving early")
     ax.set_ylabel("agreement with full depth")
-    ax.set_title(f"Exit rules, teacher-forced held-out text ({report['eval_tokens']} tokens)", fontsize=10)
+    text = "generated" if report["text"] == "generated" else "teacher-forced held-out"
+    ax.set_title(f"Exit rules, {text} text ({report['eval_tokens']} tokens)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -626,3 +626,33 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
         finals[stopped] = load_model(out / "final")[0].state_dict()
     for name, value in finals[False].items():
         assert torch.allclose(finals[True][name], value, rtol=1e-5, atol=1e-6), name
+
+
+def test_exit_rules_script_ranks_the_tokens_the_model_generates(setup):
+    """scripts/exit_rules.py --text generated: the model continues held-out prompts greedily and only the
+    continuation is scored, so the full-depth argmax at every scored position is the token generated there;
+    the report counts continuation tokens only and the share of them that repeat a 4-gram."""
+    import importlib.util
+    tmp, models, corpus = setup
+    spec = importlib.util.spec_from_file_location("exit_rules", SRC.parent / "scripts" / "exit_rules.py")
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+    model, _ = load_model(models["student"])
+    model.eval()
+    held = PackedCorpus(corpus).splits["heldout"]
+    rows = [held[i].astype(np.int64).tolist() for i in range(3)]
+    generated = rules.continue_greedily(model, rows, 8, 6)
+    assert [r[:8] for r in generated] == [r[:8] for r in rows] and all(len(r) == 14 for r in generated)
+    got = rules.collect(model, generated, lambda *a: None, first=7)
+    assert got["args"].shape == (2, 3 * 6)
+    assert got["args"][-1].tolist() == [t for r in generated for t in r[8:]]
+    assert rules.repeated_share([[1, 2, 3, 4, 1, 2, 3, 4, 1]], first=4) == pytest.approx(2 / 5)
+    out = tmp / "rules-generated"
+    r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "exit_rules.py"), str(models["student"]),
+                        "--data", str(corpus), "--text", "generated", "--prompt-tokens", "8", "--new-tokens", "6",
+                        "--fit-rows", "4", "--eval-rows", "3", "--threads", "1", "--out", str(out)],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["text"] == "generated" and report["eval_tokens"] == 3 * 6 and report["fit_tokens"] == 4 * 6
+    assert 0 <= report["repeated_4gram_share"] <= 1 and len(report["samples"]) == 3 and out.with_suffix(".png").exists()
