@@ -20,6 +20,8 @@ from pathlib import Path
 def evaluations(run: Path) -> list[dict]:
     """The run's evaluations from its end-to-end stage on, and the starting model's (tag "converted") when the
     run has no local stage, as {tag, tokens, minutes, final, loop1, agree}."""
+    if not (run / "metrics.jsonl").exists() or not (run / "run.json").exists():
+        raise SystemExit(f"{run}: no metrics.jsonl and run.json there; give the directory of a `looplm heal` run")
     local = json.loads((run / "run.json").read_text())["plan"]["local_steps_per_layer"]
     tags = ("e2e", "exit", "final") if local else ("converted", "e2e", "exit", "final")
     out = []
@@ -29,6 +31,8 @@ def evaluations(run: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue  # a line cut by kill -9
         if r.get("eval") and r["tag"] in tags:
+            if len(r["ppl_per_loop"]) < 2:
+                raise SystemExit(f"{run} heals a model with one loop: it has no loop-1 exit to trade")
             out.append({"tag": r["tag"], "tokens": r["tokens"], "minutes": r["time"] / 60, "final": r["ppl"],
                         "loop1": r["ppl_per_loop"][0], "agree": r["agree_per_loop"][0]})
     return out

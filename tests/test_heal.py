@@ -656,3 +656,27 @@ def test_exit_rules_script_ranks_the_tokens_the_model_generates(setup):
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["text"] == "generated" and report["eval_tokens"] == 3 * 6 and report["fit_tokens"] == 4 * 6
     assert 0 <= report["repeated_4gram_share"] <= 1 and len(report["samples"]) == 3 and out.with_suffix(".png").exists()
+
+
+def test_exit_trade_script_tables_a_runs_evaluations(tmp_path):
+    """scripts/exit_trade.py reads the evaluations of a heal run (a line cut by kill -9 skipped; the starting
+    model's only when the run has no local stage) and refuses a directory that is not a run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"plan": {"local_steps_per_layer": 0}}))
+    ev = lambda tag, tokens, ppl, agree: json.dumps({"eval": True, "tag": tag, "tokens": tokens, "time": 60.0,  # noqa: E731
+                                                     "ppl": ppl, "ppl_per_loop": [10 * ppl, ppl],
+                                                     "agree_per_loop": [agree, 1.0], "local_tokens": 0})
+    (run / "metrics.jsonl").write_text("\n".join([ev("converted", 0, 40.0, 0.4), '{"stage": "e2e", "step": 1}',
+                                                 ev("e2e", 2048, 42.0, 0.5), ev("final", 4096, 41.0, 0.55),
+                                                 '{"eval": true, "tag": "e2']))
+    script = [sys.executable, str(SRC.parent / "scripts" / "exit_trade.py")]
+    r = subprocess.run(script + [str(run), "--out", str(tmp_path / "trade")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in (tmp_path / "trade.md").read_text().splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0] for row in rows] == ["| converted", "| e2e", "| final"]
+    assert "| 41.00 | 410.0 | 55.0% |" in rows[-1] and (tmp_path / "trade.png").exists()
+    r = subprocess.run(script + [str(tmp_path), "--out", str(tmp_path / "x")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "give the directory of a `looplm heal` run" in r.stderr
