@@ -664,9 +664,9 @@ def test_exit_trade_script_tables_a_runs_evaluations(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"plan": {"local_steps_per_layer": 0}}))
-    ev = lambda tag, tokens, ppl, agree: json.dumps({"eval": True, "tag": tag, "tokens": tokens, "time": 60.0,  # noqa: E731
-                                                     "ppl": ppl, "ppl_per_loop": [10 * ppl, ppl],
-                                                     "agree_per_loop": [agree, 1.0], "local_tokens": 0})
+    def ev(tag, tokens, ppl, agree):
+        return json.dumps({"eval": True, "tag": tag, "tokens": tokens, "time": 60.0, "ppl": ppl,
+                           "ppl_per_loop": [10 * ppl, ppl], "agree_per_loop": [agree, 1.0], "local_tokens": 0})
     (run / "metrics.jsonl").write_text("\n".join([ev("converted", 0, 40.0, 0.4), '{"stage": "e2e", "step": 1}',
                                                  ev("e2e", 2048, 42.0, 0.5), ev("final", 4096, 41.0, 0.55),
                                                  '{"eval": true, "tag": "e2']))
