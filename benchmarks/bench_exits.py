@@ -84,7 +84,8 @@ def main() -> int:
                       "vs_static_paired": paired(name, "static"), "vs_sequence_paired": paired(name, "sequence"),
                       "exits_per_loop": last["exits_per_loop"], "agreement": last.get("agreement")})
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "looped": args.looped,
-           "kv_mode": args.kv_mode, "requests": args.requests, "max_batch": args.max_batch, "rounds": args.rounds,
+           "kv_mode": args.kv_mode, "requests": args.requests, "prompt_len": args.prompt_len,
+           "output_len": args.output_len, "max_batch": args.max_batch, "rounds": args.rounds,
            "torch_threads": torch.get_num_threads(), "table": table}
     if args.json:
         print(json.dumps(out, indent=1))

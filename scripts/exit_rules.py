@@ -12,7 +12,12 @@ the 5% agreement budget. This script measures each rule's ranking on teacher-for
 - ``probe``: the probe saved with the model (`looplm fit-exit-probe`), if there is one;
 - logistic regressions fitted here on the corpus' training split, one per loop: ``lr:hidden`` and
   ``lr:confidence`` (the two feature sets of `looplm fit-exit-probe --features`), ``lr:all`` (both);
-- ``mlp:all``: a one-hidden-layer network on the same features as ``lr:all``.
+- ``mlp:all``: a one-hidden-layer network on the same features as ``lr:all``;
+- ``margin+copy``: the context's own guess first. Where the loop's argmax is the token that followed the last
+  earlier occurrence of the current 3-gram in the row (serve/exits.py ``ContextGuess``; a small model's greedy
+  text repeats itself), the token ranks above every other, then by margin; ``lr:all+copy`` adds that match to
+  ``lr:all``.
+  The engine's ``+copy`` exit policies (``margin:0.19+copy``) apply the first.
 
 Every rule's threshold is swept over its scores on the held-out rows (a token leaves at the first loop
 whose score reaches the threshold), so the figures are each rule's best case; compare rules, not
@@ -41,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.models import load_model
+from looplm.serve.exits import copy_guesses
 from looplm.serve.probe import PROBE_FILE, ExitProbe, confidence_features, exit_curve, fit_logistic, probe_features
 from looplm.data.corpus import PackedCorpus
 
@@ -49,11 +55,12 @@ from looplm.data.corpus import PackedCorpus
 def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torch.Tensor]:
     """Teacher-forced full-depth passes: per exitable loop i < B - 1, both probe feature sets (probe.py:
     ``hidden``, final-normed h and cosine; ``confidence``, p1..p5, margin, -entropy, logit gap, cosine);
-    the argmax of every loop. With ``first`` > 0 only positions first..len(row) - 2 count: those that predict
+    the argmax of every loop; whether each exitable loop's argmax is the context's copy guess (``copy_guesses``).
+    With ``first`` > 0 only positions first..len(row) - 2 count: those that predict
     a token of the row from position first + 1 on (a continuation's tokens)."""
     B = model.config.num_loops
     dev = next(model.parameters()).device
-    hidden, conf, args = [], [], []
+    hidden, conf, args, copy = [], [], [], []
     for n, row in enumerate(rows):
         x = torch.tensor([row], device=dev)
         h0 = model.model.embed(x)
@@ -72,8 +79,11 @@ def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torc
         hidden.append(torch.stack(h_l))
         conf.append(torch.stack(c_l))
         args.append(torch.stack(a_l))
+        guess = torch.tensor(copy_guesses(row)[keep], device=dev)
+        copy.append(torch.stack([a == guess for a in a_l[:-1]]))
         log(f"  row {n + 1}/{len(rows)}")
-    return {"hidden": torch.cat(hidden, 1).cpu(), "conf": torch.cat(conf, 1).cpu(), "args": torch.cat(args, 1).cpu()}
+    return {"hidden": torch.cat(hidden, 1).cpu(), "conf": torch.cat(conf, 1).cpu(), "args": torch.cat(args, 1).cpu(),
+            "copy": torch.cat(copy, 1).cpu()}
 
 
 @torch.no_grad()
@@ -141,6 +151,13 @@ def rule_scores(model_dir: Path, fit: dict, ev: dict) -> dict[str, torch.Tensor]
         scores[f"lr:{name}"] = torch.stack(out)
     scores["mlp:all"] = torch.stack([fit_mlp(sets["all"](fit, i), fit["args"][i] == fit["args"][-1])(sets["all"](ev, i))
                                      for i in range(loops)])
+    scores["margin+copy"] = scores["margin"] + ev["copy"].float()  # a margin is at most 1: a match ranks first
+    with_copy = lambda d, i: torch.cat([sets["all"](d, i), d["copy"][i, :, None].float()], -1)  # noqa: E731
+    out = []
+    for i in range(loops):
+        w, b = fit_logistic(with_copy(fit, i), fit["args"][i] == fit["args"][-1])
+        out.append(torch.sigmoid(with_copy(ev, i) @ w + b))
+    scores["lr:all+copy"] = torch.stack(out)
     return scores
 
 

@@ -232,6 +232,38 @@ def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
     assert healed.config.exit_adapter == {"kind": "affine"} and healed.exit_adapter.weight.abs().sum() > 0
 
 
+@pytest.mark.parametrize("target", ["teacher", "final"])
+def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
+    """--exit-weight: an end-to-end step adds forward KL of the exit after loop 1 against the original's output
+    (--exit-target teacher) or the student's own full-depth output (final), whose logits get no gradient from
+    it: the logged term is that KL computed from the logits, and the step moves the shared body."""
+    from looplm.train.losses import kd_loss
+    tmp, models, corpus = setup
+    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus),
+                     out=str(tmp / f"exit-term-{target}"), tokens=64 * 4, local_share=0.0, exit_share=0.0,
+                     exit_weight=1.0, exit_target=target, e2e_rows="online", precision="fp32", seq_len=32,
+                     cache_rows=4, e2e_batch=2, eval_rows=4, progress=False, cache=str(tmp / "cache-exit-term"))
+    healer = Healer(cfg, log=lambda *a: None)
+    healer.prepare()
+    model = healer.student
+    ids, boundary = healer._batch(0, "e2e")
+    K = model.config.num_shared_layers
+    with torch.no_grad():
+        _, states, _ = model.model(ids, output_depth_states=True)
+        exit1 = model.exit_logits(states[K - 1], 0)
+        want = model.exit_logits(states[-1]) if target == "final" else \
+            healer.teacher.lm_head(healer.teacher.exit_states(boundary(healer.teacher.config.num_hidden_layers)))
+    before = [p.detach().clone() for p in model.model.layers.parameters()]
+    params = healer._trainable(model)
+    parts = healer._e2e_step(model, 0, torch.optim.SGD(params, lr=1e-2), 1e-2)
+    assert parts["kd_exit1"] == pytest.approx(float(kd_loss(exit1, want)), rel=1e-4)
+    assert parts["loss"] == pytest.approx(parts["kd"] + parts["hidden"] + parts["kd_exit1"], rel=1e-5)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.model.layers.parameters()))
+    with pytest.raises(UsageError, match="--exit-target"):
+        Healer(HealConfig(**{**cfg.__dict__, "exit_target": "bogus", "out": str(tmp / "bogus")}),
+               log=lambda *a: None).prepare()
+
+
 def test_online_rows_read_the_whole_training_split_with_the_originals_states(setup):
     """--e2e-rows online: each end-to-end step reads the next rows of a seeded pass over every training row
     (not the cached few) with the original model's states computed on them, which match what the cache would
@@ -633,6 +665,7 @@ def test_exit_rules_script_ranks_the_tokens_the_model_generates(setup):
     continuation is scored, so the full-depth argmax at every scored position is the token generated there;
     the report counts continuation tokens only and the share of them that repeat a 4-gram."""
     import importlib.util
+    from looplm.serve.exits import copy_guesses
     tmp, models, corpus = setup
     spec = importlib.util.spec_from_file_location("exit_rules", SRC.parent / "scripts" / "exit_rules.py")
     rules = importlib.util.module_from_spec(spec)
@@ -646,6 +679,8 @@ def test_exit_rules_script_ranks_the_tokens_the_model_generates(setup):
     got = rules.collect(model, generated, lambda *a: None, first=7)
     assert got["args"].shape == (2, 3 * 6)
     assert got["args"][-1].tolist() == [t for r in generated for t in r[8:]]
+    guesses = [g for r in generated for g in copy_guesses(r)[7:13]]
+    assert got["copy"][0].tolist() == [a == g for a, g in zip(got["args"][0].tolist(), guesses)]
     assert rules.repeated_share([[1, 2, 3, 4, 1, 2, 3, 4, 1]], first=4) == pytest.approx(2 / 5)
     out = tmp / "rules-generated"
     r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "exit_rules.py"), str(models["student"]),
@@ -656,6 +691,7 @@ def test_exit_rules_script_ranks_the_tokens_the_model_generates(setup):
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["text"] == "generated" and report["eval_tokens"] == 3 * 6 and report["fit_tokens"] == 4 * 6
     assert 0 <= report["repeated_4gram_share"] <= 1 and len(report["samples"]) == 3 and out.with_suffix(".png").exists()
+    assert {"margin+copy", "lr:all+copy"} <= set(report["rules"])
 
 
 def test_exit_trade_script_tables_a_runs_evaluations(tmp_path):

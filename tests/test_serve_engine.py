@@ -7,6 +7,7 @@ import torch
 from looplm.convert import convert
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
 from looplm.serve import Engine, ExitPolicy, Request, RequestError, SamplingParams, make_scheduler, replay
+from looplm.serve.exits import ContextGuess, copy_guesses, parse_policy
 from conftest import arrive_one_per_step, full_depth_greedy
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -193,6 +194,61 @@ def test_exit_policies_threshold_one_is_full_depth(models):
 def test_cosine_policy_exits_some(models):
     engine, reqs = run(models["relaxed"], prompts(), [8] * 6, "depth", exit_policy=ExitPolicy("cosine", -1.0))
     assert engine.stats["exits_per_loop"][0] == sum(len(r.output) - 1 for r in reqs)
+
+
+def test_context_guess_is_what_copying_the_context_predicts():
+    """ContextGuess, a token at a time, against the brute-force definition: after position p, the token that
+    followed the last earlier occurrence of the 3-gram ending at p."""
+    assert copy_guesses([1, 2, 3, 4, 1, 2, 3, 9, 2, 3]) == [-1] * 6 + [4, -1, -1, -1]
+    g = torch.Generator().manual_seed(0)
+    row = torch.randint(0, 4, (300,), generator=g).tolist()  # four words: most 3-grams repeat
+    want = []
+    for p in range(len(row)):
+        earlier = [j for j in range(2, p) if row[j - 2:j + 1] == row[p - 2:p + 1]]
+        want.append(row[earlier[-1] + 1] if p >= 2 and earlier else -1)
+    assert copy_guesses(row) == want and sum(w >= 0 for w in want) > 200
+    ctx = ContextGuess(row[:100])
+    ctx.extend(row[100:])
+    assert ctx.guess == want[-1] and ctx.tokens == row
+
+
+def test_copy_policies_parse_and_refuse_what_they_cannot_do():
+    assert parse_policy("margin:0.19+copy") == ExitPolicy("margin", 0.19, copy=True)
+    assert parse_policy("copy") == ExitPolicy("none", copy=True) and parse_policy("copy").active
+    assert parse_policy("copy").needs_logits and parse_policy("cosine:0.9+copy").needs_logits
+    assert not parse_policy("none").active and parse_policy("margin").copy is False
+    assert [parse_policy(t).label for t in ("margin:0.19+copy", "copy", "softmax:0.9")] == \
+        ["margin:0.19+copy", "copy", "softmax:0.9"]
+    with pytest.raises(ValueError, match="oracle"):
+        parse_policy("oracle+copy")
+    with pytest.raises(ValueError, match="modifier"):
+        parse_policy("margin:0.2+bogus")
+    with pytest.raises(ValueError, match="copy guess"):
+        parse_policy("copy").decide(torch.zeros(2, 5), None, None)
+
+
+@pytest.mark.parametrize("policy", ["copy", "margin:1.01+copy"])
+def test_copy_policy_exits_exactly_where_loop_1_continues_a_repeat(models, policy):
+    """A token leaves after loop 1 exactly where loop 1's argmax is the context's copy guess (teacher-forced
+    check on the full-depth KV that kv later keeps), and then it is that argmax; the others run full depth."""
+    model = models["recursive"]  # falls into repeating a token on the third prompt: guesses that loop 1 matches
+    ps = [[5, 6, 7, 8] * 4, [9, 9, 9, 9], [1, 2, 3, 1, 2, 3, 1, 2]]
+    engine, reqs = run(model, ps, [24] * 3, "depth", exit_policy=parse_policy(policy), kv_mode="later")
+    exits = 0
+    with torch.no_grad():
+        for p, r in zip(ps, reqs):
+            ids = p + r.output
+            _, states, _ = model.model(torch.tensor([ids]), output_loop_states=True)
+            loop1 = model.exit_logits(states[0])[0].argmax(-1).tolist()
+            final = model.exit_logits(states[1])[0].argmax(-1).tolist()
+            guesses = copy_guesses(ids)
+            for i in range(1, len(r.output)):  # the first token comes out of the prompt, at full depth
+                q = len(p) + i - 1  # the position whose prediction is output[i]
+                leaves = loop1[q] == guesses[q]
+                assert r.exit_loops[i] == (1 if leaves else 2)
+                assert r.output[i] == (loop1[q] if leaves else final[q])
+                exits += leaves
+    assert exits == engine.stats["exits_per_loop"][0] > 0
 
 
 def test_bad_input_fails_only_that_request(models):

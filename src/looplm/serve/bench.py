@@ -251,7 +251,7 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
     vanilla, looped = prepare(vanilla, weights), prepare(looped, weights, lora=getattr(args, "lora", None))
     policy = parse_policy(args.exit).bind(looped)  # the probe policy: the looped model's fitted probe
     limits = machine_limits()
-    result = {"model": args.model, "looped": looped_desc, "exit_policy": f"{policy.kind}:{policy.threshold}",
+    result = {"model": args.model, "looped": looped_desc, "exit_policy": policy.label,
               "weights": {"vanilla": stored_format(vanilla), "looped": stored_format(looped)},
               "looped_lora": stored_lora(looped),  # shared, or merged per depth (--lora)
               "kv_mode": args.kv_mode, "max_batch": args.max_batch, "torch_threads": torch.get_num_threads(),

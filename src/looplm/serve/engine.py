@@ -31,7 +31,7 @@ from ..models.packed import pack_for_cpu, unpack
 from ..models.quantized import is_quantized
 from .cache import KVCache
 from .compiled import CompiledBlock
-from .exits import ExitPolicy
+from .exits import ContextGuess, ExitPolicy
 from .sampling import RequestError, SamplingParams, sample
 
 KV_MODES = ("copy", "later")
@@ -61,6 +61,14 @@ class Request:
         self.row: int | None = None
         self.generator: torch.Generator | None = None
         self.finish_time: float | None = None
+        self._context: ContextGuess | None = None  # +copy exit policies: built on first use
+
+    def copy_guess(self) -> int:
+        """What copying this sequence's context predicts next (exits.ContextGuess), or -1."""
+        if self._context is None:
+            self._context = ContextGuess(self.prompt)
+        self._context.extend(self.output[len(self._context.tokens) - len(self.prompt):])
+        return self._context.guess
 
     @property
     def finished(self) -> bool:
@@ -395,7 +403,9 @@ class Engine:
         n_emit = len(emit)
         if inter and policy.needs_logits:
             inter_logits = logits[n_emit:]
-            exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), h_prev, loops, self.model)
+            guesses = torch.tensor([it.req.copy_guess() for it, _ in inter], device=self.device) \
+                if policy.copy else None
+            exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), h_prev, loops, self.model, guesses)
             if policy.kind == "oracle":
                 for (it, _), a in zip(inter, inter_logits.argmax(-1).tolist()):
                     it.argmaxes.append(a)

@@ -11,6 +11,13 @@ a loop.
   state needs no logits unless the token exits, one on the logits' confidence features needs them
 - ``oracle``: analysis only; never exits early, records the first loop whose argmax equals the
   final one (the paper's oracle exit trajectory)
+
+``+copy`` (``margin:0.19+copy``; ``copy`` alone: no other rule) also lets a token leave when the loop's argmax is
+what copying the context predicts (``ContextGuess``): the token that followed the last earlier occurrence of the
+sequence's final 3-gram. A small model's greedy text repeats itself, and where loop 1 already agrees with the
+context the full depth almost always does too: on SmolLM2's healed B=2 rank-128 model it takes the share of
+generated tokens leaving after loop 1 at >= 95% agreement from 34% (margin) to 48% (docs/FINDINGS.md). It costs
+no model work, only a dictionary per sequence.
 """
 
 from __future__ import annotations
@@ -25,24 +32,63 @@ DEFAULTS = {"softmax": 0.9, "margin": 0.8, "entropy": 0.5, "cosine": 0.99, "orac
             "probe": None}  # probe: the threshold saved with the fitted probe
 
 
+class ContextGuess:
+    """What copying the context predicts next: the token that followed the last earlier occurrence of the
+    sequence's final ``n``-gram, or -1. Kept up to date a token at a time (a dictionary of n-grams)."""
+
+    def __init__(self, tokens=(), n: int = 3):
+        self.n, self.tokens, self.guess = n, [], -1
+        self._last: dict[tuple, int] = {}  # n-gram -> position of its last token, up to the previous one
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            p = len(self.tokens) - 1
+            if p < self.n - 1:
+                continue
+            gram = tuple(self.tokens[p - self.n + 1:])
+            j = self._last.get(gram)
+            self.guess = -1 if j is None else self.tokens[j + 1]
+            self._last[gram] = p
+
+
+def copy_guesses(tokens, n: int = 3) -> list[int]:
+    """``ContextGuess.guess`` after each of ``tokens``: at position p, what copying predicts for p + 1."""
+    ctx, out = ContextGuess(n=n), []
+    for t in tokens:
+        ctx.extend([t])
+        out.append(ctx.guess)
+    return out
+
+
 @dataclass
 class ExitPolicy:
     kind: str = "none"
     threshold: float | None = None
     probe: object | None = field(default=None, repr=False)  # probe.ExitProbe, bound by the engine
+    copy: bool = False  # also exit where the loop's argmax is the context's copy guess (ContextGuess)
 
     def __post_init__(self):
         if self.kind not in POLICIES:
             raise ValueError(f"unknown exit policy {self.kind!r}; use one of {', '.join(POLICIES)}")
+        if self.copy and self.kind == "oracle":
+            raise ValueError("the oracle policy never exits; +copy needs another policy (or copy alone)")
         if self.threshold is None:
             self.threshold = DEFAULTS[self.kind]
 
     @property
+    def label(self) -> str:  # parse_policy's text for this policy
+        return "copy" if self.kind == "none" and self.copy else f"{self.kind}:{self.threshold}" + "+copy" * self.copy
+
+    @property
     def active(self) -> bool:
-        return self.kind not in ("none",)
+        return self.kind != "none" or self.copy
 
     @property
     def needs_logits(self) -> bool:  # to decide; cosine and a hidden-state probe decide from hidden states
+        if self.copy:
+            return True  # the loop's argmax, to compare with the copy guess
         if self.kind == "probe":
             return self.probe is not None and self.probe.needs_logits
         return self.kind in ("softmax", "margin", "entropy", "oracle")
@@ -57,18 +103,28 @@ class ExitPolicy:
             return self
         from .probe import load_probe
         probe = load_probe(model)
-        return ExitPolicy("probe", probe.threshold if self.threshold is None else self.threshold, probe)
+        return ExitPolicy("probe", probe.threshold if self.threshold is None else self.threshold, probe, self.copy)
 
     def decide(self, logits: torch.Tensor | None, h: torch.Tensor, h_prev: torch.Tensor,
-               loops: torch.Tensor | None = None, model=None) -> torch.Tensor:
+               loops: torch.Tensor | None = None, model=None, guesses: torch.Tensor | None = None) -> torch.Tensor:
         """Bool [n]: which tokens leave now. logits [n, V] (None unless ``needs_logits``), h and h_prev
-        [n, hidden]; the probe also needs each token's 0-based loop index and the model (its final norm)."""
+        [n, hidden]; the probe also needs each token's 0-based loop index and the model (its final norm);
+        ``+copy`` each sequence's copy guess [n] (-1: none)."""
+        leave = self._decide(logits, h, h_prev, loops, model)
+        if self.copy:
+            if guesses is None:
+                raise ValueError("a +copy policy decides with each sequence's copy guess (ContextGuess)")
+            leave = leave | (logits.argmax(-1) == guesses.to(logits.device))
+        return leave
+
+    def _decide(self, logits, h, h_prev, loops, model) -> torch.Tensor:
         if self.kind == "cosine":
             return F.cosine_similarity(h.float(), h_prev.float(), dim=-1) >= self.threshold
         if self.kind == "probe":
             return self.probe.prob(self.probe.featurize(model, h, h_prev, logits), loops) >= self.threshold
         if self.kind == "oracle" or self.kind == "none":
-            return torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+            return torch.zeros(logits.shape[0] if h is None else h.shape[0], dtype=torch.bool,
+                               device=(logits if h is None else h).device)
         probs = logits.float().softmax(-1)
         if self.kind == "softmax":
             return probs.max(-1).values >= self.threshold
@@ -80,6 +136,11 @@ class ExitPolicy:
 
 
 def parse_policy(text: str) -> ExitPolicy:
-    """'softmax' or 'softmax:0.95'."""
-    kind, _, thr = text.partition(":")
-    return ExitPolicy(kind, float(thr) if thr else None)
+    """'softmax', 'softmax:0.95', 'margin:0.19+copy' or 'copy' (only the copy rule)."""
+    rule, plus, extra = text.partition("+")
+    if plus and extra != "copy":
+        raise ValueError(f"unknown exit policy modifier {extra!r} in {text!r}; the one modifier is +copy")
+    if rule == "copy" and not plus:
+        return ExitPolicy("none", copy=True)
+    kind, _, thr = rule.partition(":")
+    return ExitPolicy(kind, float(thr) if thr else None, copy=bool(plus))

@@ -395,8 +395,8 @@ def main(args) -> int:
                          kv_mode=args.kv_mode, scheduler=args.scheduler, shutdown_timeout=args.shutdown_timeout,
                          compile=getattr(args, "compile", False))
     server = LoopServer(model, tok, opts)
-    print(f"looplm serve: {opts.model_name} (B={model.config.num_loops} loops, exit {server.engine.policy.kind}:"
-          f"{server.engine.policy.threshold}, {opts.scheduler} scheduler, {opts.max_concurrency} slots, queue "
+    print(f"looplm serve: {opts.model_name} (B={model.config.num_loops} loops, exit {server.engine.policy.label}, "
+          f"{opts.scheduler} scheduler, {opts.max_concurrency} slots, queue "
           f"{opts.max_queue}, context {max_seq_len}) on http://{args.host}:{args.port}", flush=True)
     UvicornServer(server, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0

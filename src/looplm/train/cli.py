@@ -88,6 +88,9 @@ def register(sub) -> None:
                    "original's state)")
     h.add_argument("--exit-weight", type=float, default=0.0, help="weight of each intermediate loop exit's KD term on "
                                                               "the body (0: exits get their own adapter stage)")
+    h.add_argument("--exit-target", default="teacher", help="what the --exit-weight term matches: teacher (the "
+                   "original's output) | final (the student's own full-depth output, detached: the agreement "
+                   "early exits are judged by)")
     h.add_argument("--exit-adapter", default="affine", help="exit stage: an adapter per intermediate loop exit "
                    "trained on the frozen body, affine (tuned lens) | head-lora:R | none")
     h.add_argument("--exit-share", type=float, default=0.1, help="share of what the local stage leaves for the exit stage")

@@ -17,8 +17,9 @@ Two stages, both reading the original model's hidden states from a teacher cache
    ``hidden_weight`` x the mean per-depth relative hidden-state error (``hidden_loss``: squared, or its log1p
    per token, which bounds a far-off token's pull; every depth but those that end an
    intermediate loop, which are exits and may differ from the original's mid-network state), plus ``exit_weight`` x
-   forward KL of every intermediate loop exit against the original model, so that the exit after
-   loop 1 is trained for itself (early exiting reads it).
+   forward KL of every intermediate loop exit against the original model (``exit_target`` teacher) or against
+   the student's own final output, detached (``final``: the agreement early exiting is judged by), so that the
+   exit after loop 1 is trained for itself (early exiting reads it).
 
 3. **Exit adapters** (models/exit_adapter.py), for models with more than one loop: the body, head and
    final norm frozen, an adapter per intermediate loop exit (by default ``affine``, a tuned lens) is
@@ -85,6 +86,7 @@ from .teacher_cache import build_cache, teacher_states
 
 LOCAL_MODES = ("parallel", "sequential")
 E2E_ROWS = ("cache", "online")
+EXIT_TARGETS = ("teacher", "final")
 # End-to-end steps after which a time budget's step count is fixed again from the steps since the last
 # fix: steps get faster after the first few (4.7 s -> 3.6 s at B=2 rank 128), so a count fixed from the first
 # three alone left 5 of the hour's 60 minutes unused.
@@ -134,6 +136,7 @@ class HealConfig:
     e2e_average: float = 0.0         # decay of a moving average of the weights the end-to-end stage trains, which
                                      # the stage ends on (0: off; 0.99 averages about the last hundred steps)
     exit_weight: float = 0.0         # intermediate-exit KD on the body (0: the body copies the original)
+    exit_target: str = "teacher"     # what that KD matches: teacher (the original's output) | final (the student's)
     exit_adapter: str = "affine"     # exit stage: affine | head-lora:R | none
     exit_share: float = 0.1          # share of what the local stage leaves, for the exit stage
     exit_lr: float = 1e-3
@@ -150,7 +153,7 @@ class HealConfig:
 
     FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
              "local_batch", "local_lr", "e2e_batch", "e2e_lr", "e2e_rows", "e2e_average", "hidden_weight", "hidden_loss", "exit_weight",
-             "grad_clip", "seed", "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
+             "exit_target", "grad_clip", "seed", "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
     # settings whose default changed: a run that did not record one ran with this value
     FORMER_DEFAULTS = {"hidden_loss": "relative"}
 
@@ -236,6 +239,8 @@ class Healer:
             raise UsageError(f"unknown --e2e-rows {c.e2e_rows!r}; use one of {', '.join(E2E_ROWS)}")
         if c.hidden_loss not in HIDDEN_LOSSES:
             raise UsageError(f"unknown --hidden-loss {c.hidden_loss!r}; use one of {', '.join(HIDDEN_LOSSES)}")
+        if c.exit_target not in EXIT_TARGETS:
+            raise UsageError(f"unknown --exit-target {c.exit_target!r}; use one of {', '.join(EXIT_TARGETS)}")
         if c.local_mode not in LOCAL_MODES:
             raise UsageError(f"unknown --local-mode {c.local_mode!r}; use one of {', '.join(LOCAL_MODES)}")
         for name in ("local_share", "exit_share"):
@@ -678,8 +683,11 @@ class Healer:
             parts["hidden"] = hid
             loss = loss + c.hidden_weight * hid
         if c.exit_weight and cfg.num_loops > 1:
+            # "final": each exit learns the student's own full-depth output, the one its tokens must agree with
+            target_z, target = (teacher_z, self.teacher) if c.exit_target == "teacher" else \
+                (model.exit_states(depth_states[-1]).detach(), model)
             for i in range(1, cfg.num_loops):
-                parts[f"kd_exit{i}"] = self._kd(model, depth_states[i * K - 1], i - 1, teacher_z, self.teacher)
+                parts[f"kd_exit{i}"] = self._kd(model, depth_states[i * K - 1], i - 1, target_z, target)
                 loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
         for grp in opt.param_groups:
             grp["lr"] = lr
