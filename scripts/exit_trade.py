@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from looplm.train.plot import read_metrics
+
 
 def evaluations(run: Path) -> list[dict]:
     """The run's evaluations from its end-to-end stage on, and the starting model's (tag "converted") when the
@@ -25,12 +27,8 @@ def evaluations(run: Path) -> list[dict]:
     local = json.loads((run / "run.json").read_text())["plan"]["local_steps_per_layer"]
     tags = ("e2e", "exit", "final") if local else ("converted", "e2e", "exit", "final")
     out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by kill -9
-        if r.get("eval") and r["tag"] in tags:
+    for r in read_metrics(run)[1]:  # its evaluations, a line cut by kill -9 skipped
+        if r["tag"] in tags:
             if len(r["ppl_per_loop"]) < 2:
                 raise SystemExit(f"{run} heals a model with one loop: it has no loop-1 exit to trade")
             out.append({"tag": r["tag"], "tokens": r["tokens"], "minutes": r["time"] / 60, "final": r["ppl"],

@@ -110,12 +110,10 @@ class ExitPolicy:
         """Bool [n]: which tokens leave now. logits [n, V] (None unless ``needs_logits``), h and h_prev
         [n, hidden]; the probe also needs each token's 0-based loop index and the model (its final norm);
         ``+copy`` each sequence's copy guess [n] (-1: none)."""
+        if self.copy and guesses is None:
+            raise ValueError("a +copy policy decides with each sequence's copy guess (ContextGuess)")
         leave = self._decide(logits, h, h_prev, loops, model)
-        if self.copy:
-            if guesses is None:
-                raise ValueError("a +copy policy decides with each sequence's copy guess (ContextGuess)")
-            leave = leave | (logits.argmax(-1) == guesses.to(logits.device))
-        return leave
+        return leave | (logits.argmax(-1) == guesses.to(logits.device)) if self.copy else leave
 
     def _decide(self, logits, h, h_prev, loops, model) -> torch.Tensor:
         if self.kind == "cosine":
@@ -123,8 +121,7 @@ class ExitPolicy:
         if self.kind == "probe":
             return self.probe.prob(self.probe.featurize(model, h, h_prev, logits), loops) >= self.threshold
         if self.kind == "oracle" or self.kind == "none":
-            return torch.zeros(logits.shape[0] if h is None else h.shape[0], dtype=torch.bool,
-                               device=(logits if h is None else h).device)
+            return torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         probs = logits.float().softmax(-1)
         if self.kind == "softmax":
             return probs.max(-1).values >= self.threshold
