@@ -18,6 +18,10 @@ the 5% agreement budget. This script measures each rule's ranking on teacher-for
   text repeats itself), the token ranks above every other, then by margin; ``lr:all+copy`` adds that match to
   ``lr:all``.
   The engine's ``+copy`` exit policies (``margin:0.19+copy``) apply the first.
+- ``margin+copy:BONUS``: the same with BONUS nats added to the guess's logit first (the engine's
+  ``margin:T+copy:BONUS``): a token leaves with the guess unless loop 1 ranks it more than BONUS below its top
+  choice, so it may leave with a token that is not loop 1's own argmax, and the oracle no longer bounds it.
+  The report also gives the share of tokens that have a guess and how often the guess alone is right.
 
 Every rule's threshold is swept over its scores on the held-out rows (a token leaves at the first loop
 whose score reaches the threshold), so the figures are each rule's best case; compare rules, not
@@ -46,9 +50,12 @@ import torch
 import torch.nn.functional as F
 
 from looplm.models import load_model
-from looplm.serve.exits import copy_guesses
+from looplm.serve.exits import copy_guesses, with_copy_bonus
 from looplm.serve.probe import PROBE_FILE, ExitProbe, confidence_features, exit_curve, fit_logistic, probe_features
 from looplm.data.corpus import PackedCorpus
+
+
+COPY_BONUSES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)  # nats added to the guess's logit: +copy:BONUS
 
 
 @torch.no_grad()
@@ -60,7 +67,7 @@ def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torc
     a token of the row from position first + 1 on (a continuation's tokens)."""
     B = model.config.num_loops
     dev = next(model.parameters()).device
-    hidden, conf, args, copy = [], [], [], []
+    hidden, conf, args, copy, guesses, boost = [], [], [], [], [], {b: ([], []) for b in COPY_BONUSES}
     for n, row in enumerate(rows):
         x = torch.tensor([row], device=dev)
         h0 = model.model.embed(x)
@@ -68,7 +75,8 @@ def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torc
         keep = slice(first, len(row) - 1) if first else slice(None)
         states = [s[0, keep] for s in states]
         prev = [h0[0, keep]] + states[:-1]
-        h_l, c_l, a_l = [], [], []
+        guess = torch.tensor(copy_guesses(row)[keep], device=dev)
+        h_l, c_l, a_l, b_l = [], [], [], {b: ([], []) for b in COPY_BONUSES}
         for i in range(B):
             logits = model.exit_logits(states[i], loop=i).float()
             a_l.append(logits.argmax(-1))
@@ -76,14 +84,22 @@ def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torc
                 break
             h_l.append(probe_features(model, states[i], prev[i]))
             c_l.append(confidence_features(logits, states[i], prev[i]))
+            for b in COPY_BONUSES:
+                top2 = with_copy_bonus(logits, guess, b).softmax(-1).topk(2, dim=-1)
+                b_l[b][0].append(top2.indices[:, 0])
+                b_l[b][1].append(top2.values[:, 0] - top2.values[:, 1])
         hidden.append(torch.stack(h_l))
         conf.append(torch.stack(c_l))
         args.append(torch.stack(a_l))
-        guess = torch.tensor(copy_guesses(row)[keep], device=dev)
         copy.append(torch.stack([a == guess for a in a_l[:-1]]))
+        guesses.append(guess)
+        for b in COPY_BONUSES:
+            boost[b][0].append(torch.stack(b_l[b][0]))
+            boost[b][1].append(torch.stack(b_l[b][1]))
         log(f"  row {n + 1}/{len(rows)}")
     return {"hidden": torch.cat(hidden, 1).cpu(), "conf": torch.cat(conf, 1).cpu(), "args": torch.cat(args, 1).cpu(),
-            "copy": torch.cat(copy, 1).cpu()}
+            "copy": torch.cat(copy, 1).cpu(), "guess": torch.cat(guesses).cpu(),
+            "boost": {b: (torch.cat(a, 1).cpu(), torch.cat(m, 1).cpu()) for b, (a, m) in boost.items()}}
 
 
 @torch.no_grad()
@@ -158,6 +174,8 @@ def rule_scores(model_dir: Path, fit: dict, ev: dict) -> dict[str, torch.Tensor]
         w, b = fit_logistic(with_copy(fit, i), fit["args"][i] == fit["args"][-1])
         out.append(torch.sigmoid(with_copy(ev, i) @ w + b))
     scores["lr:all+copy"] = torch.stack(out)
+    for b, (a, m) in ev["boost"].items():
+        scores[f"margin+copy:{b:g}"] = (m + (a == ev["guess"]).float(), a)
     return scores
 
 
@@ -226,8 +244,14 @@ def main() -> int:
     oracle = float((oracle_loop < B - 1).float().mean())
     rules = {}
     for name, s in scores.items():
+        args_r = ev["args"]
+        if isinstance(s, tuple):  # a rule that may emit another token than the loop's argmax
+            s, emitted = s
+            args_r = torch.cat([emitted, ev["args"][-1:]])
         thresholds = torch.quantile(s.flatten().double(), torch.linspace(0, 1, 401, dtype=torch.float64)).tolist()
-        curve = exit_curve(s, ev["args"], thresholds + [float("inf")])
+        if name.startswith("margin+copy"):  # above 1 a match would need a margin too, which the engine never asks
+            thresholds = [t for t in thresholds if t <= 1.0]
+        curve = exit_curve(s, args_r, thresholds + [float("inf")])
         rules[name] = {"at_target": best_at(curve, args.target, B), "curve": curve}
         log(f"{name:<14} {rules[name]['at_target']['early_exit_fraction']:.1%} exit at >= {args.target} agreement")
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": str(model_dir), "data": args.data,
@@ -236,6 +260,9 @@ def main() -> int:
                  if args.text == "generated" else {}),
               "fit_tokens": int(fit["args"].shape[1]), "eval_tokens": N, "target_agreement": args.target,
               "oracle_early_fraction": round(oracle, 4),
+              "copy_guess_share": round(float((ev["guess"] >= 0).float().mean()), 4),
+              "copy_guess_right": round(float((ev["guess"] == ev["args"][-1]).float().sum() / (ev["guess"] >= 0).sum()
+                                              .clamp_min(1)), 4),
               "perfect_ranking_bound": round(min(1.0, oracle + (1 - args.target)), 4) if B == 2 else None,
               "seconds": round(time.time() - t0, 1),
               "rules": {k: v["at_target"] for k, v in rules.items()},
@@ -251,6 +278,8 @@ def main() -> int:
         print(f"| {name} | {r['early_exit_fraction']:.1%} | {' / '.join(f'{f:.1%}' for f in r['per_loop'])} | "
               f"{r['loops_per_token']} | {r['agreement'] if r['agreement'] is not None else '-'} |")
     print(f"| oracle (exits only right tokens) | {oracle:.1%} | | | 1.0 |")
+    print(f"| the context's guess alone, wherever there is one | {report['copy_guess_share']:.1%} | | | "
+          f"{report['copy_guess_right']} |")
     if report["perfect_ranking_bound"] is not None:
         print(f"| perfect ranking (oracle + the {1 - args.target:.0%} budget) | {report['perfect_ranking_bound']:.1%} "
               f"| | | {args.target} |")
@@ -264,15 +293,18 @@ def plot(rules: dict, report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for name, r in rules.items():
+        if name.startswith("margin+copy:") and name.split(":")[1] not in ("2", "4", "8"):
+            continue  # three bonuses show the trend
         c = [p for p in r["curve"] if p["agreement"] >= 0.85]
-        ax.plot([p["early_exit_fraction"] for p in c], [p["agreement"] for p in c], label=name, lw=1.2)
+        ax.plot([p["early_exit_fraction"] for p in c], [p["agreement"] for p in c], label=name, lw=1.2,
+                ls="--" if name.startswith("margin+copy:") else "-")
     ax.axhline(report["target_agreement"], color="grey", ls=":", lw=1)
     ax.axvline(report["oracle_early_fraction"], color="black", ls="--", lw=1, label="oracle")
     ax.set_xlabel("fraction of tokens leaving early")
     ax.set_ylabel("agreement with full depth")
     text = "generated" if report["text"] == "generated" else "teacher-forced held-out"
     ax.set_title(f"Exit rules, {text} text ({report['eval_tokens']} tokens)", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -7,7 +7,7 @@ import torch
 from looplm.convert import convert
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
 from looplm.serve import Engine, ExitPolicy, Request, RequestError, SamplingParams, make_scheduler, replay
-from looplm.serve.exits import ContextGuess, copy_guesses, parse_policy
+from looplm.serve.exits import ContextGuess, copy_guesses, parse_policy, with_copy_bonus
 from conftest import arrive_one_per_step, full_depth_greedy
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -217,8 +217,21 @@ def test_copy_policies_parse_and_refuse_what_they_cannot_do():
     assert parse_policy("copy") == ExitPolicy("none", copy=True) and parse_policy("copy").active
     assert parse_policy("copy").needs_logits and parse_policy("cosine:0.9+copy").needs_logits
     assert not parse_policy("none").active and parse_policy("margin").copy is False
-    assert [parse_policy(t).label for t in ("margin:0.19+copy", "copy", "softmax:0.9")] == \
-        ["margin:0.19+copy", "copy", "softmax:0.9"]
+    assert parse_policy("margin:0.19+copy:4") == ExitPolicy("margin", 0.19, copy=True, copy_bonus=4.0)
+    assert parse_policy("copy:2.5") == ExitPolicy("none", copy=True, copy_bonus=2.5)
+    labels = ("margin:0.19+copy", "copy", "softmax:0.9", "margin:0.19+copy:4", "copy:2.5")
+    assert [parse_policy(t).label for t in labels] == list(labels)
+    for bad, why in (("margin+copy:x", "number"), ("copy:-1", "negative"), ("margin+copy:", None)):
+        if why is None:  # an empty bonus is no bonus
+            assert parse_policy(bad).copy_bonus == 0.0
+            continue
+        with pytest.raises(ValueError, match=why):
+            parse_policy(bad)
+    with pytest.raises(ValueError, match="needs the \\+copy rule"):
+        ExitPolicy("margin", 0.2, copy_bonus=3.0)
+    logits, guesses = torch.zeros(3, 5), torch.tensor([2, -1, 4])
+    raised = parse_policy("copy:3").exit_logits(logits, guesses)
+    assert raised[0, 2] == raised[2, 4] == 3.0 and raised.sum() == 6.0 and logits.sum() == 0
     with pytest.raises(ValueError, match="oracle"):
         parse_policy("oracle+copy")
     with pytest.raises(ValueError, match="modifier"):
@@ -227,28 +240,37 @@ def test_copy_policies_parse_and_refuse_what_they_cannot_do():
         parse_policy("copy").decide(torch.zeros(2, 5), None, None)
 
 
-@pytest.mark.parametrize("policy", ["copy", "margin:1.01+copy"])
+@pytest.mark.parametrize("policy", ["copy", "margin:1.01+copy", "copy:3", "margin:0.6+copy:3"])
 def test_copy_policy_exits_exactly_where_loop_1_continues_a_repeat(models, policy):
-    """A token leaves after loop 1 exactly where loop 1's argmax is the context's copy guess (teacher-forced
-    check on the full-depth KV that kv later keeps), and then it is that argmax; the others run full depth."""
-    model = models["recursive"]  # falls into repeating a token on the third prompt: guesses that loop 1 matches
-    ps = [[5, 6, 7, 8] * 4, [9, 9, 9, 9], [1, 2, 3, 1, 2, 3, 1, 2]]
-    engine, reqs = run(model, ps, [24] * 3, "depth", exit_policy=parse_policy(policy), kv_mode="later")
-    exits = 0
+    """A token leaves after loop 1 exactly where loop 1's argmax is the context's copy guess, the guess's logit
+    raised by the copy bonus (and, under margin, where the raised logits' margin reaches the threshold): a
+    teacher-forced check on the full-depth KV that kv later keeps. It then is that argmax; the others run full
+    depth."""
+    model, pol = models["recursive"], parse_policy(policy)  # falls into repeating a token on the third prompt
+    g = torch.Generator().manual_seed(3)  # prompts of six words: guesses loop 1 ranks close to its top
+    ps = [[5, 6, 7, 8] * 4, [9, 9, 9, 9], [1, 2, 3, 1, 2, 3, 1, 2]] + torch.randint(0, 6, (3, 12), generator=g).tolist()
+    engine, reqs = run(model, ps, [24] * len(ps), "depth", exit_policy=pol, kv_mode="later")
+    exits = bonus_picks = 0
     with torch.no_grad():
         for p, r in zip(ps, reqs):
             ids = p + r.output
             _, states, _ = model.model(torch.tensor([ids]), output_loop_states=True)
-            loop1 = model.exit_logits(states[0])[0].argmax(-1).tolist()
-            final = model.exit_logits(states[1])[0].argmax(-1).tolist()
             guesses = copy_guesses(ids)
+            plain = model.exit_logits(states[0])[0]
+            loop1 = with_copy_bonus(plain, torch.tensor(guesses), pol.copy_bonus)
+            top2 = loop1.softmax(-1).topk(2, dim=-1).values
+            margin_ok = ((top2[:, 0] - top2[:, 1] >= pol.threshold) & (pol.kind == "margin")).tolist()
+            loop1, plain = loop1.argmax(-1).tolist(), plain.argmax(-1).tolist()
+            final = model.exit_logits(states[1])[0].argmax(-1).tolist()
             for i in range(1, len(r.output)):  # the first token comes out of the prompt, at full depth
                 q = len(p) + i - 1  # the position whose prediction is output[i]
-                leaves = loop1[q] == guesses[q]
+                leaves = loop1[q] == guesses[q] or margin_ok[q]
                 assert r.exit_loops[i] == (1 if leaves else 2)
                 assert r.output[i] == (loop1[q] if leaves else final[q])
                 exits += leaves
+                bonus_picks += leaves and loop1[q] != plain[q]
     assert exits == engine.stats["exits_per_loop"][0] > 0
+    assert (bonus_picks > 0) == (pol.copy_bonus > 0)  # the bonus changes tokens, not only where they leave
 
 
 def test_bad_input_fails_only_that_request(models):

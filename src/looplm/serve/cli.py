@@ -72,9 +72,9 @@ def register(sub) -> None:
     p.add_argument("--rate", type=float, default=None, help="Poisson requests/s (default: ~80%% of the measured "
                    "sequence-wise capacity on the all-at-once trace)")
     p.add_argument("--max-batch", type=int, default=8, help="KV cache rows = concurrent requests")
-    p.add_argument("--exit", default="softmax:0.9", help="exit policy[:threshold][+copy] for the depth-wise "
+    p.add_argument("--exit", default="softmax:0.9", help="exit policy[:threshold][+copy[:BONUS]] for the depth-wise "
                    "run (softmax, margin, entropy, cosine, probe, oracle, none; +copy or copy: also exit where the "
-                   "loop's argmax continues a repeat of the context)")
+                   "loop's argmax continues a repeat of the context; BONUS nats added to that guess's logit first)")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of skipped loops (headline run)")
     p.add_argument("--extra", action="store_true", help="also: the other kv mode, looped model under sequence-wise "
                    "batching without exits")
@@ -127,7 +127,7 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
-    p.add_argument("--exit", default="none", help="exit policy[:threshold][+copy]")
+    p.add_argument("--exit", default="none", help="exit policy[:threshold][+copy[:BONUS]]")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"])
     _engine_args(p)
     p.add_argument("--json", action="store_true")
@@ -141,9 +141,10 @@ def register(sub) -> None:
     p.add_argument("--max-concurrency", type=int, default=8, help="batch slots (KV cache rows)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the slots; more get 429")
     p.add_argument("--max-seq-len", type=int, default=1024, help="context per request (prompt + max_tokens - 1)")
-    p.add_argument("--exit-policy", default="none", help="exit policy[:threshold][+copy] for every request unless "
-                   "it asks for full depth (softmax, margin, entropy, cosine, probe, none; +copy or copy: also exit "
-                   "where the loop's argmax continues a repeat of the context, e.g. margin:0.19+copy)")
+    p.add_argument("--exit-policy", default="none", help="exit policy[:threshold][+copy[:BONUS]] for every request "
+                   "unless it asks for full depth (softmax, margin, entropy, cosine, probe, none; +copy or copy: also "
+                   "exit where the loop's argmax continues a repeat of the context; +copy:BONUS adds BONUS nats to "
+                   "that guess's logit first, e.g. margin:0.49+copy:8)")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of the loops an exit skips")
     p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
     p.add_argument("--loops", type=int, default=0, help="convert MODEL to B loops on the fly (0: serve as saved)")

@@ -405,6 +405,8 @@ class Engine:
             inter_logits = logits[n_emit:]
             guesses = torch.tensor([it.req.copy_guess() for it, _ in inter], device=self.device) \
                 if policy.copy else None
+            if policy.copy_bonus:  # the exiting tokens are drawn from these logits too
+                inter_logits = logits[n_emit:] = policy.exit_logits(inter_logits, guesses)
             exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), h_prev, loops, self.model, guesses)
             if policy.kind == "oracle":
                 for (it, _), a in zip(inter, inter_logits.argmax(-1).tolist()):
