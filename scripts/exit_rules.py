@@ -59,7 +59,7 @@ COPY_BONUSES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)  # nats added to the guess's
 
 
 @torch.no_grad()
-def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torch.Tensor]:
+def collect(model, rows: list[list[int]], log, first: int = 0, copy_min_n: int = 3) -> dict[str, torch.Tensor]:
     """Teacher-forced full-depth passes: per exitable loop i < B - 1, both probe feature sets (probe.py:
     ``hidden``, final-normed h and cosine; ``confidence``, p1..p5, margin, -entropy, logit gap, cosine);
     the argmax of every loop; whether each exitable loop's argmax is the context's copy guess (``copy_guesses``).
@@ -75,7 +75,7 @@ def collect(model, rows: list[list[int]], log, first: int = 0) -> dict[str, torc
         keep = slice(first, len(row) - 1) if first else slice(None)
         states = [s[0, keep] for s in states]
         prev = [h0[0, keep]] + states[:-1]
-        guess = torch.tensor(copy_guesses(row)[keep], device=dev)
+        guess = torch.tensor(copy_guesses(row, 3, copy_min_n)[keep], device=dev)
         h_l, c_l, a_l, b_l = [], [], [], {b: ([], []) for b in COPY_BONUSES}
         for i in range(B):
             logits = model.exit_logits(states[i], loop=i).float()
@@ -205,6 +205,8 @@ def main() -> int:
                    "corpus text (heldout) or the model's own greedy continuations of prompts cut from it (generated)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="--text generated: prompt length")
     p.add_argument("--new-tokens", type=int, default=128, help="--text generated: tokens generated per prompt")
+    p.add_argument("--copy-min-n", type=int, default=3, choices=(1, 2, 3), help="the copy guess backs off from "
+                   "the final 3-gram to shorter ones, down to this length, where the 3-gram is new")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.png")
     args = p.parse_args()
@@ -233,9 +235,9 @@ def main() -> int:
         samples = [tok.decode(r[args.prompt_tokens:]) for r in eval_rows[:3]]
         log(f"{repeated:.1%} of the generated tokens close a 4-gram seen earlier in their row")
     log(f"collecting {args.fit_rows} training rows")
-    fit = collect(model, fit_rows, log, first)
+    fit = collect(model, fit_rows, log, first, args.copy_min_n)
     log(f"collecting {args.eval_rows} held-out rows")
-    ev = collect(model, eval_rows, log, first)
+    ev = collect(model, eval_rows, log, first, args.copy_min_n)
     scores = rule_scores(model_dir, fit, ev)
     B, N = ev["args"].shape
     oracle_loop = torch.full((N,), B - 1)
@@ -259,7 +261,7 @@ def main() -> int:
                                      "repeated_4gram_share": round(repeated, 4), "samples": samples}
                  if args.text == "generated" else {}),
               "fit_tokens": int(fit["args"].shape[1]), "eval_tokens": N, "target_agreement": args.target,
-              "oracle_early_fraction": round(oracle, 4),
+              "oracle_early_fraction": round(oracle, 4), "copy_min_n": args.copy_min_n,
               "copy_guess_share": round(float((ev["guess"] >= 0).float().mean()), 4),
               "copy_guess_right": round(float((ev["guess"] == ev["args"][-1]).float().sum() / (ev["guess"] >= 0).sum()
                                               .clamp_min(1)), 4),

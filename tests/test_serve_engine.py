@@ -210,6 +210,19 @@ def test_context_guess_is_what_copying_the_context_predicts():
     ctx = ContextGuess(row[:100])
     ctx.extend(row[100:])
     assert ctx.guess == want[-1] and ctx.tokens == row
+    row = torch.randint(0, 12, (300,), generator=g).tolist()  # twelve words: backing off to 2- and 1-grams matters
+    counts = [sum(w >= 0 for w in copy_guesses(row))]
+    for min_n in (2, 1):
+        want = []
+        for p in range(len(row)):  # the longest repeated suffix of at most 3 and at least min_n tokens decides
+            found = [[j for j in range(k - 1, p) if row[j - k + 1:j + 1] == row[p - k + 1:p + 1]]
+                     for k in range(min(3, p + 1), min_n - 1, -1)]
+            want.append(next((row[e[-1] + 1] for e in found if e), -1))
+        assert copy_guesses(row, min_n=min_n) == want
+        counts.append(sum(w >= 0 for w in want))
+    assert counts[0] < counts[1] < counts[2], counts
+    with pytest.raises(ValueError, match="min_n"):
+        ContextGuess(n=3, min_n=4)
 
 
 def test_copy_policies_parse_and_refuse_what_they_cannot_do():
@@ -221,7 +234,8 @@ def test_copy_policies_parse_and_refuse_what_they_cannot_do():
     assert parse_policy("copy:2.5") == ExitPolicy("none", copy=True, copy_bonus=2.5)
     labels = ("margin:0.19+copy", "copy", "softmax:0.9", "margin:0.19+copy:4", "copy:2.5")
     assert [parse_policy(t).label for t in labels] == list(labels)
-    for bad, why in (("margin+copy:x", "number"), ("copy:-1", "negative"), ("margin+copy:", None)):
+    for bad, why in (("margin+copy:x", "number"), ("copy:-1", "finite"), ("copy:inf", "finite"), ("copy:nan", "finite"),
+                     ("margin+copy:", None)):
         if why is None:  # an empty bonus is no bonus
             assert parse_policy(bad).copy_bonus == 0.0
             continue
