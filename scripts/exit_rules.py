@@ -55,19 +55,20 @@ from looplm.serve.probe import PROBE_FILE, ExitProbe, confidence_features, exit_
 from looplm.data.corpus import PackedCorpus
 
 
-COPY_BONUSES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)  # nats added to the guess's logit: +copy:BONUS
+COPY_BONUSES = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)  # nats added to the guess's logit: +copy:BONUS
 
 
 @torch.no_grad()
 def collect(model, rows: list[list[int]], log, first: int = 0, copy_min_n: int = 3) -> dict[str, torch.Tensor]:
     """Teacher-forced full-depth passes: per exitable loop i < B - 1, both probe feature sets (probe.py:
     ``hidden``, final-normed h and cosine; ``confidence``, p1..p5, margin, -entropy, logit gap, cosine);
-    the argmax of every loop; whether each exitable loop's argmax is the context's copy guess (``copy_guesses``).
-    With ``first`` > 0 only positions first..len(row) - 2 count: those that predict
-    a token of the row from position first + 1 on (a continuation's tokens)."""
+    the argmax of every loop; the context's copy guess (``copy_guesses``, -1: none) and, per copy bonus, the
+    argmax and margin of each exitable loop's logits with the bonus on the guess. With ``first`` > 0 only
+    positions first..len(row) - 2 count: those that predict a token of the row from position first + 1 on (a
+    continuation's tokens)."""
     B = model.config.num_loops
     dev = next(model.parameters()).device
-    hidden, conf, args, copy, guesses, boost = [], [], [], [], [], {b: ([], []) for b in COPY_BONUSES}
+    hidden, conf, args, guesses, boost = [], [], [], [], {b: ([], []) for b in COPY_BONUSES}
     for n, row in enumerate(rows):
         x = torch.tensor([row], device=dev)
         h0 = model.model.embed(x)
@@ -91,14 +92,13 @@ def collect(model, rows: list[list[int]], log, first: int = 0, copy_min_n: int =
         hidden.append(torch.stack(h_l))
         conf.append(torch.stack(c_l))
         args.append(torch.stack(a_l))
-        copy.append(torch.stack([a == guess for a in a_l[:-1]]))
         guesses.append(guess)
         for b in COPY_BONUSES:
             boost[b][0].append(torch.stack(b_l[b][0]))
             boost[b][1].append(torch.stack(b_l[b][1]))
         log(f"  row {n + 1}/{len(rows)}")
     return {"hidden": torch.cat(hidden, 1).cpu(), "conf": torch.cat(conf, 1).cpu(), "args": torch.cat(args, 1).cpu(),
-            "copy": torch.cat(copy, 1).cpu(), "guess": torch.cat(guesses).cpu(),
+            "guess": torch.cat(guesses).cpu(),
             "boost": {b: (torch.cat(a, 1).cpu(), torch.cat(m, 1).cpu()) for b, (a, m) in boost.items()}}
 
 
@@ -167,15 +167,15 @@ def rule_scores(model_dir: Path, fit: dict, ev: dict) -> dict[str, torch.Tensor]
         scores[f"lr:{name}"] = torch.stack(out)
     scores["mlp:all"] = torch.stack([fit_mlp(sets["all"](fit, i), fit["args"][i] == fit["args"][-1])(sets["all"](ev, i))
                                      for i in range(loops)])
-    scores["margin+copy"] = scores["margin"] + ev["copy"].float()  # a margin is at most 1: a match ranks first
-    with_copy = lambda d, i: torch.cat([sets["all"](d, i), d["copy"][i, :, None].float()], -1)  # noqa: E731
+    match = lambda d, i: (d["args"][i] == d["guess"]).float()[:, None]  # noqa: E731  the loop's argmax is the guess
+    with_copy = lambda d, i: torch.cat([sets["all"](d, i), match(d, i)], -1)  # noqa: E731
     out = []
     for i in range(loops):
         w, b = fit_logistic(with_copy(fit, i), fit["args"][i] == fit["args"][-1])
         out.append(torch.sigmoid(with_copy(ev, i) @ w + b))
     scores["lr:all+copy"] = torch.stack(out)
-    for b, (a, m) in ev["boost"].items():
-        scores[f"margin+copy:{b:g}"] = (m + (a == ev["guess"]).float(), a)
+    for b, (a, m) in ev["boost"].items():  # a margin is at most 1: a match ranks first
+        scores["margin+copy" + (f":{b:g}" if b else "")] = (m + (a == ev["guess"]).float(), a)
     return scores
 
 

@@ -680,7 +680,8 @@ def test_exit_rules_script_ranks_the_tokens_the_model_generates(setup):
     assert got["args"].shape == (2, 3 * 6)
     assert got["args"][-1].tolist() == [t for r in generated for t in r[8:]]
     guesses = [g for r in generated for g in copy_guesses(r)[7:13]]
-    assert got["copy"][0].tolist() == [a == g for a, g in zip(got["args"][0].tolist(), guesses)]
+    assert got["guess"].tolist() == guesses  # the copy rules' match: the loop's argmax is this guess
+    assert got["boost"][0.0][0].tolist() == got["args"][:1].tolist()  # no bonus: the loop's own argmax
     assert rules.repeated_share([[1, 2, 3, 4, 1, 2, 3, 4, 1]], first=4) == pytest.approx(2 / 5)
     out = tmp / "rules-generated"
     r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "exit_rules.py"), str(models["student"]),
