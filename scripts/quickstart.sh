@@ -29,11 +29,12 @@ $LOOPLM data text "$CORPUS" --rows 16 --out "$OUT/calib"
 [ -f "$STUDENT/config.json" ] || $LOOPLM convert --model "$MODEL" --loops "$LOOPS" --lora-rank "$RANK" \
   --init average --lora-init aware-svd --norms per-depth --calib-data "$OUT/calib" --calib-tokens 8192 --ppl-tokens 0 --out "$STUDENT"
 # 3. Healing: layer-local distillation, then end to end, from the original model; then an exit adapter
-#    that makes the exit after loop 1 usable (docs/TRAINING.md, section 5a).
+#    that makes the exit after loop 1 usable (docs/TRAINING.md, section 5a). It prints the perplexity on the
+#    corpus's held-out split and, beside it, on text no corpus holds (the out-of-domain suite, docs/EVAL.md).
 RESUME=""
-if [ -f "$HEAL/run.json" ]; then  # resume with the hidden-state loss the run started with (the default changed)
-  loss=$(.venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["config"].get("hidden_loss", "relative"))' "$HEAL/run.json")
-  RESUME="--resume --hidden-loss $loss"
+if [ -f "$HEAL/run.json" ]; then  # resume with the settings whose default changed since the run started
+  RESUME="--resume $(.venv/bin/python -c 'import json, sys; c = json.load(open(sys.argv[1]))["config"]
+print("--hidden-loss", c.get("hidden_loss", "relative"), "--e2e-rows", c.get("e2e_rows", "cache"))' "$HEAL/run.json")"
 fi
 $LOOPLM heal "$STUDENT" --teacher "$MODEL" --data "$CORPUS" --out "$HEAL" --budget-minutes "$HEAL_MINUTES" \
   --cache-rows 64 $RESUME

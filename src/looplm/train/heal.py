@@ -34,12 +34,15 @@ nothing new, so what the run measures is what is served. Run it on a healed mode
 recover what rounding costs it (docs/FINDINGS.md).
 
 The local stage reads the teacher from the cache, never runs it: a step costs the student alone. The
-end-to-end and exit stages read rows by ``e2e_rows``: ``cache`` draws them from the cached rows (a 256-row cache
-is read ~5 times over in an hour, and memorised: docs/FINDINGS.md), ``online`` takes the next rows of a seeded
-pass over the whole training split and runs the original model on them, without gradients (a step takes a fifth
-longer: 3.3 s against 2.7 s at B=2 rank 128 on the AMX Xeon), so that every step reads new text. The
-embeddings, final norm and LM head stay the original model's (frozen), so the original's logits are its final
-state through the student's own head.
+end-to-end and exit stages read rows by ``e2e_rows``: ``online`` (the default) takes the next rows of a seeded
+pass over the whole training split and runs the original model on them, without gradients, so that every step
+reads new text; ``cache`` draws them from the cached rows again (a step a fifth shorter, but a small cache read
+many times over is memorised rather than generalised from). The embeddings, final norm and LM head stay the
+original model's (frozen), so the original's logits are its final state through the student's own head.
+
+Every evaluation scores the corpus's first held-out rows and, as text the run never heals on, the first windows
+of each out-of-domain domain (data/ood.py), whose geometric mean against the original's is logged as
+``ood_ratio``.
 
 Budget: ``budget_minutes`` (wall time of cache, local and end-to-end work; evaluations not
 counted) or ``tokens``; ``local_share`` of it goes to the local stage, ``exit_share`` of the rest to the exit
@@ -53,7 +56,7 @@ changes in between), so that the run fills its budget. Run directory::
     latest            name of the newest complete checkpoint (replaced atomically)
     checkpoints/NAME  looplm model dir + state.json (+ optimizer.pt in the end-to-end stage)
     final/            the healed model (looplm dir: `looplm eval`, `serve` and `generate` read it)
-    heal.png          held-out perplexity against wall time and against tokens
+    heal.png          held-out and out-of-domain perplexity against wall time and against tokens
     cache/            the teacher cache (unless --cache puts it elsewhere)
 """
 
@@ -73,6 +76,7 @@ import torch.nn.functional as F
 
 from ..convert.recursive import tied_depths
 from ..data.corpus import PackedCorpus
+from ..data.ood import DOMAINS, domain_windows, geometric_mean, geometric_ratio
 from ..errors import UsageError
 from ..models.decoder import attention_masks
 from ..models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter, parse_exit_adapter
@@ -123,13 +127,13 @@ class HealConfig:
     local_share: float = 0.5         # share of the budget for layer-local distillation
     local_mode: str = "parallel"
     cache: str | None = None         # teacher cache directory (default OUT/cache)
-    cache_rows: int = 128            # training rows cached (x seq_len tokens)
+    cache_rows: int = 256            # training rows cached (x seq_len tokens)
     seq_len: int = 512
     local_batch: int = 4             # rows per tied depth per local step
     local_lr: float = 2e-3
     e2e_batch: int = 2
     e2e_lr: float = 1e-4
-    e2e_rows: str = "cache"          # cache (rows and states from the teacher cache) | online (any training row,
+    e2e_rows: str = "online"         # cache (rows and states from the teacher cache) | online (any training row,
                                      # the original run on it each step)
     hidden_weight: float = 1.0
     hidden_loss: str = "log1p"       # log1p (each token's pull bounded: relative_error_log1p) | relative
@@ -145,6 +149,7 @@ class HealConfig:
     compile: bool = False            # torch.compile each layer of the student (and the original) for the training stages
     grad_clip: float = 1.0
     eval_rows: int = 16
+    ood_windows: int = 4             # windows of each out-of-domain domain (data/ood.py) every evaluation scores
     eval_every_seconds: float = 300.0
     save_every_seconds: float = 180.0
     seed: int = 0
@@ -155,7 +160,7 @@ class HealConfig:
              "local_batch", "local_lr", "e2e_batch", "e2e_lr", "e2e_rows", "e2e_average", "hidden_weight", "hidden_loss", "exit_weight",
              "exit_target", "grad_clip", "seed", "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
     # settings whose default changed: a run that did not record one ran with this value
-    FORMER_DEFAULTS = {"hidden_loss": "relative"}
+    FORMER_DEFAULTS = {"hidden_loss": "relative", "e2e_rows": "cache"}
 
 
 def cached_rows(train_rows: int, cache_rows: int, seed: int) -> np.ndarray:
@@ -251,6 +256,8 @@ class Healer:
         self.exit_spec = None if c.exit_adapter == "none" else parse_exit_adapter(c.exit_adapter)
         if c.base_weights not in BASE_WEIGHTS:
             raise UsageError(f"unknown --base-weights {c.base_weights!r}; use one of {', '.join(BASE_WEIGHTS)}")
+        if c.ood_windows < 0:
+            raise UsageError(f"--ood-windows {c.ood_windows} must be >= 0 (0: no out-of-domain evaluation)")
         if c.cache_rows < max(c.local_batch, c.e2e_batch) or c.seq_len < 2:
             raise UsageError("--cache-rows must be at least the batch size and --seq-len at least 2")
         out = Path(c.out)
@@ -298,6 +305,9 @@ class Healer:
             raise UsageError(f"student {c.model} ({student.config.num_hidden_layers} depths) was not converted "
                              f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)")
         self.student, self.teacher, self.tok = student, teacher.eval().requires_grad_(False), tok
+        # text the run never heals on: each evaluation reports it too, so a run shows when it starts to overfit
+        self.ood = domain_windows(tok, list(DOMAINS), c.ood_windows, c.seq_len,
+                                  bool(getattr(student.config, "add_bos_token", False))) if c.ood_windows else {}
         if student.config.num_loops < 2 or not c.exit_share:
             self.exit_spec = None  # no intermediate exit to train (or no budget for it)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -858,11 +868,25 @@ class Healer:
         if n == 0:
             raise UsageError(f"the corpus {self.cfg.data} has no held-out rows to evaluate on")
         model.eval()
+        nll, agree, count = self._score_rows(model, [np.asarray(held[i, :self.cfg.seq_len]) for i in range(n)])
+        ood = {}
+        for name, windows in self.ood.items():  # the final exit on text the run never heals on
+            domain_nll, _, domain_count = self._score_rows(model, windows)
+            ood[name] = math.exp(min(float(domain_nll[-1]) / domain_count, 50.0))
+        self.eval_seconds = getattr(self, "eval_seconds", 0.0) + time.perf_counter() - t0
+        self._last_eval = time.perf_counter()
+        ppl = [math.exp(min(float(x) / count, 50.0)) for x in nll]
+        # top-1 agreement of each loop's exit with the final one (teacher-forced): what an oracle exit rule gets
+        return {"ppl": ppl[-1], "ppl_per_loop": ppl, "agree_per_loop": [round(float(a) / count, 4) for a in agree],
+                "eval_tokens": count, **({"ood": ood} if ood else {})}
+
+    def _score_rows(self, model, rows) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Summed next-token NLL of each loop's exit over token rows, the count of tokens each loop's argmax
+        shares with the final exit's, and the number of predicted tokens."""
         loops = model.config.num_loops
-        nll, count = torch.zeros(loops, dtype=torch.float64), 0
-        agree = torch.zeros(loops, dtype=torch.float64)
-        for i in range(n):
-            ids = torch.from_numpy(np.asarray(held[i:i + 1, :self.cfg.seq_len], dtype=np.int64)).to(self.device)
+        nll, agree, count = torch.zeros(loops, dtype=torch.float64), torch.zeros(loops, dtype=torch.float64), 0
+        for row in rows:
+            ids = torch.as_tensor(np.asarray(row, dtype=np.int64))[None].to(self.device)
             _, states, _ = model.model(ids, output_loop_states=True)
             final = None
             for j in reversed(range(len(states))):
@@ -871,23 +895,22 @@ class Healer:
                 final = logits.argmax(-1) if final is None else final
                 agree[j] += float((logits.argmax(-1) == final).sum())
             count += ids.shape[1] - 1
-        self.eval_seconds = getattr(self, "eval_seconds", 0.0) + time.perf_counter() - t0
-        self._last_eval = time.perf_counter()
-        ppl = [math.exp(min(float(x) / count, 50.0)) for x in nll]
-        # top-1 agreement of each loop's exit with the final one (teacher-forced): what an oracle exit rule gets
-        return {"ppl": ppl[-1], "ppl_per_loop": ppl, "agree_per_loop": [round(float(a) / count, 4) for a in agree],
-                "eval_tokens": count}
+        return nll, agree, count
 
     def _eval_due(self) -> bool:
         return time.perf_counter() - getattr(self, "_last_eval", 0.0) > self.cfg.eval_every_seconds
 
     def _log_eval(self, tag: str) -> dict:
         ev = self.evaluate(self.student)
+        teacher = self.prev["teacher_eval"]
+        if "ood" in ev and "ood" in teacher:
+            ev["ood_ratio"] = round(geometric_ratio(ev["ood"], teacher["ood"]), 4)
         self._append({"eval": True, "tag": tag, **ev, "time": round(self.state["time"], 2),
                       "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
         self.log(f"held-out perplexity ({tag}, {self.state['time'] / 60:.1f} min): "
                  + ", ".join(f"loop {i + 1} {p:,.2f}" for i, p in enumerate(ev["ppl_per_loop"]))
-                 + f" (original {self.prev['teacher_eval']['ppl']:.2f})")
+                 + f" (original {teacher['ppl']:.2f})"
+                 + (f"; out of domain {ev['ood_ratio']:.3f}x the original" if "ood_ratio" in ev else ""))
         return ev
 
     def _evals(self, tag: str) -> list[dict]:
@@ -984,9 +1007,16 @@ class Healer:
                 ax.plot([r[key] / (60 if key == "time" else 1) for r in averaged], [r["ppl"] for r in averaged],
                         marker="x", ls=":", label="final, weight average")
             ax.axhline(teacher, color="k", ls="--", label=f"original ({teacher:.1f})")
+            off = [r for r in evals if "ood" in r]
+            if off and "ood" in self.prev["teacher_eval"]:  # text the run never heals on: a gap that grows is overfitting
+                ax.plot([r[key] / (60 if key == "time" else 1) for r in off],
+                        [geometric_mean(r["ood"].values()) for r in off], marker="s", color="tab:red",
+                        label="final, out of domain (geometric mean)")
+                original_ood = geometric_mean(self.prev["teacher_eval"]["ood"].values())
+                ax.axhline(original_ood, color="tab:red", ls=":", label=f"original out of domain ({original_ood:.1f})")
             ax.set_yscale("log")
             ax.set_xlabel(label)
-            ax.set_ylabel("held-out perplexity")
+            ax.set_ylabel("perplexity")
             ax.grid(alpha=0.3)
         axes[1].set_xlabel("end-to-end training tokens (local stage before 0)")
         axes[0].legend()
