@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Healing judged off its corpus: the teacher's own text against the real corpus, on the out-of-domain suite.
-#   1. `looplm data generate`: text sampled from the original SmolLM2 (GEN_MINUTES of generation, resumable)
+#   1. `looplm data generate`: text sampled from the original SmolLM2 until GEN_TOKENS are kept (98000: one shard
+#      of 256 samples, the run of docs/FINDINGS.md), resumable
 #   2. three corpora: real (Austen, KJV, Shakespeare, Python docs), generated, and a mix of the two with equal rows
 #   3. the same conversion healed on each for the same tokens (AB_TOKENS; rank 64, the quick start's scale)
 #   4. one hour at rank 128 on the corpus the suite picks (HOUR_DATA)
 #   5. `looplm eval suite`: the original and every healed model on five domains none of the corpora holds,
 #      the real corpus's held-out split (in-domain) and LAMBADA
-# Every step is resumable: rerun to continue. Environment: OUT, GEN_MINUTES, AB_TOKENS, HOUR_DATA, HOUR_MINUTES,
+# Every step is resumable: rerun to continue. Environment: OUT, GEN_TOKENS, AB_TOKENS, HOUR_DATA, HOUR_MINUTES,
 # STEPS (a subset of "gen ab hour suite").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
 OUT=${OUT:-out}
-GEN_MINUTES=${GEN_MINUTES:-28}
+GEN_TOKENS=${GEN_TOKENS:-98000}
 AB_TOKENS=${AB_TOKENS:-300000}
 HOUR_DATA=${HOUR_DATA:-mix}
 HOUR_MINUTES=${HOUR_MINUTES:-60}
@@ -22,7 +23,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 [ -f "$OUT/corpus-512/meta.json" ] || $LOOPLM data build --model smollm2-135m --seq-len 512 --out "$OUT/corpus-512" --no-progress
 [ -f "$OUT/calib/train.txt" ] || $LOOPLM data text "$OUT/corpus-512" --rows 16 --out "$OUT/calib"
 if has gen; then
-  $LOOPLM data generate smollm2-135m --out "$OUT/gen-smollm2" --minutes "$GEN_MINUTES" --corpus "$OUT/corpus-512" --no-progress
+  $LOOPLM data generate smollm2-135m --out "$OUT/gen-smollm2" --tokens "$GEN_TOKENS" --corpus "$OUT/corpus-512" --no-progress
 fi
 rows=$(.venv/bin/python -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["sources"]["gen-smollm2"]["train"]["seqs"])' \
        "$OUT/corpus-gen/meta.json" 2>/dev/null || true)
@@ -62,5 +63,5 @@ fi
 if has suite; then
   models=(smollm2-135m)
   for d in "$OUT"/ab/*/final "$OUT"/hour/*/final; do [ -d "$d" ] && models+=("$d"); done
-  $LOOPLM eval suite "${models[@]}" --data "$OUT/corpus-512" --tasks lambada --limit 500 --out "$OUT/suite/generalize"
+  $LOOPLM eval suite "${models[@]}" --data "$OUT/corpus-512" --tasks lambada --limit 200 --out "$OUT/suite/generalize"
 fi

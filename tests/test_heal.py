@@ -390,7 +390,8 @@ def test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage(setup):
     assert replans(500, lambda s, t: t + 3 if s > 30 else t) == [3, 30, 250, 378, 456]
     tmp, models, corpus = setup
     out = tmp / "budget"
-    r = run_cli(*heal_args(models, corpus, out, "--budget-minutes", 0.25, "--local-share", 0.1))
+    # rows from the cache: the shorter steps give the 15 seconds enough of them to check the late fixes
+    r = run_cli(*heal_args(models, corpus, out, "--budget-minutes", 0.25, "--local-share", 0.1, "--e2e-rows", "cache"))
     assert r.returncode == 0, r.stderr
     plan = json.loads((out / "run.json").read_text())["plan"]
     steps = [x["step"] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
@@ -474,8 +475,8 @@ def test_overfit_script_scores_the_rows_the_cache_holds(setup):
     tmp, models, corpus = setup
     out = tmp / "overfit"
     heal(HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                    tokens=64 * 4, seq_len=32, cache_rows=16, local_batch=2, eval_rows=4, progress=False),
-         log=lambda *a: None)
+                    tokens=64 * 4, seq_len=32, cache_rows=16, local_batch=2, eval_rows=4, e2e_rows="cache",
+                    progress=False), log=lambda *a: None)
     held = TeacherCache(out / "cache").rows
     assert list(cached_rows(len(PackedCorpus(corpus).splits["train"]), 16, 0)) == list(held)
     r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "heal_overfit.py"), str(out), "--rows", "4"],
