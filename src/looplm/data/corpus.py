@@ -123,7 +123,10 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
     bos = tok.bos_token_id if tok.bos_token_id is not None and probe and probe[0] == tok.bos_token_id else None
     eos = tok.eos_token_id
     texts, caps = {}, {}
-    for item in [s.strip() for s in sources.split(",") if s.strip()]:
+    items = [s.strip() for s in sources.split(",") if s.strip()]
+    if not items:
+        resolve_sources(sources)  # the one message for no sources
+    for item in items:
         item, cap = parse_cap(item)
         resolved = resolve_sources(item, refresh=refresh, log=log)
         texts.update(resolved)
