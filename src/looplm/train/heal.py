@@ -306,8 +306,11 @@ class Healer:
                              f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)")
         self.student, self.teacher, self.tok = student, teacher.eval().requires_grad_(False), tok
         # text the run never heals on: each evaluation reports it too, so a run shows when it starts to overfit
-        self.ood = domain_windows(tok, list(DOMAINS), c.ood_windows, c.seq_len,
-                                  bool(getattr(student.config, "add_bos_token", False))) if c.ood_windows else {}
+        try:
+            self.ood = domain_windows(tok, list(DOMAINS), c.ood_windows, c.seq_len,
+                                      bool(getattr(student.config, "add_bos_token", False))) if c.ood_windows else {}
+        except UsageError as e:
+            raise UsageError(f"{e} (or heal without the out-of-domain evaluation: --ood-windows 0)") from None
         if student.config.num_loops < 2 or not c.exit_share:
             self.exit_spec = None  # no intermediate exit to train (or no budget for it)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
