@@ -50,6 +50,12 @@ def test_a_resumed_corpus_equals_an_uninterrupted_one(setup):
             snippet = np.array(s["prompt"][1:], dtype=np.int64).tobytes()
             assert any(snippet in r for r in rows)
     assert whole["teacher"]["weights_sha256"] and whole["tokens_per_second"] > 0
+    # killed before its first manifest: the shard directory and a half-written shard, and nothing else
+    (tmp / "early" / "shards").mkdir(parents=True)
+    (tmp / "early" / "shards" / ".shard-00000.jsonl.tmp-1").write_text("{cut")
+    early = generate_corpus(config(models, corpus, tmp / "early", tokens=1), log=quiet)
+    assert early["shards"][0]["sha256"] == whole["shards"][0]["sha256"]
+    assert not list((tmp / "early" / "shards").glob(".*tmp*"))
 
 
 def test_duplicates_and_loops_are_dropped_and_counted(setup):

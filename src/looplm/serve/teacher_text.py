@@ -8,8 +8,8 @@ Each sample starts from a prompt of one of two kinds, drawn per sample by ``prom
   model continues real text in its own words (never held-out rows).
 
 Requests run through the depth-wise engine in batches of ``max_batch``, bfloat16 where the CPU multiplies it
-natively. Sample i's prompt and sampling seed are functions of (seed, i) alone, so the corpus does not depend
-on the batch size, and a killed run resumes at its first unfinished shard.
+natively. Sample i's prompt and sampling seed are functions of (seed, i) alone, so a killed run resumes at its
+first unfinished shard and writes what an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
             raise UsageError(f"{out} was generated with other settings (" + ", ".join(
                 f"{k}: {done['settings'].get(k)!r} -> {settings[k]!r}" for k in changed)
                 + "); resume with the same settings or choose a new --out")
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(p.name != "shards" for p in out.iterdir()):  # shards/ alone: killed before its first
         raise UsageError(f"{out} exists and is not a generated corpus; choose an empty or new --out")
 
     model, tok = load_model(cfg.model)
