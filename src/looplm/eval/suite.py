@@ -16,11 +16,6 @@ from ..errors import UsageError
 from ..util import write_json_atomic, write_text_atomic
 
 
-def _fingerprint(tok) -> str:
-    from ..models.loading import tokenizer_fingerprint
-    return tokenizer_fingerprint(tok)
-
-
 def score_model(model, tok, domains: list[str], windows: int, seq_len: int, corpus=None, tasks: list[str] | None = None,
                 limit: int | None = None, batch_size: int = 4, progress: bool = False) -> dict:
     """One model's row: {"ood": {domain: perplexity}, "in_domain": perplexity or None, "tasks": {...}, "average"}."""

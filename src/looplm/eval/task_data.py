@@ -16,7 +16,6 @@ files keep lm-eval's prompts. They are written once to ``$LOOPLM_CACHE/eval_data
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import tempfile
