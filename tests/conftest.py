@@ -14,8 +14,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,9 @@ def one_torch_thread():
 
 def run_cli(*args, check=True):
     """Run `looplm ARGS` in a fresh process, as a user would; on failure show its stderr."""
-    proc = subprocess.run([sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True, timeout=600
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"looplm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     return proc
@@ -40,6 +49,7 @@ def make_hf_model(family: str, num_layers: int = 4, seed: int = 0):
     """A randomly initialised transformers model of a family, with norms and biases perturbed so
     that they matter in comparisons."""
     import transformers as T
+
     torch.manual_seed(seed)
     small = {**SMALL, "num_hidden_layers": num_layers}
     if family == "llama":
@@ -51,8 +61,11 @@ def make_hf_model(family: str, num_layers: int = 4, seed: int = 0):
     elif family == "gemma2":
         model = T.Gemma2ForCausalLM(T.Gemma2Config(**small, sliding_window=8))
     elif family == "gemma3":
-        model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**small, sliding_window=8,
-                                                       layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)))
+        model = T.Gemma3ForCausalLM(
+            T.Gemma3TextConfig(
+                **small, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
+            )
+        )
     elif family in ("gpt_neox", "gpt_neox-sequential"):
         neox = {k: v for k, v in small.items() if k not in ("num_key_value_heads", "head_dim")}
         model = T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**neox, use_parallel_residual=family == "gpt_neox"))
@@ -74,6 +87,7 @@ def save_tiny_llama(directory, tokenizer, norm_noise: float = 0.0):
     """A small randomly initialised Llama checkpoint (SMALL) in Hugging Face format with ``tokenizer``;
     ``norm_noise`` perturbs the norm weights (so that tying them matters)."""
     import transformers as T
+
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(T.LlamaConfig(**{**SMALL, "vocab_size": len(tokenizer)}, tie_word_embeddings=True))
     if norm_noise:
@@ -92,14 +106,22 @@ def hf_dir(tmp_path_factory, smollm2_tokenizer):
     return save_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", smollm2_tokenizer)
 
 
-SERVE_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, initializer_range=0.2)
+SERVE_SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
 
 
 def small_relaxed(**overrides):
     """A random 4-layer model converted to B=2 with rank-8 LoRA and per-depth norms (the weight-format tests')."""
     from looplm.convert import convert
     from looplm.models import LoopLMConfig, LoopLMForCausalLM
+
     torch.manual_seed(0)
     vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SERVE_SMALL, **overrides})).eval()
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
@@ -114,7 +136,7 @@ def full_depth_greedy(model, prompt, n, eos=None):
             ids.append(tok)
             if tok == eos:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def arrive_one_per_step(sched, reqs):
@@ -131,6 +153,7 @@ def arrive_one_per_step(sched, reqs):
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from looplm.models import load_model
+
     return load_model("smollm2-135m")[1]
 
 
@@ -138,6 +161,7 @@ def smollm2_tokenizer():
 def smollm2():
     """(looplm vanilla model, tokenizer, transformers model) for the real SmolLM2-135M."""
     from looplm.models import load_hf_reference, load_model
+
     model, tok = load_model("smollm2-135m")
     hf, _ = load_hf_reference("smollm2-135m")
     return model, tok, hf
@@ -146,4 +170,5 @@ def smollm2():
 @pytest.fixture(scope="session")
 def heldout_text():
     from looplm.data import sample_text
+
     return sample_text()

@@ -12,8 +12,14 @@ from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
 
 def tiny(seed: int = 0, layers: int = 4) -> LoopLMForCausalLM:
     torch.manual_seed(seed)
-    cfg = LoopLMConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2)
+    cfg = LoopLMConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LoopLMForCausalLM(cfg).eval()
     with torch.no_grad():  # distinct norm weights per depth, so that tying them changes the inputs
         for name, p in model.named_parameters():
@@ -38,6 +44,7 @@ def spd(n: int, seed: int, tokens: int = 400) -> tuple[torch.Tensor, torch.Tenso
 
 
 # --- calibration ------------------------------------------------------------------------------
+
 
 def test_calibration_records_every_input_once_and_matches_a_direct_computation(calibrated):
     model, ids, calib = calibrated
@@ -80,6 +87,7 @@ def test_text_windows_are_full_length_and_capped():
 
 # --- the closed-form shared weight --------------------------------------------------------------
 
+
 def test_shared_weight_is_the_least_squares_solution():
     torch.manual_seed(0)
     out, n = 12, 10
@@ -112,6 +120,7 @@ def test_shared_weight_has_zero_gradient_with_damping_and_tends_to_the_average()
 
 # --- whitened SVD -------------------------------------------------------------------------------
 
+
 def test_whitened_svd_is_exact_at_full_rank_and_optimal_at_low_rank():
     torch.manual_seed(0)
     out, n = 20, 16
@@ -141,6 +150,7 @@ def test_whitened_svd_equals_plain_svd_for_white_inputs():
 
 # --- through convert ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("norms", ["tied-avg", "per-depth", "tied-choice"])
 @pytest.mark.parametrize("init", ["aware", "average", "stepwise"])
 def test_full_rank_aware_svd_restores_the_original(calibrated, norms, init):
@@ -165,11 +175,20 @@ def test_aware_init_minimises_the_output_error_of_every_linear(calibrated):
     depths_of = tied_depths(conv["aware"].config)
     for k, depths in enumerate(depths_of):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+
             def err(m):
                 lin = dict(m.model.layers[k].named_modules())[("attn." if name[0] in "qkvo" else "mlp.") + name]
-                return sum(aware.output_error(lin.weight, dict(model.model.layers[d].named_modules())[
-                    ("attn." if name[0] in "qkvo" else "mlp.") + name].weight, calib.second_moment(d, name))
-                    for d in depths)
+                return sum(
+                    aware.output_error(
+                        lin.weight,
+                        dict(model.model.layers[d].named_modules())[
+                            ("attn." if name[0] in "qkvo" else "mlp.") + name
+                        ].weight,
+                        calib.second_moment(d, name),
+                    )
+                    for d in depths
+                )
+
             e = {i: err(m) for i, m in conv.items()}
             assert e["aware"] <= e["average"] * (1 + 1e-6) and e["aware"] <= e["stepwise"] * (1 + 1e-6), (k, name, e)
 
@@ -177,8 +196,10 @@ def test_aware_init_minimises_the_output_error_of_every_linear(calibrated):
 def test_aware_svd_beats_svd_in_layer_output_error_at_equal_rank(calibrated):
     model, _, calib = calibrated
     calib_pd = aware.Calibration(**{**calib.__dict__, "fold_norms": False, "damp": 1e-8})
-    relaxed = {li: convert(model, 2, init="average", norms="per-depth", lora_ranks=8, lora_init=li,
-                           calibration=calib_pd) for li in ("svd", "aware-svd")}
+    relaxed = {
+        li: convert(model, 2, init="average", norms="per-depth", lora_ranks=8, lora_init=li, calibration=calib_pd)
+        for li in ("svd", "aware-svd")
+    }
     config = relaxed["svd"].config
     totals = {"svd": 0.0, "aware-svd": 0.0}
     for d, (k, slot) in enumerate(zip(config.layer_map, config.slot_map)):
@@ -186,8 +207,9 @@ def test_aware_svd_beats_svd_in_layer_output_error_at_equal_rank(calibrated):
             for path, lin in m.model.layers[k].named_modules():
                 if hasattr(lin, "merged_weight"):
                     orig = dict(model.model.layers[d].named_modules())[path].weight
-                    totals[li] += aware.output_error(lin.merged_weight(slot), orig,
-                                                     calib.second_moment(d, path.rsplit(".", 1)[-1]))
+                    totals[li] += aware.output_error(
+                        lin.merged_weight(slot), orig, calib.second_moment(d, path.rsplit(".", 1)[-1])
+                    )
     assert totals["aware-svd"] < 0.9 * totals["svd"], totals
 
 
@@ -197,13 +219,12 @@ def test_stepwise_tied_depth_keeps_the_zero_init_rule(calibrated, norms, fold):
     of shared layer 1) are the pretrained layers themselves, so their LoRAs get the zero init."""
     model, _, calib = calibrated
     calib = aware.Calibration(**{**calib.__dict__, "fold_norms": fold})
-    relaxed = convert(model, 2, init="stepwise", norms=norms, lora_ranks=4, lora_init="aware-svd",
-                      calibration=calib)
+    relaxed = convert(model, 2, init="stepwise", norms=norms, lora_ranks=4, lora_init="aware-svd", calibration=calib)
     q0, q1 = relaxed.model.layers[0].attn.q_proj, relaxed.model.layers[1].attn.q_proj
     assert not q0.lora_B[0].any() and q0.lora_A[0].any()  # depth 0 = layer 0
-    assert q0.lora_B[1].any()                              # depth 2 differs from layer 0
-    assert q1.lora_B[0].any()                              # depth 1 differs from layer 3
-    assert not q1.lora_B[1].any() and q1.lora_A[1].any()   # depth 3 = layer 3
+    assert q0.lora_B[1].any()  # depth 2 differs from layer 0
+    assert q1.lora_B[0].any()  # depth 1 differs from layer 3
+    assert not q1.lora_B[1].any() and q1.lora_A[1].any()  # depth 3 = layer 3
 
 
 def test_data_aware_inits_need_statistics_of_the_same_model(calibrated):

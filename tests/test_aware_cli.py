@@ -4,8 +4,8 @@ import json
 import random
 
 import pytest
-
-from conftest import run_cli as run, save_tiny_llama
+from conftest import run_cli as run
+from conftest import save_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -27,50 +27,110 @@ def calib_text(tmp_path_factory):
 
 def test_full_rank_data_aware_conversion_keeps_the_perplexity(hf_dir, calib_text, tmp_path):
     """Tied norms and all: a full-rank aware-svd model is the original model (plain svd is not)."""
-    common = ["--model", str(hf_dir), "--loops", "2", "--lora-rank", "full", "--norms", "tied-avg",
-              "--ppl-tokens", "256", "--json"]
-    aware = json.loads(run("convert", *common, "--out", str(tmp_path / "a"), "--init", "aware",
-                           "--lora-init", "aware-svd", "--calib-text", str(calib_text), "--calib-tokens", "512",
-                           "--calib-seq-len", "128").stdout)
+    common = [
+        str(hf_dir),
+        "--loops",
+        "2",
+        "--lora-rank",
+        "full",
+        "--norms",
+        "tied-avg",
+        "--scored-tokens",
+        "256",
+        "--json",
+    ]
+    aware = json.loads(
+        run(
+            "convert",
+            *common,
+            "--out",
+            str(tmp_path / "a"),
+            "--init",
+            "aware",
+            "--lora-init",
+            "aware-svd",
+            "--calib-text",
+            str(calib_text),
+            "--calib-tokens",
+            "512",
+            "--calib-seq-len",
+            "128",
+        ).stdout
+    )
     assert aware["calibration"]["tokens"] == 512 and aware["calibration"]["fold_norms"] is True
     assert aware["ppl_after"] == pytest.approx(aware["ppl_before"], rel=1e-4)
-    plain = json.loads(run("convert", *common, "--out", str(tmp_path / "p")).stdout)
+    plain = json.loads(run("convert", *common, "--out", str(tmp_path / "p"), "--lora-init", "svd").stdout)
     assert abs(plain["ppl_after"] / plain["ppl_before"] - 1) > 1e-3
     saved = json.loads((tmp_path / "a" / "config.json").read_text())
     assert saved["conversion"]["init"] == "aware" and saved["conversion"]["lora_init"] == "aware-svd"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--init", "aware"], "calibration"),
-    (["--lora-init", "aware-svd", "--lora-rank", "4"], "calibration"),
-    (["--init", "aware", "--calib-text", "HELDOUT"], "held-out"),
-    (["--init", "aware", "--calib-data", "NOWHERE"], "does not exist"),
-])
+def test_the_default_conversion_calibrates_on_the_shipped_text(hf_dir, tmp_path):
+    """With no calibration text given, the data-aware default (aware-svd LoRA, per-depth norms) calibrates on
+    the training-split text the package ships; plain SVD calibrates on nothing."""
+    from looplm.data import CALIBRATION_TEXT
+
+    common = ["convert", str(hf_dir), "--lora-rank", "4", "--scored-tokens", "0", "--calib-tokens", "256", "--json"]
+    default = json.loads(run(*common, "--out", str(tmp_path / "d")).stdout)
+    assert default["calibration"]["source"] == str(CALIBRATION_TEXT) and default["calibration"]["tokens"] == 256
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())["conversion"]
+    assert saved["lora_init"] == "aware-svd" and saved["norms"] == "per-depth"
+    plain = json.loads(run(*common, "--out", str(tmp_path / "p"), "--lora-init", "svd").stdout)
+    assert "calibration" not in plain
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["conversion"]["norms"] == "tied-avg"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--init", "aware", "--calib-text", "HELDOUT"], "held-out"),
+        (["--init", "aware", "--calib-data", "NOWHERE"], "does not exist"),
+    ],
+)
 def test_data_aware_conversion_refuses_missing_or_heldout_calibration(hf_dir, tmp_path, args, message):
     from looplm.data import sample_text
+
     held = tmp_path / "held.txt"
     held.write_text(sample_text())
     args = [str(held) if a == "HELDOUT" else str(tmp_path / "nowhere") if a == "NOWHERE" else a for a in args]
     out = tmp_path / "never"
-    proc = run("convert", "--model", str(hf_dir), "--out", str(out), "--ppl-tokens", "0", *args, check=False)
+    proc = run("convert", str(hf_dir), "--out", str(out), "--scored-tokens", "0", *args, check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()
 
 
 def test_gemma3_full_rank_aware_svd_is_exact_with_per_depth_norms_and_warns_with_tied(
-        smollm2_tokenizer, calib_text, tmp_path):
+    smollm2_tokenizer, calib_text, tmp_path
+):
     """Gemma 3's post-norms and q/k norms cannot be folded: per-depth norms keep the full-rank aware-svd
     model exact; tied norms get a warning that names the fix (--norms per-depth)."""
     from conftest import make_hf_model
+
     hf = make_hf_model("gemma3")
     hf.resize_token_embeddings(len(smollm2_tokenizer))
     d = tmp_path / "tiny-gemma3"
     hf.save_pretrained(d)
     smollm2_tokenizer.save_pretrained(d)
-    common = ["convert", "--model", str(d), "--loops", "2", "--lora-rank", "full", "--lora-init", "aware-svd",
-              "--calib-text", str(calib_text), "--calib-tokens", "512", "--calib-seq-len", "128",
-              "--ppl-tokens", "256", "--json"]
+    common = [
+        "convert",
+        str(d),
+        "--loops",
+        "2",
+        "--lora-rank",
+        "full",
+        "--lora-init",
+        "aware-svd",
+        "--calib-text",
+        str(calib_text),
+        "--calib-tokens",
+        "512",
+        "--calib-seq-len",
+        "128",
+        "--scored-tokens",
+        "256",
+        "--json",
+    ]
     exact = run(*common, "--norms", "per-depth", "--out", str(tmp_path / "pd"))
     result = json.loads(exact.stdout)
     assert result["ppl_after"] == pytest.approx(result["ppl_before"], rel=1e-4)

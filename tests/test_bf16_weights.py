@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from conftest import arrive_one_per_step
+from conftest import small_relaxed as _relaxed
 
 from looplm.cli import main
 from looplm.errors import UsageError
@@ -13,7 +15,7 @@ from looplm.models import quantized as Q
 from looplm.serve import Engine, Request, make_scheduler
 from looplm.serve.bench import agreement
 from looplm.serve.exits import parse_policy
-from conftest import arrive_one_per_step, small_relaxed as _relaxed
+
 
 def _cpu_bf16(monkeypatch, present: bool):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: present)
@@ -26,7 +28,7 @@ def test_bf16_is_offered_only_where_the_hardware_multiplies_it(monkeypatch, caps
     with pytest.raises(UsageError, match="--weights bf16 cannot run on cpu.*supported here: fp32"):
         Q.prepare(_relaxed(), "bf16")
     # the command: one line, exit code 2, before any model loads
-    assert main(["generate", "x", "--model", "no-such-model", "--weights", "bf16"]) == 2
+    assert main(["generate", "no-such-model", "x", "--weights", "bf16"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bf16" in err and "supported here: fp32" in err
     _cpu_bf16(monkeypatch, True)
@@ -78,8 +80,10 @@ def test_a_float_checkpoint_read_in_bf16_is_the_cast_model_without_a_float32_cop
     """load_model(..., dtype=bfloat16), as `serve|generate --weights bf16` read a float checkpoint: every
     floating tensor cast as it is read (no float32 copy of the model held), the rotary frequencies float32,
     the tied head still the embedding, and the same logits as the float32 model cast afterwards (to_bf16)."""
-    from looplm.models import load_model, save_model
     from test_train_fixtures import byte_tokenizer
+
+    from looplm.models import load_model, save_model
+
     _cpu_bf16(monkeypatch, True)
     model = _relaxed()
     save_model(model, byte_tokenizer("<a> <b>"), tmp_path / "m")

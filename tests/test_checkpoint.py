@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import make_hf_model
 from safetensors import safe_open
 
 import looplm  # noqa: F401  (registers the Auto classes)
 from looplm.convert import convert
 from looplm.models import ConfigError, from_hf_model, load_checkpoint, save_model
-from conftest import make_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def test_round_trip_is_bit_exact(relaxed, tmp_path):
 
 def test_auto_classes_open_a_saved_model(relaxed, tmp_path):
     from transformers import AutoModelForCausalLM
+
     save_model(relaxed, None, tmp_path / "m")
     auto = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     assert type(auto).__name__ == "LoopLMForCausalLM"
@@ -52,6 +53,7 @@ def test_shared_weights_are_stored_once(tmp_path):
     def layer_bytes(d):
         with safe_open(str(d / "model.safetensors"), "pt") as f:
             return sum(f.get_tensor(k).numel() * 4 for k in f.keys() if ".layers." in k)
+
     assert layer_bytes(tmp_path / "r") * 2 == layer_bytes(tmp_path / "v")
 
 
@@ -78,6 +80,7 @@ def test_failed_save_leaves_nothing_behind(relaxed, tmp_path, monkeypatch):
 
     def boom(*a, **k):
         raise OSError("disk full")
+
     monkeypatch.setattr(ckpt, "save_file", boom)
     with pytest.raises(OSError):
         save_model(relaxed, None, tmp_path / "m")

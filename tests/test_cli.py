@@ -4,14 +4,26 @@
 import json
 
 import pytest
-
 from conftest import run_cli as run
 
 
 def test_convert_info_eval(hf_dir, tmp_path):
     out = tmp_path / "relaxed"
-    result = json.loads(run("convert", "--model", str(hf_dir), "--loops", "2", "--lora-rank", "8",
-                            "--out", str(out), "--ppl-tokens", "256", "--json").stdout)
+    result = json.loads(
+        run(
+            "convert",
+            str(hf_dir),
+            "--loops",
+            "2",
+            "--lora-rank",
+            "8",
+            "--out",
+            str(out),
+            "--scored-tokens",
+            "256",
+            "--json",
+        ).stdout
+    )
     assert result["n_emb_after"] < result["n_emb_before"]
     assert result["ppl_before"] > 1 and result["ppl_after"] > 1 and result["ppl_tokens"] == 256
     assert (out / "config.json").exists() and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
@@ -19,39 +31,44 @@ def test_convert_info_eval(hf_dir, tmp_path):
     info = json.loads(run("info", str(out), "--json").stdout)
     assert info["loops"] == 2 and info["layer_map"] == [0, 1, 0, 1] and info["n_emb"] == result["n_emb_after"]
 
-    ppl = json.loads(run("eval", "ppl", str(out), "--json", "--max-tokens", "200").stdout)
+    ppl = json.loads(run("eval", "ppl", str(out), "--json", "--scored-tokens", "200").stdout)
     assert ppl["tokens"] == 200 and ppl["perplexity"] > 1 and len(ppl["per_loop"]) == 2
-    exit1 = json.loads(run("eval", "ppl", str(out), "--json", "--max-tokens", "200", "--exit-loop", "1").stdout)
+    exit1 = json.loads(run("eval", "ppl", str(out), "--json", "--scored-tokens", "200", "--exit-loop", "1").stdout)
     assert exit1["perplexity"] == pytest.approx(ppl["per_loop"][0]["perplexity"], rel=1e-6)
 
     unrolled = tmp_path / "unrolled"
     run("unroll", str(out), "--out", str(unrolled))
     assert json.loads(run("info", str(unrolled), "--json").stdout)["loops"] == 1
-    dense_ppl = json.loads(run("eval", "ppl", str(unrolled), "--json", "--max-tokens", "200").stdout)
+    dense_ppl = json.loads(run("eval", "ppl", str(unrolled), "--json", "--scored-tokens", "200").stdout)
     assert dense_ppl["perplexity"] == pytest.approx(ppl["perplexity"], rel=1e-4)
 
-    human = run("convert", "--model", str(hf_dir), "--lora-rank", "0", "--out", str(tmp_path / "rec"),
-                "--ppl-tokens", "0").stdout
+    human = run(
+        "convert", str(hf_dir), "--lora-rank", "0", "--out", str(tmp_path / "rec"), "--scored-tokens", "0"
+    ).stdout
     assert "N-emb" in human and "wrote" in human
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--loops", "3"], "does not divide"),
-    (["--lora-rank", "-1"], "negative"),
-    (["--lora-ranks", "attn=4"], "unknown LoRA group"),
-    (["--init", "middle"], "unknown --init"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--loops", "3"], "does not divide"),
+        (["--lora-rank", "-1"], "negative"),
+        (["--lora-ranks", "attn=4"], "unknown LoRA group"),
+        (["--relax", "prefix", "--prefix-length", "-1"], "--prefix-length must be >= 0"),
+    ],
+)
 def test_bad_convert_input(hf_dir, tmp_path, args, message):
     out = tmp_path / "never"
-    proc = run("convert", "--model", str(hf_dir), "--out", str(out), "--ppl-tokens", "0", *args, check=False)
+    proc = run("convert", str(hf_dir), "--out", str(out), "--scored-tokens", "0", *args, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_rank_above_a_linear_is_capped_with_a_note(hf_dir, tmp_path):
-    proc = run("convert", "--model", str(hf_dir), "--out", str(tmp_path / "m"), "--ppl-tokens", "0",
-               "--lora-rank", "1000", "--json")
+    proc = run(
+        "convert", str(hf_dir), "--out", str(tmp_path / "m"), "--scored-tokens", "0", "--lora-rank", "1000", "--json"
+    )
     assert "LoRA rank 1000 for group kv is capped at" in proc.stderr
     assert json.loads(proc.stdout)["lora_ranks"]["kv"] < 1000
 
@@ -63,7 +80,7 @@ def test_unknown_model_name(tmp_path):
 
 def test_corrupt_checkpoint(hf_dir, tmp_path):
     out = tmp_path / "m"
-    run("convert", "--model", str(hf_dir), "--lora-rank", "0", "--out", str(out), "--ppl-tokens", "0")
+    run("convert", str(hf_dir), "--lora-rank", "0", "--out", str(out), "--scored-tokens", "0")
     weights = out / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     proc = run("eval", "ppl", str(out), check=False)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import FAMILIES, make_hf_model
 
 from looplm.convert import convert, count_parameters, parse_lora_ranks, stepwise_layers, svd_factors, unroll
 from looplm.models import ConfigError, from_hf_model, layer_map, slot_map
-from conftest import FAMILIES, make_hf_model
 
 
 def test_layer_maps():
@@ -106,8 +106,9 @@ def test_rank_zero_lora_is_exactly_the_recursive_model(vanilla):
 def test_full_rank_per_depth_recovers_the_original(family, strategy):
     hf = make_hf_model(family)
     vanilla = from_hf_model(hf)
-    relaxed = convert(vanilla, loops=2, strategy=strategy, init="average", norms="per-depth",
-                      lora_ranks="full", lora_init="svd")
+    relaxed = convert(
+        vanilla, loops=2, strategy=strategy, init="average", norms="per-depth", lora_ranks="full", lora_init="svd"
+    )
     ids = torch.randint(0, 128, (2, 20))
     with torch.no_grad():
         ref = hf(ids).logits
@@ -147,9 +148,9 @@ def test_zero_init_where_the_shared_weight_is_pretrained(vanilla):
     """Stepwise copies layers 0 and 3; their depths' LoRAs get A Gaussian, B zero (appendix C)."""
     relaxed = convert(vanilla, loops=2, init="stepwise", lora_ranks=4, lora_init="svd")
     q0, q1 = _layer(relaxed, 0).attn.q_proj, _layer(relaxed, 1).attn.q_proj
-    assert not q0.lora_B[0].any() and q0.lora_A[0].any()    # depth 0 = layer 0 itself
-    assert q0.lora_B[1].any()                                # depth 2 differs from layer 0
-    assert q1.lora_B[0].any() and not q1.lora_B[1].any()     # shared layer 1 = pretrained layer 3 = depth 3
+    assert not q0.lora_B[0].any() and q0.lora_A[0].any()  # depth 0 = layer 0 itself
+    assert q0.lora_B[1].any()  # depth 2 differs from layer 0
+    assert q1.lora_B[0].any() and not q1.lora_B[1].any()  # shared layer 1 = pretrained layer 3 = depth 3
 
 
 def test_parameter_counts(vanilla):
@@ -162,8 +163,12 @@ def test_parameter_counts(vanilla):
     assert rec["n_emb"] == 2 * layer + norm
     relaxed = count_parameters(convert(vanilla, loops=2, lora_ranks=8))
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_depth = 8 * ((c.hidden_size + q_out) + 2 * (c.hidden_size + kv_out) + (q_out + c.hidden_size)
-                     + 3 * (c.hidden_size + c.intermediate_size))
+    per_depth = 8 * (
+        (c.hidden_size + q_out)
+        + 2 * (c.hidden_size + kv_out)
+        + (q_out + c.hidden_size)
+        + 3 * (c.hidden_size + c.intermediate_size)
+    )
     assert relaxed["lora"] == 4 * per_depth
     assert relaxed["n_emb"] == rec["n_emb"] + relaxed["lora"]
 
@@ -190,6 +195,7 @@ def test_rank_validation(vanilla):
 def test_merged_lora_path_equals_the_two_matmul_path():
     """Large batches run W + B_s A_s as one weight (fewer FLOPs); outputs and gradients must not change."""
     from looplm.models.layers import LoopLinear
+
     torch.manual_seed(0)
     lin = LoopLinear(16, 24, bias=True, num_slots=2, bias_slots=2, rank=4)
     for p in lin.parameters():

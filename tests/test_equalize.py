@@ -6,24 +6,46 @@ import copy
 
 import pytest
 import torch
+from test_gptq import FORMATS
+from test_train_fixtures import build_corpus, make_models
 
 from looplm.cli import main
 from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model
 from looplm.models import equalize as EQ
 from looplm.models import gptq as G
 from looplm.models import quantized as Q
-from test_gptq import FORMATS
-from test_train_fixtures import build_corpus, make_models
 
-TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, initializer_range=0.2, num_loops=2, per_depth_vectors=True,
-            lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2})
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+    num_loops=2,
+    per_depth_vectors=True,
+    lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2},
+)
 FAMILIES = {
     "llama": dict(prefix_length=2, attention_bias=True, mlp_bias=True),
-    "gemma": dict(family="gemma3", norm_type="rms_plus1", sandwich_norms=True, qk_norm=True,
-                  hidden_act="gelu_pytorch_tanh", rope={"full": {"theta": 1e4, "type": "default"}}),
-    "neox": dict(family="gpt_neox", norm_type="layer", parallel_residual=True, mlp_type="plain", hidden_act="gelu",
-                 attention_bias=True, mlp_bias=True),
+    "gemma": dict(
+        family="gemma3",
+        norm_type="rms_plus1",
+        sandwich_norms=True,
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        rope={"full": {"theta": 1e4, "type": "default"}},
+    ),
+    "neox": dict(
+        family="gpt_neox",
+        norm_type="layer",
+        parallel_residual=True,
+        mlp_type="plain",
+        hidden_act="gelu",
+        attention_bias=True,
+        mlp_bias=True,
+    ),
 }
 
 
@@ -62,8 +84,9 @@ def test_equalizing_keeps_the_function_and_returns_the_scaled_inputs_moments(fam
     assert all(g["error"] <= g["error_before"] for g in groups)
     assert sum(g["alpha"] + g["beta"] > 0 for g in groups) >= len(groups) // 2  # the outliers are worth scaling
     kinds = {g["linears"][0].rsplit(".", 1)[1] for g in groups}
-    assert kinds == ({"q_proj", "up_proj", "o_proj"} if family == "neox" else {"q_proj", "gate_proj", "down_proj",
-                                                                               "o_proj"})
+    assert kinds == (
+        {"q_proj", "up_proj", "o_proj"} if family == "neox" else {"q_proj", "gate_proj", "down_proj", "o_proj"}
+    )
     again = G.input_moments(model, ids)  # what the scaled model's linears read
     for name, per_slot in again.items():
         for slot, h in per_slot.items() if name != "lm_head" else ():
@@ -79,8 +102,9 @@ def test_an_equalized_int8_model_moves_less_on_outlier_channels(rounding):
     layers_only = {k: v for k, v in moments.items() if k != "lm_head"}  # as test_gptq: the toy's tied head aside
     with torch.no_grad():
         ref = model(ids).logits
-        plain = Q.quantize_model(copy.deepcopy(model), "int8", act_dtype=torch.float32,
-                                 moments=layers_only if rounding == "gptq" else None)
+        plain = Q.quantize_model(
+            copy.deepcopy(model), "int8", act_dtype=torch.float32, moments=layers_only if rounding == "gptq" else None
+        )
         eq = copy.deepcopy(model)
         scaled, _ = EQ.equalize(eq, layers_only, "int8")
         eq = Q.quantize_model(eq, "int8", act_dtype=torch.float32, moments=scaled if rounding == "gptq" else None)
@@ -99,8 +123,24 @@ def test_quantize_equalize_command(tmp_path, capsys):
     models = make_models(tmp_path)
     corpus = build_corpus(tmp_path, models["student"], seq_len=32)
     fmt, out = "int8", tmp_path / "q"
-    assert main(["quantize", str(models["student"]), "--out", str(out), "--weights", fmt,
-                 "--calibrate", str(corpus), "--calibration-rows", "4", "--equalize"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(models["student"]),
+                "--out",
+                str(out),
+                "--weights",
+                fmt,
+                "--calib-data",
+                str(corpus),
+                "--calib-rows",
+                "4",
+                "--equalize",
+            ]
+        )
+        == 0
+    )
     assert "input channels equalized" in capsys.readouterr().out
     back = load_model(out)[0]
     rec = back.config.quantization
@@ -111,4 +151,4 @@ def test_quantize_equalize_command(tmp_path, capsys):
     assert (got - want).norm() < 0.03 * want.norm()  # 0.013 here; 0.058 if the norms kept their scales
     assert main(["quantize", str(models["student"]), "--out", str(tmp_path / "bad"), "--equalize"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--calibrate" in err and not (tmp_path / "bad").exists()
+    assert len(err.splitlines()) == 1 and "--calib-data" in err and not (tmp_path / "bad").exists()

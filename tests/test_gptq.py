@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
+from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_vanilla
 
 from looplm.cli import main
 from looplm.convert import convert
 from looplm.models import gptq as G
 from looplm.models import load_model
 from looplm.models import quantized as Q
-from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_vanilla
 
 FORMATS = [f for f in ("int8", "int4") if f in Q.supported_formats("cpu")]
 
@@ -65,6 +65,7 @@ def test_the_grid_step_sort_is_paid_only_by_weights_on_a_grid(monkeypatch):
     """The sort behind the grid-step candidate costs a quarter of an int4 load; a float weight (32 distinct values
     per group) and a grid the ranges already reproduce must not pay it, a grid whose codes miss 0 and 15 must."""
     from looplm.models import grids
+
     calls = []
     real = grids._grid_step
     monkeypatch.setattr(grids, "_grid_step", lambda *a: calls.append(1) or real(*a))
@@ -73,8 +74,8 @@ def test_the_grid_step_sort_is_paid_only_by_weights_on_a_grid(monkeypatch):
     grids.int4_portable(w)
     assert calls == []
     grids.int4_portable(Q.dequantize(Q.portable(w, "int4")))  # on a grid whose codes reach 0 and 15: the ranges
-    assert calls == []                                       # reproduce it (a Q4_1 model's weights are such)
-    codes = torch.randint(2, 14, (64, 4, 32)).float()         # codes missing 0 and 15, as GPTQ's may
+    assert calls == []  # reproduce it (a Q4_1 model's weights are such)
+    codes = torch.randint(2, 14, (64, 4, 32)).float()  # codes missing 0 and 15, as GPTQ's may
     gridded = (codes * (torch.rand(64, 4, 1) * 0.01 + 1e-3) + torch.randn(64, 4, 1) * 0.01).reshape(64, 128)
     assert Q.relative_error(gridded, "int4") < 1e-6
     assert calls == [1]
@@ -94,8 +95,9 @@ def test_input_moments_record_each_depth_under_its_slot():
             assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
     tokens = rows.numel()  # the head's input is the final norm's output: one row per token
     assert got["lm_head"].shape == (64, 64) and torch.allclose(got["lm_head"], want["lm_head"], rtol=1e-3, atol=1e-2)
-    assert torch.allclose(torch.diag(want["lm_head"]).sum() / tokens, torch.tensor(64.0, dtype=torch.float64),
-                          rtol=0.5)  # RMS-normed rows with unit weights: about 1 per channel
+    assert torch.allclose(
+        torch.diag(want["lm_head"]).sum() / tokens, torch.tensor(64.0, dtype=torch.float64), rtol=0.5
+    )  # RMS-normed rows with unit weights: about 1 per channel
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -107,7 +109,7 @@ def test_a_gptq_model_is_closer_to_the_float_one(fmt, lora):
     moments = G.input_moments(model, rows)  # a real model's correlated ones nearly do; GPTQ uses the rest
     # The layers only: this toy's tied head rounded for its output moves the embedding rows it shares more than
     # rounding to nearest does, and on this random model that costs more than it gains (on SmolLM2 it pays:
-    # docs/SERVING.md). The head's own output error is checked below.
+    # docs/guides/quantize-export.md). The head's own output error is checked below.
     layers_only = {k: v for k, v in moments.items() if k != "lm_head"}
     with torch.no_grad():
         ref = model(rows).logits
@@ -125,7 +127,9 @@ def test_a_gptq_model_is_closer_to_the_float_one(fmt, lora):
             h = moments[name][s] if merged else sum(moments[name].values())
             assert G.output_error(w, tensors[key], h) < G.output_error(w, Q.portable(w, fmt), h)
     head, h = model.lm_head.weight, moments["lm_head"]  # tied: the embedding's table is rounded for the head
-    assert G.output_error(head, tensors["model.embed_tokens.weight"], h) < G.output_error(head, Q.int8_portable(head), h)
+    assert G.output_error(head, tensors["model.embed_tokens.weight"], h) < G.output_error(
+        head, Q.int8_portable(head), h
+    )
 
 
 @pytest.mark.skipif(not FORMATS, reason="this torch build runs neither weight-only op on CPU")
@@ -134,22 +138,44 @@ def test_quantize_calibrate_command(tmp_path, capsys):
     corpus = build_corpus(tmp_path, models["student"], seq_len=32)
     out = tmp_path / "q"
     fmt = FORMATS[-1]
-    assert main(["quantize", str(models["student"]), "--out", str(out), "--weights", fmt,
-                 "--calibrate", str(corpus), "--calibration-rows", "4"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(models["student"]),
+                "--out",
+                str(out),
+                "--weights",
+                fmt,
+                "--calib-data",
+                str(corpus),
+                "--calib-rows",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert "GPTQ on 128 calibration tokens" in capsys.readouterr().out
     back, _ = load_model(out)
     rec = back.config.quantization
-    assert rec["rounding"] == "gptq" and rec["calibration"] == {"data": str(corpus), "split": "train", "rows": 4,
-                                                                 "tokens": 128}
+    assert rec["rounding"] == "gptq" and rec["calibration"] == {
+        "data": str(corpus),
+        "split": "train",
+        "rows": 4,
+        "tokens": 128,
+    }
     # refusals: one line, exit code 2, nothing written
-    for bad, msg in ((["--calibration-rows", "0"], "must be positive"),
-                     (["--calibrate", str(tmp_path / "none")], "does not exist")):
+    for bad, msg in (
+        (["--calib-rows", "0"], "must be positive"),
+        (["--calib-data", str(tmp_path / "none")], "does not exist"),
+    ):
         assert main(["quantize", str(models["student"]), "--out", str(tmp_path / "bad"), *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and msg in err and not (tmp_path / "bad").exists()
     other = tmp_path / "other"
     from looplm.models import save_model
+
     save_model(load_model(models["student"])[0], byte_tokenizer("<extra>"), other)  # another vocabulary
-    assert main(["quantize", str(other), "--out", str(tmp_path / "bad"), "--calibrate", str(corpus)]) == 2
+    assert main(["quantize", str(other), "--out", str(tmp_path / "bad"), "--calib-data", str(corpus)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "another tokenizer" in err

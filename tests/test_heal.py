@@ -17,29 +17,56 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train_fixtures import (SRC, build_corpus, byte_tokenizer, make_models, ood_texts,  # noqa: F401 (fixture)
-                                 run_cli, tiny_vanilla)
+from test_train_fixtures import SRC, build_corpus, byte_tokenizer, make_models, ood_texts, run_cli, tiny_vanilla  # noqa: F401 (fixture)
 
-from looplm.errors import UsageError
 from looplm.convert import convert
-from looplm.models import load_model, save_model
 from looplm.data.corpus import PackedCorpus
-from looplm.train.heal import (HealConfig, Healer, cached_rows, heal, relative_error, relative_error_log1p, replan_due,
-                               streamed_rows)
+from looplm.errors import UsageError
+from looplm.models import load_model, save_model
+from looplm.train.heal import (
+    HealConfig,
+    Healer,
+    cached_rows,
+    heal,
+    relative_error,
+    relative_error_log1p,
+    replan_due,
+    streamed_rows,
+)
 from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, one_torch_thread, ood_texts):
+def setup(tmp_path_factory, one_torch_thread, ood_texts):  # noqa: F811 (the fixture)
     tmp = tmp_path_factory.mktemp("heal")
     models = make_models(tmp)
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
 
 
 def heal_args(models, corpus, out, *extra):
-    return ["heal", models["student"], "--teacher", models["teacher"], "--data", corpus, "--out", out,
-            "--seq-len", 32, "--cache-rows", 16, "--local-batch", 2, "--e2e-batch", 2, "--eval-rows", 4,
-            "--no-progress", *extra]
+    return [
+        "heal",
+        models["student"],
+        "--teacher",
+        models["teacher"],
+        "--data",
+        corpus,
+        "--out",
+        out,
+        "--seq-len",
+        32,
+        "--cache-rows",
+        16,
+        "--local-batch",
+        2,
+        "--e2e-batch",
+        2,
+        "--eval-rows",
+        4,
+        "--no-progress",
+        "--no-compile",
+        *extra,
+    ]
 
 
 def test_relative_error_is_per_token():
@@ -75,8 +102,9 @@ def test_cache_built_under_autocast_records_it_and_stays_close_to_float32(setup)
     rows = np.array([0, 3, 5])
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     exact = build_cache(teacher, corpus, tmp / "cache-f32", rows, 32, progress=False, log=lambda *a: None)
-    rounded = build_cache(teacher, corpus, tmp / "cache-bf16", rows, 32, progress=False, log=lambda *a: None,
-                          autocast=bf16)
+    rounded = build_cache(
+        teacher, corpus, tmp / "cache-bf16", rows, 32, progress=False, log=lambda *a: None, autocast=bf16
+    )
     assert exact.meta["computed_in"] == "float32" and rounded.meta["computed_in"] == "bfloat16"
     L = teacher.config.num_hidden_layers
     for b in (1, L):
@@ -129,14 +157,26 @@ def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
     rounding, which checks that the cache pairs (input, output) with the right depth, slot and layer."""
     _, models, corpus = setup
     teacher, tok = load_model(models["teacher"])
-    exact = convert(teacher.double(), loops=2, init="average", norms="per-depth", lora_ranks="full",
-                    lora_init="svd").float()
+    exact = convert(
+        teacher.double(), loops=2, init="average", norms="per-depth", lora_ranks="full", lora_init="svd"
+    ).float()
     student = save_model(exact, tok, tmp_path / "exact")
-    healer = Healer(HealConfig(model=str(student), teacher=models["teacher"], data=str(corpus),
-                               out=str(tmp_path / "run"), tokens=64, seq_len=32, cache_rows=4, local_batch=2))
+    healer = Healer(
+        HealConfig(
+            model=str(student),
+            teacher=models["teacher"],
+            data=str(corpus),
+            out=str(tmp_path / "run"),
+            tokens=64,
+            seq_len=32,
+            cache_rows=4,
+            local_batch=2,
+        )
+    )
     healer.prepare()
-    healer.cache = build_cache(healer.teacher, healer.corpus, tmp_path / "cache", healer.rows, 32, progress=False,
-                               log=lambda *a: None)
+    healer.cache = build_cache(
+        healer.teacher, healer.corpus, tmp_path / "cache", healer.rows, 32, progress=False, log=lambda *a: None
+    )
     m = healer.student
     for layer in range(m.config.num_shared_layers):
         opt = torch.optim.SGD(m.model.layers[layer].parameters(), lr=0.0)
@@ -158,9 +198,22 @@ def _student_gap(models, model_dir, corpus_dir):
 def test_local_stage_lowers_every_layers_error(setup, mode):
     tmp, models, corpus = setup
     out = tmp / f"local-{mode}"
-    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                     tokens=64 * 40, local_share=1.0, local_mode=mode, seq_len=32, cache_rows=16, local_batch=2,
-                     local_lr=3e-3, eval_rows=4, progress=False, cache=str(tmp / f"cache-{mode}"))
+    cfg = HealConfig(
+        model=str(models["student"]),
+        teacher=str(models["teacher"]),
+        data=str(corpus),
+        out=str(out),
+        tokens=64 * 40,
+        local_share=1.0,
+        local_mode=mode,
+        seq_len=32,
+        cache_rows=16,
+        local_batch=2,
+        local_lr=3e-3,
+        eval_rows=4,
+        progress=False,
+        cache=str(tmp / f"cache-{mode}"),
+    )
     r = heal(cfg, log=lambda *a: None)
     visits = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     visits = [v for v in visits if v.get("stage") == "local"]
@@ -175,10 +228,14 @@ def test_local_stage_lowers_every_layers_error(setup, mode):
 def test_kill9_resumes_and_heals(setup):
     tmp, models, corpus = setup
     out = tmp / "killed"
-    args = heal_args(models, corpus, out, "--tokens", 64 * 60, "--local-lr", 3e-3, "--e2e-lr", 1e-3)
+    args = heal_args(models, corpus, out, "--train-tokens", 64 * 60, "--local-lr", 3e-3, "--e2e-lr", 1e-3)
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", *map(str, args)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "looplm.cli", *map(str, args)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 200
     while time.time() < deadline and not (out / "latest").exists():
         time.sleep(0.02)
@@ -218,9 +275,22 @@ def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
     and the healed model is saved with its adapter."""
     tmp, models, corpus = setup
     out = tmp / "exit-stage"
-    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                     tokens=64 * 40, local_share=0.0, exit_share=0.5, exit_lr=1e-2, seq_len=32, cache_rows=16,
-                     e2e_batch=2, eval_rows=4, progress=False, cache=str(tmp / "cache-exit"))
+    cfg = HealConfig(
+        model=str(models["student"]),
+        teacher=str(models["teacher"]),
+        data=str(corpus),
+        out=str(out),
+        tokens=64 * 40,
+        local_share=0.0,
+        exit_share=0.5,
+        exit_lr=1e-2,
+        seq_len=32,
+        cache_rows=16,
+        e2e_batch=2,
+        eval_rows=4,
+        progress=False,
+        cache=str(tmp / "cache-exit"),
+    )
     r = heal(cfg, log=lambda *a: None)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     exits = [x for x in records if x.get("stage") == "exit"]
@@ -239,11 +309,27 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
     (--exit-target teacher) or the student's own full-depth output (final), whose logits get no gradient from
     it: the logged term is that KL computed from the logits, and the step moves the shared body."""
     from looplm.train.losses import kd_loss
+
     tmp, models, corpus = setup
-    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus),
-                     out=str(tmp / f"exit-term-{target}"), tokens=64 * 4, local_share=0.0, exit_share=0.0,
-                     exit_weight=1.0, exit_target=target, e2e_rows="online", precision="fp32", seq_len=32,
-                     cache_rows=4, e2e_batch=2, eval_rows=4, progress=False, cache=str(tmp / "cache-exit-term"))
+    cfg = HealConfig(
+        model=str(models["student"]),
+        teacher=str(models["teacher"]),
+        data=str(corpus),
+        out=str(tmp / f"exit-term-{target}"),
+        tokens=64 * 4,
+        local_share=0.0,
+        exit_share=0.0,
+        exit_weight=1.0,
+        exit_target=target,
+        e2e_rows="online",
+        precision="fp32",
+        seq_len=32,
+        cache_rows=4,
+        e2e_batch=2,
+        eval_rows=4,
+        progress=False,
+        cache=str(tmp / "cache-exit-term"),
+    )
     healer = Healer(cfg, log=lambda *a: None)
     healer.prepare()
     model = healer.student
@@ -252,8 +338,11 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
     with torch.no_grad():
         _, states, _ = model.model(ids, output_depth_states=True)
         exit1 = model.exit_logits(states[K - 1], 0)
-        want = model.exit_logits(states[-1]) if target == "final" else \
-            healer.teacher.lm_head(healer.teacher.exit_states(boundary(healer.teacher.config.num_hidden_layers)))
+        want = (
+            model.exit_logits(states[-1])
+            if target == "final"
+            else healer.teacher.lm_head(healer.teacher.exit_states(boundary(healer.teacher.config.num_hidden_layers)))
+        )
     before = [p.detach().clone() for p in model.model.layers.parameters()]
     params = healer._trainable(model)
     parts = healer._e2e_step(model, 0, torch.optim.SGD(params, lr=1e-2), 1e-2)
@@ -261,8 +350,9 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
     assert parts["loss"] == pytest.approx(parts["kd"] + parts["hidden"] + parts["kd_exit1"], rel=1e-5)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.model.layers.parameters()))
     with pytest.raises(UsageError, match="--exit-target"):
-        Healer(HealConfig(**{**cfg.__dict__, "exit_target": "bogus", "out": str(tmp / "bogus")}),
-               log=lambda *a: None).prepare()
+        Healer(
+            HealConfig(**{**cfg.__dict__, "exit_target": "bogus", "out": str(tmp / "bogus")}), log=lambda *a: None
+        ).prepare()
 
 
 def test_online_rows_read_the_whole_training_split_with_the_originals_states(setup):
@@ -272,9 +362,22 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
     the other row source."""
     tmp, models, corpus = setup
     out = tmp / "online"
-    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                     tokens=64 * 40, local_share=0.0, e2e_rows="online", e2e_lr=1e-3, seq_len=32, cache_rows=4,
-                     e2e_batch=2, eval_rows=4, progress=False, cache=str(tmp / "cache-online"))
+    cfg = HealConfig(
+        model=str(models["student"]),
+        teacher=str(models["teacher"]),
+        data=str(corpus),
+        out=str(out),
+        tokens=64 * 40,
+        local_share=0.0,
+        e2e_rows="online",
+        e2e_lr=1e-3,
+        seq_len=32,
+        cache_rows=4,
+        e2e_batch=2,
+        eval_rows=4,
+        progress=False,
+        cache=str(tmp / "cache-online"),
+    )
     healer = Healer(cfg, log=lambda *a: None)
     healer.prepare()
     train = healer.corpus.splits["train"]
@@ -286,7 +389,7 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
     seen = []
     for step in range(3):
         ids, boundary = healer._batch(step, "e2e")
-        rows = stream[step * 2:step * 2 + 2]
+        rows = stream[step * 2 : step * 2 + 2]
         seen += rows.tolist()
         assert torch.equal(ids, torch.from_numpy(np.asarray(train[rows][:, :32], dtype=np.int64)))
         L = healer.teacher.config.num_hidden_layers
@@ -295,11 +398,12 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
         assert all(torch.equal(boundary(b), want[b].float()) for b in (0, L // 2, L))
     assert len(set(seen)) == 6 and not set(seen) <= set(healer.rows.tolist())
     ids, _ = healer._batch(0, "exit")
-    half = stream[len(stream) // 2:len(stream) // 2 + 2]
+    half = stream[len(stream) // 2 : len(stream) // 2 + 2]
     assert torch.equal(ids, torch.from_numpy(np.asarray(train[half][:, :32], dtype=np.int64)))
     # the cache's states of a row are the states computed online (bf16 rounding apart)
-    cache = build_cache(healer.teacher, healer.corpus, tmp / "cache-online", healer.rows, 32, progress=False,
-                        log=lambda *a: None)
+    cache = build_cache(
+        healer.teacher, healer.corpus, tmp / "cache-online", healer.rows, 32, progress=False, log=lambda *a: None
+    )
     ids = cache.tokens(healer.corpus, [0, 1])
     online = teacher_states(healer.teacher, ids)
     assert all(relative_error(online[b], cache.boundary(b, [0, 1])) < 1e-4 for b in (1, L))
@@ -309,8 +413,11 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
     assert len([x for x in steps if x.get("stage") == "e2e"]) == 36
     assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
     assert r["healed"]["eval_tokens"] > 0
-    r = run_cli(*heal_args(models, corpus, out, "--tokens", 64 * 40, "--local-share", 0, "--e2e-rows", "cache",
-                           "--resume"))
+    r = run_cli(
+        *heal_args(
+            models, corpus, out, "--train-tokens", 64 * 40, "--local-share", 0, "--e2e-rows", "cache", "--resume"
+        )
+    )
     assert r.returncode == 2 and "e2e_rows: 'online' -> 'cache'" in r.stderr, r.stderr
 
 
@@ -318,12 +425,27 @@ def test_rounded_base_weights_stay_on_their_grid_while_the_rest_learns(setup):
     """--base-weights int4: the shared weights are rounded by GPTQ before the first stage and stay frozen on
     the int4 grid through both stages (quantizing the result rounds nothing new); the LoRA and norms learn."""
     from looplm.models import quantized as Q
+
     tmp, models, corpus = setup
     out = tmp / "int4-base"
-    cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                     tokens=64 * 40, local_lr=3e-3, e2e_lr=1e-3, exit_adapter="none", base_weights="int4",
-                     seq_len=32, cache_rows=16, local_batch=2, e2e_batch=2, eval_rows=4, progress=False,
-                     cache=str(tmp / "cache-int4"))
+    cfg = HealConfig(
+        model=str(models["student"]),
+        teacher=str(models["teacher"]),
+        data=str(corpus),
+        out=str(out),
+        tokens=64 * 40,
+        local_lr=3e-3,
+        e2e_lr=1e-3,
+        exit_adapter="none",
+        base_weights="int4",
+        seq_len=32,
+        cache_rows=16,
+        local_batch=2,
+        e2e_batch=2,
+        eval_rows=4,
+        progress=False,
+        cache=str(tmp / "cache-int4"),
+    )
     heal(cfg, log=lambda *a: None)
     before, _ = load_model(models["student"])
     after, _ = load_model(out / "final")
@@ -341,26 +463,26 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     tmp, models, corpus = setup
     cases = [
         (["--budget-minutes", 0], "budget must be positive"),
-        (["--tokens", -5], "budget must be positive"),
-        (["--tokens", 100, "--local-mode", "diagonal"], "unknown --local-mode"),
-        (["--tokens", 100, "--exit-share", 1.5], "--exit-share 1.5 must be a fraction"),
-        (["--tokens", 100, "--exit-adapter", "conv"], "unknown exit adapter kind"),
-        (["--tokens", 100, "--base-weights", "int3"], "unknown --base-weights 'int3'"),
-        (["--tokens", 100, "--hidden-loss", "l1"], "unknown --hidden-loss 'l1'"),
+        (["--train-tokens", -5], "budget must be positive"),
+        (["--train-tokens", 100, "--exit-share", 1.5], "--exit-share 1.5 must be a fraction"),
+        (["--train-tokens", 100, "--exit-adapter", "conv"], "unknown exit adapter kind"),
     ]
     for extra, message in cases:
         r = run_cli(*heal_args(models, corpus, tmp_path / "bad", *extra))
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for flag, value in (("--local-mode", "diagonal"), ("--base-weights", "int3"), ("--hidden-loss", "l1")):
+        r = run_cli(*heal_args(models, corpus, tmp_path / "bad", "--train-tokens", 100, flag, value))
+        assert r.returncode == 2 and f"argument {flag}: invalid choice: '{value}'" in r.stderr, r.stderr
     # a teacher with another vocabulary
     other = save_model(tiny_vanilla(vocab=262), byte_tokenizer("<a> <b>"), tmp_path / "other")
-    args = heal_args(models, corpus, tmp_path / "bad2", "--tokens", 100)
+    args = heal_args(models, corpus, tmp_path / "bad2", "--train-tokens", 100)
     args[3] = other
     r = run_cli(*args)
     assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr
     # a corrupt cache given with --cache
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "meta.json").write_text("{not json")
-    r = run_cli(*heal_args(models, corpus, tmp_path / "bad3", "--tokens", 100, "--cache", tmp_path / "cache"))
+    r = run_cli(*heal_args(models, corpus, tmp_path / "bad3", "--train-tokens", 100, "--cache", tmp_path / "cache"))
     assert r.returncode == 2 and "corrupt" in r.stderr, r.stderr
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
 
@@ -394,8 +516,11 @@ def test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage(setup):
     r = run_cli(*heal_args(models, corpus, out, "--budget-minutes", 0.25, "--local-share", 0.1, "--e2e-rows", "cache"))
     assert r.returncode == 0, r.stderr
     plan = json.loads((out / "run.json").read_text())["plan"]
-    steps = [x["step"] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-             if x.get("stage") == "e2e" and not x.get("eval")]
+    steps = [
+        x["step"]
+        for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if x.get("stage") == "e2e" and not x.get("eval")
+    ]
     assert plan["e2e_steps"] > 60, "too few steps to check the late fixes"
     fixed = plan["e2e_replanned_at"]
     assert fixed[:2] == [3, 30] and fixed == sorted(fixed) and 3 <= len(fixed) <= 5 and fixed[-1] < plan["e2e_steps"]
@@ -406,6 +531,46 @@ def test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage(setup):
     assert len(by_visit) == len(visits) == plan["visits"] and min(by_visit) >= 1
     assert 0 < plan["local_end_seconds"] < 0.25 * 60
     assert visits[-1]["local_tokens"] == sum(by_visit) * 2 * 32
+
+
+def test_the_exit_stage_fills_its_share_of_the_budget_when_the_plan_timed_its_steps_too_slow(setup, monkeypatch):
+    """The plan times an exit-adapter step before anything is warm (after compiling, its steps ran 11x faster
+    than planned). The exit stage fixes its count again from its own first steps, as the end-to-end stage does,
+    so it trains for the seconds the plan gave it rather than for the count of a slow guess."""
+    tmp, models, corpus = setup
+    timed = Healer.time_steps
+    monkeypatch.setattr(Healer, "time_steps", lambda self: (lambda t: (t[0], t[1], t[2] * 20))(timed(self)))
+    logs = []
+    out = tmp / "exit-replan"
+    cfg = HealConfig(
+        model=str(models["student"]),
+        teacher=str(models["teacher"]),
+        data=str(corpus),
+        out=str(out),
+        budget_minutes=0.3,
+        local_share=0.1,
+        exit_share=0.5,
+        e2e_rows="cache",
+        precision="fp32",
+        seq_len=32,
+        cache_rows=16,
+        local_batch=2,
+        e2e_batch=2,
+        eval_rows=4,
+        ood_windows=0,
+        progress=False,
+    )
+    heal(cfg, log=logs.append)
+    planned = int(next(m for m in logs if m.startswith("plan:")).rsplit(", ", 1)[1].split()[0])
+    plan = json.loads((out / "run.json").read_text())["plan"]
+    steps = [
+        x["step"]
+        for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if x.get("stage") == "exit" and not x.get("eval")
+    ]
+    assert planned > 3, "too few planned exit steps to fix the count again"
+    assert plan["exit_replanned_at"][0] == 3 and plan["exit_steps"] > 5 * planned
+    assert steps == list(range(1, plan["exit_steps"] + 1))
 
 
 def test_a_run_killed_before_its_first_checkpoint_resumes_on_the_budget_it_had_spent(setup):
@@ -434,20 +599,26 @@ def test_freed_host_memory_is_kept_instead_of_faulted_in_again():
     """keep_freed_host_memory (called by `looplm heal` on CPU): a 64 MiB block freed and allocated again, as a
     training step's largest ones are, comes back without page faults once the heap holds it, where glibc's defaults
     unmap it and fault it in again every time. Each setting in its own process."""
-    probe = ("import sys, torch\n"
-             "from looplm.util import keep_freed_host_memory\n"
-             "applied = keep_freed_host_memory() if sys.argv[1] == 'keep' else None\n"
-             "def faults():\n"
-             "    return int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[7])\n"
-             "for _ in range(12):\n"  # the heap grows until a freed block fits the next (1-5 rounds measured)
-             "    torch.ones(16 << 20)\n"  # 64 MiB, freed at once
-             "before = faults()\n"
-             "for _ in range(4):\n"
-             "    torch.ones(16 << 20)\n"
-             "print(applied, faults() - before)\n")
+    probe = (
+        "import sys, torch\n"
+        "from looplm.util import keep_freed_host_memory\n"
+        "applied = keep_freed_host_memory() if sys.argv[1] == 'keep' else None\n"
+        "def faults():\n"
+        "    return int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[7])\n"
+        "for _ in range(12):\n"  # the heap grows until a freed block fits the next (1-5 rounds measured)
+        "    torch.ones(16 << 20)\n"  # 64 MiB, freed at once
+        "before = faults()\n"
+        "for _ in range(4):\n"
+        "    torch.ones(16 << 20)\n"
+        "print(applied, faults() - before)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    out = {v: subprocess.run([sys.executable, "-c", probe, v], env=env, capture_output=True, text=True, check=True)
-           .stdout.split() for v in ("default", "keep")}
+    out = {
+        v: subprocess.run(
+            [sys.executable, "-c", probe, v], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
+        for v in ("default", "keep")
+    }
     assert out["keep"][0] == "True"
     assert int(out["default"][1]) > 4 * 15_000  # 16,384 pages of 4 KiB faulted in again each time
     assert int(out["keep"][1]) < 1_000
@@ -458,8 +629,12 @@ def test_local_visits_are_replanned_to_end_at_the_local_share(tmp_path):
     logs = []
     healer = types.SimpleNamespace(
         plan={"local_steps_by_visit": [50, 50, 50, 50], "local_end_seconds": 100.0, "local_steps_per_visit": 50},
-        prev={}, clock=lambda: 40.0, log=logs.append, cfg=HealConfig(out=str(tmp_path), local_batch=2, seq_len=32),
-        student=types.SimpleNamespace(config=types.SimpleNamespace(num_shared_layers=4)))
+        prev={},
+        clock=lambda: 40.0,
+        log=logs.append,
+        cfg=HealConfig(out=str(tmp_path), local_batch=2, seq_len=32),
+        student=types.SimpleNamespace(config=types.SimpleNamespace(num_shared_layers=4)),
+    )
     Healer._replan_local(healer, 1, 2.0)  # 60 s left for 3 visits at 2 s a step: 10 steps each
     assert healer.plan["local_steps_by_visit"] == [50, 10, 10, 10] and "10 steps a visit" in logs[0]
     assert healer.plan["local_steps_per_layer"] == 20 and healer.plan["local_tokens_per_layer"] == 20 * 2 * 32
@@ -469,103 +644,29 @@ def test_local_visits_are_replanned_to_end_at_the_local_share(tmp_path):
     assert healer.plan["local_steps_by_visit"] == [50, 10, 10, 1]
 
 
-def test_overfit_script_scores_the_rows_the_cache_holds(setup):
-    """scripts/heal_overfit.py tells rows a run trained on from rows it never read: its "cached" rows must
-    be the cache's own, which `cached_rows` draws for both."""
+def test_the_cache_holds_the_rows_cached_rows_draws(setup):
+    """`cached_rows` names the training rows a run trained on (the rows its cache holds), so that they can be
+    told from rows it never read."""
     tmp, models, corpus = setup
     out = tmp / "overfit"
-    heal(HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                    tokens=64 * 4, seq_len=32, cache_rows=16, local_batch=2, eval_rows=4, e2e_rows="cache",
-                    progress=False), log=lambda *a: None)
+    heal(
+        HealConfig(
+            model=str(models["student"]),
+            teacher=str(models["teacher"]),
+            data=str(corpus),
+            out=str(out),
+            tokens=64 * 4,
+            seq_len=32,
+            cache_rows=16,
+            local_batch=2,
+            eval_rows=4,
+            e2e_rows="cache",
+            progress=False,
+        ),
+        log=lambda *a: None,
+    )
     held = TeacherCache(out / "cache").rows
     assert list(cached_rows(len(PackedCorpus(corpus).splits["train"]), 16, 0)) == list(held)
-    r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "heal_overfit.py"), str(out), "--rows", "4"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(result) == {"cached training rows", "training rows never read", "held-out rows"}
-    assert all(v["healed_ppl"] > 1 and v["original_ppl"] > 1 for v in result.values())
-    # a run that read its end-to-end rows online has a fourth set, and those rows are not "never read"
-    online = tmp / "overfit-online"
-    heal(HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(online),
-                    tokens=64 * 4, seq_len=32, cache_rows=4, local_batch=2, eval_rows=4, e2e_rows="online",
-                    progress=False), log=lambda *a: None)
-    r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "heal_overfit.py"), str(online), "--rows", "2"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
-    assert r.returncode == 0, r.stderr
-    assert "training rows read online" in json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def test_same_local_script_repeats_the_local_stage_and_changes_only_later_settings(setup):
-    """scripts/heal_same_local.py starts a run that repeats another run's local stage (the same steps per layer,
-    so the same errors layer by layer) with an end-to-end setting changed; it refuses a local setting and an
-    existing directory."""
-    tmp, models, corpus = setup
-    first, second = tmp / "same-local-a", tmp / "same-local-b"
-    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none"))
-    assert r.returncode == 0, r.stderr
-    script = [sys.executable, str(SRC.parent / "scripts" / "heal_same_local.py")]
-    # a local setting, a value that is not JSON, an existing directory
-    for dst, change in ((second, "local_lr=0.1"), (second, "e2e_lr=fast"), (first, "e2e_batch=4")):
-        r = subprocess.run([*script, str(first), str(dst), "--set", change], capture_output=True, text=True)
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = subprocess.run([*script, str(first), str(second), "--set", "e2e_batch=4"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    r = run_cli(*heal_args(models, corpus, second, "--tokens", 64 * 24, "--exit-adapter", "none"),
-                "--e2e-batch", 4, "--resume")
-    assert r.returncode == 0, r.stderr
-
-    def records(out, stage):
-        return [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if x.get("stage") == stage]
-    local = [[(x["layer"], x["err_first"], x["err_last"]) for x in records(out, "local")] for out in (first, second)]
-    assert local[0] and local[0] == local[1]
-    e2e = [records(out, "e2e") for out in (first, second)]
-    assert len(e2e[1]) * 2 == len(e2e[0]) and e2e[1][-1]["tokens"] == e2e[0][-1]["tokens"]
-
-
-def test_same_local_script_starts_from_the_local_end_without_repeating_it(setup):
-    """A run keeps its checkpoint at the end of the local stage (OUT/local-end); heal_same_local.py
-    --from-local-end starts a run there: no local step runs again, SRC's records up to the local end are
-    DST's, the cache is SRC's (linked, not rebuilt), and the later stages run with the changed setting
-    (--hidden-loss log1p) from SRC's weights at that point, and DST keeps that point as its own local end.
-    Refused when SRC kept no local end."""
-    tmp, models, corpus = setup
-    first, second = tmp / "local-end-a", tmp / "local-end-b"
-    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none", "--hidden-loss",
-                           "relative"))
-    assert r.returncode == 0, r.stderr
-    state = json.loads((first / "local-end" / "state.json").read_text())
-    assert state["stage"] == "e2e" and state["step"] == 0 and state["local_tokens"] > 0
-    script = [sys.executable, str(SRC.parent / "scripts" / "heal_same_local.py")]
-    shutil.rmtree(first / "local-end")
-    r = subprocess.run([*script, str(first), str(second), "--from-local-end"], capture_output=True, text=True)
-    assert r.returncode == 2 and "no checkpoint at the end of its local stage" in r.stderr and not second.exists()
-    shutil.rmtree(first)
-    r = run_cli(*heal_args(models, corpus, first, "--tokens", 64 * 24, "--exit-adapter", "none", "--hidden-loss",
-                           "relative"))
-    assert r.returncode == 0, r.stderr
-    state = json.loads((first / "local-end" / "state.json").read_text())
-    stamp = (first / "cache" / "states.bin").stat().st_mtime_ns
-    r = subprocess.run([*script, str(first), str(second), "--from-local-end", "--set", 'hidden_loss="log1p"'],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    r = run_cli(*heal_args(models, corpus, second, "--tokens", 64 * 24, "--exit-adapter", "none",
-                           "--hidden-loss", "log1p", "--resume"))
-    assert r.returncode == 0 and "resumed" in r.stdout, r.stderr
-    assert (first / "cache" / "states.bin").stat().st_mtime_ns == stamp and (second / "cache").is_symlink()
-    # a run resumed at the start of its end-to-end stage without a local-end/ (started there, or killed between
-    # the checkpoint and the copy) keeps one
-    assert json.loads((second / "local-end" / "state.json").read_text()) == state
-
-    def records(out):
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    a, b = records(first), records(second)
-    local = [[x for x in recs if x.get("stage") == "local" or x.get("tag") in ("converted", "local")] for recs in (a, b)]
-    assert local[0] and local[0] == local[1]  # copied, not run again
-    e2e = [[x for x in recs if x.get("stage") == "e2e"] for recs in (a, b)]
-    assert len(e2e[0]) == len(e2e[1]) > 0 and e2e[1][0]["time"] >= state["time"]
-    # the first step reads the same rows from the same weights: the same distillation term, another hidden term
-    assert e2e[1][0]["kd"] == pytest.approx(e2e[0][0]["kd"], rel=1e-5) and e2e[1][0]["hidden"] < e2e[0][0]["hidden"]
 
 
 def test_a_run_that_did_not_record_a_changed_default_resumes_with_the_value_it_ran(setup, tmp_path):
@@ -573,7 +674,7 @@ def test_a_run_that_did_not_record_a_changed_default_resumes_with_the_value_it_r
     relative and cache, and --resume keeps it to them (HealConfig.FORMER_DEFAULTS)."""
     tmp, models, corpus = setup
     out = tmp_path / "old"
-    args = ["--tokens", 64 * 8, "--exit-adapter", "none"]
+    args = ["--train-tokens", 64 * 8, "--exit-adapter", "none"]
     old = ["--hidden-loss", "relative", "--e2e-rows", "cache"]
     r = run_cli(*heal_args(models, corpus, out, *args, *old))
     assert r.returncode == 0, r.stderr
@@ -593,17 +694,34 @@ def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
     rounding). Without a C++ compiler it is refused in one line before the run directory is made."""
     import torch._dynamo
     from torch._dynamo.utils import counters
+
     from looplm import util
+
     tmp, models, corpus = setup
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     records = {}
     for compiled in (False, True):
         out = tmp / f"compile-{compiled}"
-        cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                         tokens=64 * 6, local_share=0.5, e2e_rows="online", e2e_lr=1e-3, exit_adapter="none",
-                         precision="fp32", compile=compiled, seq_len=32, cache_rows=4, e2e_batch=2, eval_rows=4,
-                         progress=False, cache=str(tmp / "cache-compile"))
+        cfg = HealConfig(
+            model=str(models["student"]),
+            teacher=str(models["teacher"]),
+            data=str(corpus),
+            out=str(out),
+            tokens=64 * 6,
+            local_share=0.5,
+            e2e_rows="online",
+            e2e_lr=1e-3,
+            exit_adapter="none",
+            precision="fp32",
+            compile=compiled,
+            seq_len=32,
+            cache_rows=4,
+            e2e_batch=2,
+            eval_rows=4,
+            progress=False,
+            cache=str(tmp / "cache-compile"),
+        )
         torch._dynamo.reset()
         counters.clear()
         heal(cfg, log=lambda *a: None)
@@ -634,10 +752,26 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
     finals = {}
     for stopped in (False, True):
         out = tmp / f"average-{stopped}"
-        cfg = HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus), out=str(out),
-                         tokens=64 * 16, local_share=0.25, e2e_lr=1e-3, e2e_average=0.8, exit_adapter="none",
-                         precision="fp32", seq_len=32, cache_rows=16, e2e_batch=2, eval_rows=4, progress=False,
-                         eval_every_seconds=0.0, save_every_seconds=0.0, cache=str(tmp / "cache-average"))
+        cfg = HealConfig(
+            model=str(models["student"]),
+            teacher=str(models["teacher"]),
+            data=str(corpus),
+            out=str(out),
+            tokens=64 * 16,
+            local_share=0.25,
+            e2e_lr=1e-3,
+            e2e_average=0.8,
+            exit_adapter="none",
+            precision="fp32",
+            seq_len=32,
+            cache_rows=16,
+            e2e_batch=2,
+            eval_rows=4,
+            progress=False,
+            eval_every_seconds=0.0,
+            save_every_seconds=0.0,
+            cache=str(tmp / "cache-average"),
+        )
         if stopped:
             step = Healer._e2e_step
             calls = []
@@ -647,6 +781,7 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
                 if len(calls) > 5:
                     raise KeyboardInterrupt
                 return step(self, *a, **k)
+
             monkeypatch.setattr(Healer, "_e2e_step", stop_after_five)
             with pytest.raises(KeyboardInterrupt):
                 heal(cfg, log=lambda *a: None)
@@ -663,62 +798,3 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
         finals[stopped] = load_model(out / "final")[0].state_dict()
     for name, value in finals[False].items():
         assert torch.allclose(finals[True][name], value, rtol=1e-5, atol=1e-6), name
-
-
-def test_exit_rules_script_ranks_the_tokens_the_model_generates(setup):
-    """scripts/exit_rules.py --text generated: the model continues held-out prompts greedily and only the
-    continuation is scored, so the full-depth argmax at every scored position is the token generated there;
-    the report counts continuation tokens only and the share of them that repeat a 4-gram."""
-    import importlib.util
-    from looplm.serve.exits import copy_guesses
-    tmp, models, corpus = setup
-    spec = importlib.util.spec_from_file_location("exit_rules", SRC.parent / "scripts" / "exit_rules.py")
-    rules = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rules)
-    model, _ = load_model(models["student"])
-    model.eval()
-    held = PackedCorpus(corpus).splits["heldout"]
-    rows = [held[i].astype(np.int64).tolist() for i in range(3)]
-    generated = rules.continue_greedily(model, rows, 8, 6)
-    assert [r[:8] for r in generated] == [r[:8] for r in rows] and all(len(r) == 14 for r in generated)
-    got = rules.collect(model, generated, lambda *a: None, first=7)
-    assert got["args"].shape == (2, 3 * 6)
-    assert got["args"][-1].tolist() == [t for r in generated for t in r[8:]]
-    guesses = [g for r in generated for g in copy_guesses(r)[7:13]]
-    assert got["guess"].tolist() == guesses  # the copy rules' match: the loop's argmax is this guess
-    assert got["boost"][0.0][0].tolist() == got["args"][:1].tolist()  # no bonus: the loop's own argmax
-    assert rules.repeated_share([[1, 2, 3, 4, 1, 2, 3, 4, 1]], first=4) == pytest.approx(2 / 5)
-    out = tmp / "rules-generated"
-    r = subprocess.run([sys.executable, str(SRC.parent / "scripts" / "exit_rules.py"), str(models["student"]),
-                        "--data", str(corpus), "--text", "generated", "--prompt-tokens", "8", "--new-tokens", "6",
-                        "--fit-rows", "4", "--eval-rows", "3", "--threads", "1", "--out", str(out)],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=240)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(out.with_suffix(".json").read_text())
-    assert report["text"] == "generated" and report["eval_tokens"] == 3 * 6 and report["fit_tokens"] == 4 * 6
-    assert 0 <= report["repeated_4gram_share"] <= 1 and len(report["samples"]) == 3 and out.with_suffix(".png").exists()
-    assert {"margin+copy", "lr:all+copy"} <= set(report["rules"])
-
-
-def test_exit_trade_script_tables_a_runs_evaluations(tmp_path):
-    """scripts/exit_trade.py reads the evaluations of a heal run (a line cut by kill -9 skipped; the starting
-    model's only when the run has no local stage) and refuses a directory that is not a run."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "run.json").write_text(json.dumps({"plan": {"local_steps_per_layer": 0}}))
-    def ev(tag, tokens, ppl, agree):
-        return json.dumps({"eval": True, "tag": tag, "tokens": tokens, "time": 60.0, "ppl": ppl,
-                           "ppl_per_loop": [10 * ppl, ppl], "agree_per_loop": [agree, 1.0], "local_tokens": 0})
-    (run / "metrics.jsonl").write_text("\n".join([ev("converted", 0, 40.0, 0.4), '{"stage": "e2e", "step": 1}',
-                                                 ev("e2e", 2048, 42.0, 0.5), ev("final", 4096, 41.0, 0.55),
-                                                 '{"eval": true, "tag": "e2']))
-    script = [sys.executable, str(SRC.parent / "scripts" / "exit_trade.py")]
-    r = subprocess.run(script + [str(run), "--out", str(tmp_path / "trade")], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    rows = [line for line in (tmp_path / "trade.md").read_text().splitlines() if line.startswith("| ")][1:]
-    assert [row.split(" | ")[0] for row in rows] == ["| converted", "| e2e", "| final"]
-    assert "| 41.00 | 410.0 | 55.0% |" in rows[-1] and (tmp_path / "trade.png").exists()
-    r = subprocess.run(script + [str(tmp_path), "--out", str(tmp_path / "x")], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode != 0 and "give the directory of a `looplm heal` run" in r.stderr

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import FAMILIES, make_hf_model
 
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, from_hf_model
-from conftest import FAMILIES, make_hf_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,14 +51,15 @@ def test_cached_decoding_equals_full_forward():
         out = model(ids[:, :10], use_cache=True)
         cache, steps = out.past_key_values, [out.logits]
         for t in range(10, 16):
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
     assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-4
 
 
 def test_static_exit_runs_fewer_loops():
-    config = LoopLMConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                          num_attention_heads=4, num_loops=2)
+    config = LoopLMConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_loops=2
+    )
     model = LoopLMForCausalLM(config).eval()
     ids = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
@@ -73,8 +74,9 @@ def test_static_exit_runs_fewer_loops():
 def test_lm_head_on_few_rows_equals_the_module():
     """exit_logits computes a few rows' head as (W x^T)^T on CPU: the same logits as nn.Linear, and a
     hooked head (a user's adapter, a profiler) still runs as a module."""
-    config = LoopLMConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4)
+    config = LoopLMConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
     model = LoopLMForCausalLM(config).eval()
     for shape in [(1, 32), (6, 32), (2, 3, 32), (70, 32)]:
         x = torch.randn(shape)
@@ -88,6 +90,8 @@ def test_lm_head_on_few_rows_equals_the_module():
 
 def test_unknown_family_is_a_clear_error():
     import transformers as T
+
     from looplm.models import config_from_hf
+
     with pytest.raises(ConfigError, match="not supported"):
         config_from_hf(T.GPT2Config())

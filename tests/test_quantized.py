@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import arrive_one_per_step, full_depth_greedy
+from conftest import small_relaxed as _relaxed
 
 from looplm.cli import main
 from looplm.errors import ConfigError, UsageError
@@ -19,7 +21,6 @@ from looplm.models import quantized as Q
 from looplm.models.layers import LoopLinear
 from looplm.models.loading import save_quantized
 from looplm.serve import Engine, Request, make_scheduler
-from conftest import arrive_one_per_step, full_depth_greedy, small_relaxed as _relaxed
 
 FORMATS = [f for f in ("int8", "int4") if f in Q.supported_formats("cpu")]
 pytestmark = pytest.mark.skipif(not FORMATS, reason="this torch build runs neither weight-only op on CPU")
@@ -93,8 +94,10 @@ print("ok")
 
 
 @pytest.mark.skipif("int8" not in FORMATS, reason="needs the int8 op")
-@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
-                    reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
+    reason="torch.compile on CPU needs a C++ compiler",
+)
 @pytest.mark.parametrize("rows_out,columns", [(96, 128), (54, 40), (7, 100)])
 def test_int8_products_are_streamed_for_one_compiled_row_and_dense_for_many(rows_out, columns, monkeypatch):
     """Inside a compiled graph an int8 weight multiplies one row as ``int8_gemv`` (in 4, 3 or 1 blocks of rows: the
@@ -123,14 +126,15 @@ def test_int8_products_are_streamed_for_one_compiled_row_and_dense_for_many(rows
     assert calls == [("dense", many)] * w.dense  # eager: the op for one and three rows
 
 
-@pytest.mark.skipif("int8" not in FORMATS or not Q.has_bf16_matmuls("cpu"),
-                    reason="needs the int8 op and native bfloat16 products")
+@pytest.mark.skipif(
+    "int8" not in FORMATS or not Q.has_bf16_matmuls("cpu"), reason="needs the int8 op and native bfloat16 products"
+)
 def test_int8_dense_serves_the_layers_and_never_a_vocabulary_sized_head(monkeypatch):
     """Only weights whose bfloat16 temporary fits ``DENSE_MAX_BYTES`` take ``int8_dense``: on SmolLM2 every layer's
     (gate|up: 3.5 MB), never the LM head's (56 MB, which cost a fixed 22 ms a step, docs/BENCHMARKS.md). Here the bound
     sits between a small model's stacked layers (32 KB) and its tied head (128 KB): a 20-token forward multiplies every
     layer dense and the head through the op, with the dequantized model's logits; float32 activations never go dense."""
-    monkeypatch.setattr(Q, "DENSE_MAX_BYTES", 64 * 2 ** 10)
+    monkeypatch.setattr(Q, "DENSE_MAX_BYTES", 64 * 2**10)
     model = _relaxed(vocab_size=1024)
     qm = Q.quantize_model(copy.deepcopy(model), "int8")
     calls, dense = [], Q.int8_dense
@@ -141,8 +145,9 @@ def test_int8_dense_serves_the_layers_and_never_a_vocabulary_sized_head(monkeypa
         want = dequantized_reference(model, "int8")(ids).logits
     hidden = model.config.hidden_size
     assert calls and (1024, hidden) not in calls and not qm.lm_head.weight_q.dense
-    assert {shape for shape in calls} == {(w.out_features, w.in_features) for w in qm.modules()
-                                          if isinstance(w, Q.Int8Weight) and w.dense}
+    assert {shape for shape in calls} == {
+        (w.out_features, w.in_features) for w in qm.modules() if isinstance(w, Q.Int8Weight) and w.dense
+    }
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))  # bfloat16 activations
     assert not Q.make_weight(Q.portable(torch.randn(64, 32), "int8"), torch.float32).dense
 
@@ -227,8 +232,9 @@ def test_stacked_input_projections_equal_separate_ones(fmt):
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.allclose(fused(ids).logits, plain(ids).logits, atol=1e-5)
-        assert torch.allclose(attn.k_proj(torch.ones(1, 64), 1), plain.model.layers[0].attn.k_proj(torch.ones(1, 64), 1),
-                              atol=1e-5)  # a member called alone (a prefix's keys) reads its slice
+        assert torch.allclose(
+            attn.k_proj(torch.ones(1, 64), 1), plain.model.layers[0].attn.k_proj(torch.ones(1, 64), 1), atol=1e-5
+        )  # a member called alone (a prefix's keys) reads its slice
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
     assert _serve(fused, prompts, 6)[1] == _serve(plain, prompts, 6)[1]
 
@@ -258,8 +264,9 @@ def test_engine_on_quantized_weights_equals_the_dequantized_models_greedy_output
 
 
 def test_no_float_copy_is_kept_and_memory_drops():
-    model = _relaxed(hidden_size=256, intermediate_size=512, vocab_size=2048, num_attention_heads=4,
-                     num_key_value_heads=2)
+    model = _relaxed(
+        hidden_size=256, intermediate_size=512, vocab_size=2048, num_attention_heads=4, num_key_value_heads=2
+    )
     Engine(model, max_batch=1, max_seq_len=8)  # the float engine attaches MKL-packed copies (where MKL is)
     fp32 = Q.weight_bytes(model)
     for fmt, factor in (("int8", 3.0), ("int4", 3.0)):
@@ -298,6 +305,7 @@ def test_quantized_checkpoint_round_trip(tmp_path, fmt):
     assert Q.stored_format(back) == fmt and Q.is_quantized(back)
     assert not any(p.device.type == "meta" for p in list(back.parameters()) + list(back.buffers()))
     from looplm.convert import count_parameters
+
     assert count_parameters(back) == count_parameters(model)  # `looplm info` counts quantized weights too
     mem = Q.quantize_model(copy.deepcopy(model), fmt)  # bfloat16 activations by default, stored and loaded alike
     assert back.model.layers[0].mlp.up_proj.quant.dtype == torch.bfloat16
@@ -346,6 +354,7 @@ def test_a_corrupt_or_truncated_quantized_dir_is_refused(tmp_path, capsys):
 
 
 # --- the LoRA merged into one quantized weight per depth (lora="merged") ------------------------------------
+
 
 class _FloatPerDepth(torch.nn.Module):
     """A hand-written reference for PerDepthWeight: float weights, every depth computed for every row and
@@ -419,10 +428,12 @@ def test_merged_lora_checkpoint_round_trip_and_refusals(tmp_path, fmt, capsys):
     back, _ = load_model(tmp_path / "q")
     assert Q.stored_lora(back) == "merged" and Q.stored_format(back) == fmt
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
     assert not any("lora" in k for k in keys) and any(".depth1.weight." in k for k in keys)
     from looplm.convert import count_parameters
+
     got, want = count_parameters(back), count_parameters(model)
     shared = sum(m.out_features * m.in_features for _, m in Q.linears(model))  # one more copy per extra depth
     assert got["lora"] == 0 and got["n_emb"] == want["n_emb"] - want["lora"] + shared
@@ -439,7 +450,7 @@ def test_merged_lora_checkpoint_round_trip_and_refusals(tmp_path, fmt, capsys):
     with pytest.raises(UsageError, match="needs quantized weights"):
         Q.prepare(copy.deepcopy(model), None, lora="merged")
     capsys.readouterr()
-    assert main(["generate", "x", "--model", str(src), "--weights", "fp32", "--lora", "merged"]) == 2
+    assert main(["generate", str(src), "x", "--weights", "fp32", "--lora", "merged"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs quantized weights" in err
 

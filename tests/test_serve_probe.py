@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from test_train_fixtures import build_corpus, make_models
 
 from looplm.cli import main
 from looplm.models import load_model
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler, replay
 from looplm.serve.bench import exit_tradeoff
 from looplm.serve.probe import PROBE_FILE, ExitProbe, ProbeError, fit_logistic, probe_features
-from test_train_fixtures import build_corpus, make_models
 
 
 def test_fit_logistic_learns_a_rule_on_unscaled_features():
@@ -30,8 +30,21 @@ def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("probe")
     models = make_models(tmp)
     corpus = build_corpus(tmp, models["recursive"])
-    rc = main(["fit-exit-probe", str(models["recursive"]), "--data", str(corpus), "--fit-rows", "12",
-               "--calib-rows", "6", "--target-agreement", "0.9", "--json"])
+    rc = main(
+        [
+            "fit-exit-probe",
+            str(models["recursive"]),
+            "--data",
+            str(corpus),
+            "--fit-rows",
+            "12",
+            "--calib-rows",
+            "6",
+            "--target-agreement",
+            "0.9",
+            "--json",
+        ]
+    )
     assert rc == 0
     return models, corpus
 
@@ -72,8 +85,7 @@ def test_probe_policy_in_the_engine(fitted):
     # hidden states: checked teacher-forced up to a request's first early exit (until then its KV is exact)
     engine, reqs = _serve(model, ExitPolicy("probe"), prompts, n=12)
     assert engine.policy.threshold == engine.policy.probe.threshold
-    _check_probe_decisions(model, engine, prompts, reqs,
-                           lambda states, h0: probe_features(model, states[0][0], h0))
+    _check_probe_decisions(model, engine, prompts, reqs, lambda states, h0: probe_features(model, states[0][0], h0))
     assert 0 < engine.stats["exits_per_loop"][0]
 
 
@@ -124,17 +136,34 @@ def fitted_confidence(fitted, tmp_path_factory):
     """The same tiny model with a probe on the logits' confidence features (a copy: the hidden-state
     probe of `fitted` stays where the other tests read it)."""
     import shutil
+
     models, corpus = fitted
     d = tmp_path_factory.mktemp("probe_conf") / "recursive"
     shutil.copytree(models["recursive"], d)
-    rc = main(["fit-exit-probe", str(d), "--data", str(corpus), "--fit-rows", "12", "--calib-rows", "6",
-               "--target-agreement", "0.9", "--features", "confidence", "--json"])
+    rc = main(
+        [
+            "fit-exit-probe",
+            str(d),
+            "--data",
+            str(corpus),
+            "--fit-rows",
+            "12",
+            "--calib-rows",
+            "6",
+            "--target-agreement",
+            "0.9",
+            "--features",
+            "confidence",
+            "--json",
+        ]
+    )
     assert rc == 0
     return d
 
 
 def test_confidence_probe_in_the_engine(fitted_confidence):
     from looplm.serve.probe import confidence_features
+
     d = fitted_confidence
     probe = ExitProbe.load(d / PROBE_FILE)
     assert probe.features == "confidence" and probe.weight.shape == (1, 9) and probe.needs_logits
@@ -146,13 +175,20 @@ def test_confidence_probe_in_the_engine(fitted_confidence):
     assert [r.output for r in r0] == [r.output for r in _serve(model, ExitPolicy("softmax", 0.0), prompts)[1]]
     # each decision is the probe's, on the loop-1 logits and states of that token
     engine, reqs = _serve(model, ExitPolicy("probe"), prompts, n=12)
-    _check_probe_decisions(model, engine, prompts, reqs,
-                           lambda states, h0: confidence_features(model.exit_logits(states[0][0]), states[0][0], h0))
+    _check_probe_decisions(
+        model,
+        engine,
+        prompts,
+        reqs,
+        lambda states, h0: confidence_features(model.exit_logits(states[0][0]), states[0][0], h0),
+    )
 
 
 def test_confidence_features_and_old_probe_files(tmp_path):
     from safetensors.torch import save_file
+
     from looplm.serve.probe import confidence_features
+
     logits = torch.tensor([[4.0, 2.0, 0.0, -1.0, -2.0, -3.0], [0.0] * 6])
     h, h_prev = torch.ones(2, 3), torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
     f = confidence_features(logits, h, h_prev)
@@ -163,7 +199,10 @@ def test_confidence_features_and_old_probe_files(tmp_path):
     assert f[0, 7] == 2.0 and f[1, 7] == 0.0 and torch.allclose(f[:, 8], torch.tensor([1.0, -1.0]))
     assert confidence_features(logits[:, :3], h, h_prev)[:, 3:5].abs().sum() == 0  # V < 5: padded
     # a probe file from before the feature sets existed is a hidden-state probe
-    save_file({"weight": torch.zeros(1, 65), "bias": torch.zeros(1)}, str(tmp_path / PROBE_FILE),
-              metadata={"threshold": "0.7", "meta": "{}"})
+    save_file(
+        {"weight": torch.zeros(1, 65), "bias": torch.zeros(1)},
+        str(tmp_path / PROBE_FILE),
+        metadata={"threshold": "0.7", "meta": "{}"},
+    )
     old = ExitProbe.load(tmp_path / PROBE_FILE)
     assert old.features == "hidden" and not old.needs_logits and old.threshold == 0.7

@@ -8,8 +8,8 @@ import pytest
 from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_vanilla
 
 from looplm.cli import main
-from looplm.models import load_model, save_model
 from looplm.data.corpus import PackedCorpus, build
+from looplm.models import load_model, save_model
 from looplm.train.loop import TrainConfig, estimate_memory, memory_available, train
 
 
@@ -26,8 +26,10 @@ def setup(tmp_path_factory):
 def snapshot(d):
     if not d.exists():
         return None
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(d.rglob("*"))}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(d.rglob("*"))
+    }
 
 
 def fails(capsys, *argv, match):
@@ -42,43 +44,116 @@ def fails(capsys, *argv, match):
 def test_missing_and_empty_corpus(setup, capsys, tmp_path):
     _, models, _ = setup
     out = tmp_path / "run"
-    fails(capsys, "--model", models["student"], "--data", tmp_path / "nope", "--out", out, "--max-steps", 1,
-          match="looplm data build --out")
+    fails(
+        capsys,
+        models["student"],
+        "--data",
+        tmp_path / "nope",
+        "--out",
+        out,
+        "--max-steps",
+        1,
+        match="looplm data build --out",
+    )
     (tmp_path / "empty").mkdir()
-    fails(capsys, "--model", models["student"], "--data", tmp_path / "empty", "--out", out, "--max-steps", 1,
-          match="no meta.json")
+    fails(capsys, models["student"], "--data", tmp_path / "empty", "--out", out, "--max-steps", 1, match="no meta.json")
     assert not out.exists()
 
 
 def test_tokenizer_mismatches(setup, capsys, tmp_path):
     _, models, corpus = setup
     out = tmp_path / "run"
-    fails(capsys, "--model", models["student"], "--teacher", models["other_tok"], "--data", corpus, "--out", out,
-          "--max-steps", 1, match="different tokenizers")
-    fails(capsys, "--model", models["other_tok"], "--data", corpus, "--out", out, "--max-steps", 1,
-          match="rebuild it with `looplm data build --model")
+    fails(
+        capsys,
+        models["student"],
+        "--teacher",
+        models["other_tok"],
+        "--data",
+        corpus,
+        "--out",
+        out,
+        "--max-steps",
+        1,
+        match="different tokenizers",
+    )
+    fails(
+        capsys,
+        models["other_tok"],
+        "--data",
+        corpus,
+        "--out",
+        out,
+        "--max-steps",
+        1,
+        match="rebuild it with `looplm data build ",
+    )
     assert not out.exists()
 
 
 def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
     tmp, models, corpus = setup
     out = tmp / "run-student"
-    assert main(["train", "--model", str(models["student"]), "--data", str(corpus), "--out", str(out),
-                 "--max-steps", "2", "--precision", "fp32", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(models["student"]),
+                "--data",
+                str(corpus),
+                "--out",
+                str(out),
+                "--max-steps",
+                "2",
+                "--precision",
+                "fp32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     before = snapshot(out)
-    fails(capsys, "--model", models["recursive"], "--data", corpus, "--out", out, "--max-steps", 2, "--resume",
-          match="another model")
-    fails(capsys, "--model", models["student"], "--data", corpus, "--out", out, "--max-steps", 2,
-          match="add --resume")
-    fails(capsys, "--model", models["student"], "--data", corpus, "--out", out, "--max-steps", 2, "--resume",
-          "--lr", "1e-3", match="different settings (lr")
+    fails(
+        capsys, models["recursive"], "--data", corpus, "--out", out, "--max-steps", 2, "--resume", match="another model"
+    )
+    fails(capsys, models["student"], "--data", corpus, "--out", out, "--max-steps", 2, match="add --resume")
+    fails(
+        capsys,
+        models["student"],
+        "--data",
+        corpus,
+        "--out",
+        out,
+        "--max-steps",
+        2,
+        "--resume",
+        "--lr",
+        "1e-3",
+        match="different settings (lr",
+    )
     # a checkpoint dir swapped in from another model's run
     other = tmp / "run-recursive"
-    assert main(["train", "--model", str(models["recursive"]), "--data", str(corpus), "--out", str(other),
-                 "--max-steps", "2", "--precision", "fp32", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(models["recursive"]),
+                "--data",
+                str(corpus),
+                "--out",
+                str(other),
+                "--max-steps",
+                "2",
+                "--precision",
+                "fp32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     import shutil
+
     hybrid = tmp / "hybrid"
     shutil.copytree(out, hybrid)
     shutil.rmtree(hybrid / "checkpoints" / "step-0000002")
@@ -91,12 +166,45 @@ def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
 def test_batch_too_large(setup, capsys, tmp_path):
     _, models, corpus = setup
     n = len(PackedCorpus(corpus))
-    fails(capsys, "--model", models["student"], "--data", corpus, "--out", tmp_path / "r", "--max-steps", 1,
-          "--batch-size", n + 1, match="lower --batch-size")
-    fails(capsys, "--model", models["student"], "--data", corpus, "--out", tmp_path / "r", "--max-steps", 1,
-          "--train", "lora,embedx", match="unknown --train")
-    fails(capsys, "--model", models["recursive"], "--data", corpus, "--out", tmp_path / "r", "--max-steps", 1,
-          "--train", "lora", match="has no LoRA")
+    fails(
+        capsys,
+        models["student"],
+        "--data",
+        corpus,
+        "--out",
+        tmp_path / "r",
+        "--max-steps",
+        1,
+        "--batch-size",
+        n + 1,
+        match="lower --batch-size",
+    )
+    fails(
+        capsys,
+        models["student"],
+        "--data",
+        corpus,
+        "--out",
+        tmp_path / "r",
+        "--max-steps",
+        1,
+        "--train",
+        "lora,embedx",
+        match="unknown --train",
+    )
+    fails(
+        capsys,
+        models["recursive"],
+        "--data",
+        corpus,
+        "--out",
+        tmp_path / "r",
+        "--max-steps",
+        1,
+        "--train",
+        "lora",
+        match="has no LoRA",
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -114,26 +222,50 @@ def test_batch_larger_than_memory(setup, capsys, tmp_path):
     text_dir.mkdir()
     chars = int(batch * seq * 1.1) + 10 * seq
     (text_dir / "words.txt").write_text(" ".join(rng.choice(words) for _ in range(chars // 6)))
-    build(tmp_path / "corpus", model=str(models["student"]), sources=str(text_dir), seq_len=seq, heldout=0.0,
-          log=lambda *a: None, progress=False)
+    build(
+        tmp_path / "corpus",
+        model=str(models["student"]),
+        sources=str(text_dir),
+        seq_len=seq,
+        heldout=0.0,
+        log=lambda *a: None,
+        progress=False,
+    )
     assert len(PackedCorpus(tmp_path / "corpus")) >= batch
-    err = fails(capsys, "--model", models["student"], "--data", tmp_path / "corpus", "--out", tmp_path / "r",
-                "--max-steps", 1, "--batch-size", batch, match="GiB is free; lower --batch-size")
+    err = fails(
+        capsys,
+        models["student"],
+        "--data",
+        tmp_path / "corpus",
+        "--out",
+        tmp_path / "r",
+        "--max-steps",
+        1,
+        "--batch-size",
+        batch,
+        match="GiB is free; lower --batch-size",
+    )
     assert "--grad-checkpointing" in err and not (tmp_path / "r").exists()
 
 
 def test_config_errors(setup):
     tmp, models, corpus = setup
-    with pytest.raises(ValueError, match="give one budget: --max-steps N, --max-tokens N or --budget-minutes M"):
+    with pytest.raises(ValueError, match="give one budget: --max-steps N, --train-tokens N or --budget-minutes M"):
         train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x")))
     with pytest.raises(ValueError, match="give one budget"):
-        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1,
-                          budget_minutes=1.0))
+        train(
+            TrainConfig(
+                model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1, budget_minutes=1.0
+            )
+        )
     with pytest.raises(ValueError, match="--budget-minutes 0.0 must be positive"):
         train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), budget_minutes=0.0))
     with pytest.raises(ValueError, match="add --early-exit"):
-        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1,
-                          self_distill=True))
+        train(
+            TrainConfig(
+                model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1, self_distill=True
+            )
+        )
     with pytest.raises(ValueError, match="use one of fkl"):
         train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1, kd="kl"))
     assert not (tmp / "x").exists()

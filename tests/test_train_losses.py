@@ -22,8 +22,9 @@ def _direct(p, q, func):
         return sum(qi * math.log(qi / pi) for pi, qi in zip(p, q))
     if func == "jsd":
         m = [(pi + qi) / 2 for pi, qi in zip(p, q)]
-        return 0.5 * sum(pi * math.log(pi / mi) for pi, mi in zip(p, m)) + \
-            0.5 * sum(qi * math.log(qi / mi) for qi, mi in zip(q, m))
+        return 0.5 * sum(pi * math.log(pi / mi) for pi, mi in zip(p, m)) + 0.5 * sum(
+            qi * math.log(qi / mi) for qi, mi in zip(q, m)
+        )
     return 0.5 * sum(abs(pi - qi) for pi, qi in zip(p, q))
 
 
@@ -61,7 +62,9 @@ def test_kd_loss_is_mean_over_positions_times_T_squared():
     s, t = torch.randn(2, 5, 9, generator=g), torch.randn(2, 5, 9, generator=g)
     ids = torch.randint(0, 9, (2, 5), generator=g)
     T = 2.0
-    rows = [_direct(_probs(t[b, i].tolist(), T), _probs(s[b, i].tolist(), T), "fkl") for b in range(2) for i in range(4)]
+    rows = [
+        _direct(_probs(t[b, i].tolist(), T), _probs(s[b, i].tolist(), T), "fkl") for b in range(2) for i in range(4)
+    ]
     assert kd_loss(s, t, ids, "fkl", T).item() == pytest.approx(T * T * sum(rows) / len(rows), rel=1e-5)
 
 
@@ -81,10 +84,23 @@ def test_objective_combines_parts_as_documented():
     e1, e2, teacher = (torch.randn(2, 6, 11, generator=g) for _ in range(3))
     ids = torch.randint(0, 11, (2, 6), generator=g)
     c, w, T = 0.3, 0.4, 1.5
-    loss, parts = objective([e1, e2], ids, teacher, kd="rkl", kd_weight=w, temperature=T, early_exit="aggressive",
-                            exit_coef=c, self_distill=True, self_distill_weight=0.7)
-    want = c * (ce_loss(e1, ids) + 0.7 * kd_loss(e1, e2, ids, "fkl", 1.0)) + \
-        (1 - w) * ce_loss(e2, ids) + w * kd_loss(e2, teacher, ids, "rkl", T)
+    loss, parts = objective(
+        [e1, e2],
+        ids,
+        teacher,
+        kd="rkl",
+        kd_weight=w,
+        temperature=T,
+        early_exit="aggressive",
+        exit_coef=c,
+        self_distill=True,
+        self_distill_weight=0.7,
+    )
+    want = (
+        c * (ce_loss(e1, ids) + 0.7 * kd_loss(e1, e2, ids, "fkl", 1.0))
+        + (1 - w) * ce_loss(e2, ids)
+        + w * kd_loss(e2, teacher, ids, "rkl", T)
+    )
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
     assert set(parts) == {"ce_1", "ce_2", "kd", "sd_1", "loss"}
     # weighted without teacher: 1/3 CE_1 + 2/3 CE_2
@@ -108,8 +124,9 @@ def test_self_distillation_target_is_detached():
     assert torch.allclose(g2, e2.grad, atol=1e-7)
 
 
-@pytest.mark.parametrize("softcap, T, masked, compiled", [(None, 1.0, False, False), (30.0, 2.0, True, False),
-                                                         (30.0, 2.0, True, True)])
+@pytest.mark.parametrize(
+    "softcap, T, masked, compiled", [(None, 1.0, False, False), (30.0, 2.0, True, False), (30.0, 2.0, True, True)]
+)
 def test_head_kd_loss_matches_kd_loss_on_materialised_logits(softcap, T, masked, compiled):
     """The chunked head + forward-KL gives kd_loss's value and gradient on the logits it never stores whole
     (chunks of 5 rows over 2 x 9 - 2 positions, so the last chunk is partial), its chunk math eager or compiled."""
@@ -127,8 +144,9 @@ def test_head_kd_loss_matches_kd_loss_on_materialised_logits(softcap, T, masked,
 
     want = kd_loss(head(z, w), head(zt, wt), ids if masked else None, "fkl", T)
     (want_grad,) = torch.autograd.grad(want, z)
-    got = head_kd_loss(z, w, zt, wt, ids if masked else None, softcap=softcap, temperature=T, chunk_rows=5,
-                       compiled=compiled)
+    got = head_kd_loss(
+        z, w, zt, wt, ids if masked else None, softcap=softcap, temperature=T, chunk_rows=5, compiled=compiled
+    )
     (got_grad,) = torch.autograd.grad(got * 3.0, z)  # an outer factor reaches the gradient
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
     torch.testing.assert_close(got_grad, want_grad * 3.0, rtol=1e-4, atol=1e-6)

@@ -8,6 +8,7 @@ import argparse
 import importlib
 import sys
 
+from .cli_args import deprecated_last, resolve_model_alias
 from .errors import ConfigError, UsageError
 
 COMMAND_MODULES = [
@@ -16,21 +17,27 @@ COMMAND_MODULES = [
     "looplm.eval.cli",
     "looplm.train.cli",
     "looplm.serve.cli",
+    "looplm.bench.cli",
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="looplm", description="Relaxed Recursive Transformers: convert, uptrain, evaluate and serve looped LLMs.")
+    parser = argparse.ArgumentParser(
+        prog="looplm", description="Relaxed Recursive Transformers: convert, uptrain, evaluate and serve looped LLMs."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    deprecated_last(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    resolve_model_alias(args, parser)
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()  # transformers' per-file loading bars; ours report real work
     try:
         return int(args.func(args) or 0)

@@ -36,6 +36,19 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def cpu_model() -> str:
+    """The CPU's model name and core count, as benchmark results name the machine."""
+    import platform
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
 def write_json_atomic(path: Path, obj) -> None:
     """Write JSON so that a reader (or a run killed meanwhile) sees the old file or the new one, never half."""
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))
@@ -49,13 +62,14 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def keep_freed_host_memory() -> bool:
     """For training on CPU: glibc gives freed blocks larger than its mmap threshold (and a heap top larger than its
-    trim threshold) back to the kernel, and the next step faults the same memory in again, zeroed page by page. An
-    end-to-end healing step of SmolLM2 B=2 took 104-159k page faults and 0.2-1.5 s of system time that way. This makes
-    glibc serve large blocks from its heap and keep what is freed (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD 2 GiB):
-    measured in docs/BENCHMARKS.md ("Freed memory kept by the allocator"). Only where the process's C library is
+    trim threshold) back to the kernel, and the next step faults the same memory in again, zeroed page by page: a
+    training step then spends a visible share of its time in the kernel. This makes glibc serve large blocks from
+    its heap and keep what is freed (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD 2 GiB). Only where the process's C
+    library is
     glibc; returns whether it applied (elsewhere, nothing changes)."""
     import ctypes
     import platform
+
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -73,17 +87,26 @@ def keep_freed_host_memory() -> bool:
 RECOMPILE_LIMIT = 64
 
 
+def cpu_compiler() -> str | None:
+    """The C++ compiler torch.compile's inductor would build CPU kernels with, or None."""
+    return next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+
+
 def check_compile_available(device) -> None:
     """A one-line UsageError unless torch.compile's inductor backend can build kernels for ``device``; then
     dynamo's recompile limit is raised to ``RECOMPILE_LIMIT``."""
     import torch
+
     kind = torch.device(device).type
     if kind == "cpu":
-        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-            raise UsageError("--compile needs a C++ compiler (g++ or clang++) on the PATH for torch.compile on CPU; "
-                             "install one (apt install g++) or run without --compile")
+        if cpu_compiler() is None:
+            raise UsageError(
+                "--compile needs a C++ compiler (g++ or clang++) on the PATH for torch.compile on CPU; "
+                "install one (apt install g++) or run without --compile"
+            )
     elif kind == "cuda":
         from torch.utils._triton import has_triton
+
         if not has_triton():
             raise UsageError("--compile on CUDA needs triton (pip install triton); or run without --compile")
     else:

@@ -1,7 +1,29 @@
 """Conversion: sharing strategies, layer and norm init, SVD/zero LoRA init, parameter counts."""
 
-from .recursive import (INITS, LORA_INITS, NORMS, convert, count_parameters, describe, parse_lora_ranks,
-                        stepwise_layers, svd_factors, tied_depths, unroll)
+from .recursive import (
+    INITS,
+    LORA_INITS,
+    NORMS,
+    convert,
+    count_parameters,
+    describe,
+    parse_lora_ranks,
+    stepwise_layers,
+    svd_factors,
+    tied_depths,
+    unroll,
+)
 
-__all__ = ["INITS", "LORA_INITS", "NORMS", "convert", "count_parameters", "describe", "parse_lora_ranks",
-           "stepwise_layers", "svd_factors", "tied_depths", "unroll"]
+__all__ = [
+    "INITS",
+    "LORA_INITS",
+    "NORMS",
+    "convert",
+    "count_parameters",
+    "describe",
+    "parse_lora_ranks",
+    "stepwise_layers",
+    "svd_factors",
+    "tied_depths",
+    "unroll",
+]

@@ -40,8 +40,15 @@ import torch
 from ..models import ConfigError, LoopLMForCausalLM
 
 # Which recorded input each linear reads: q/k/v share the attention norm's output, gate/up the MLP norm's.
-INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o",
-            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "down"}
+INPUT_OF = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "down",
+}
 # The module whose input is recorded for each input key, and the norm that produces it.
 HOOKED = {"attn": "attn.q_proj", "o": "attn.o_proj", "mlp": "mlp.up_proj", "down": "mlp.down_proj"}
 NORM_OF = {"attn": "attn_norm", "mlp": "mlp_norm"}
@@ -52,7 +59,8 @@ DAMP = 0.01
 class Calibration:
     """Summed input second moments sum_t x_t x_t^T (float64) of every linear at every depth of the
     original model, the token count, and the original norm weights feeding q/k/v and gate/up."""
-    sums: dict = field(default_factory=dict)        # (depth, key) -> [in, in] float64
+
+    sums: dict = field(default_factory=dict)  # (depth, key) -> [in, in] float64
     tokens: int = 0
     num_layers: int = 0
     norm_kind: str = "rms"
@@ -70,16 +78,23 @@ class Calibration:
         torch.save({k: v for k, v in self.__dict__.items()}, str(path))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Calibration":
+    def load(cls, path: str | Path) -> Calibration:
         return cls(**torch.load(str(path), weights_only=False))
 
     def summary(self) -> dict:
-        return {"tokens": self.tokens, "layers": self.num_layers, "damp": self.damp,
-                "fold_norms": self.fold_norms, "source": self.source, "seconds": round(self.seconds, 2)}
+        return {
+            "tokens": self.tokens,
+            "layers": self.num_layers,
+            "damp": self.damp,
+            "fold_norms": self.fold_norms,
+            "source": self.source,
+            "seconds": round(self.seconds, 2),
+        }
 
 
-def text_windows(tokenizer, texts: list[str], seq_len: int = 512, max_tokens: int = 16384,
-                 add_bos: bool = False) -> torch.Tensor:
+def text_windows(
+    tokenizer, texts: list[str], seq_len: int = 512, max_tokens: int = 16384, add_bos: bool = False
+) -> torch.Tensor:
     """Token windows [n, seq_len] for calibration: the texts tokenised, joined and cut into full
     windows (a BOS first in each for models that need one) until ``max_tokens`` tokens."""
     ids: list[int] = []
@@ -92,7 +107,7 @@ def text_windows(tokenizer, texts: list[str], seq_len: int = 512, max_tokens: in
     bos = tokenizer.bos_token_id if add_bos else None
     body = seq_len - (1 if bos is not None else 0)
     ids = ids[:max_tokens]
-    windows = [ids[i:i + body] for i in range(0, len(ids), body)]
+    windows = [ids[i : i + body] for i in range(0, len(ids), body)]
     if len(windows) > 1 and len(windows[-1]) < body:
         windows = windows[:-1]  # equal lengths: no padding, so every recorded input is real
     if not windows or len(windows[0]) < 2:
@@ -103,15 +118,22 @@ def text_windows(tokenizer, texts: list[str], seq_len: int = 512, max_tokens: in
 
 
 @torch.no_grad()
-def collect_calibration(model: LoopLMForCausalLM, windows: torch.Tensor, batch_size: int = 4,
-                        damp: float = DAMP, fold_norms: bool = True, source: str = "") -> Calibration:
+def collect_calibration(
+    model: LoopLMForCausalLM,
+    windows: torch.Tensor,
+    batch_size: int = 4,
+    damp: float = DAMP,
+    fold_norms: bool = True,
+    source: str = "",
+) -> Calibration:
     """Run the vanilla model over ``windows`` [n, t] and sum x x^T of every linear's input per depth."""
     if model.config.num_loops != 1:
         raise ConfigError("calibrate the vanilla (num_loops = 1) model the recursive one is converted from")
     started = time.perf_counter()
     layers = model.model.layers
-    calib = Calibration(num_layers=len(layers), damp=damp, fold_norms=fold_norms, source=source,
-                        norm_kind=layers[0].attn_norm.kind)
+    calib = Calibration(
+        num_layers=len(layers), damp=damp, fold_norms=fold_norms, source=source, norm_kind=layers[0].attn_norm.kind
+    )
     handles = []
 
     def hook_for(depth: int, key: str):
@@ -124,6 +146,7 @@ def collect_calibration(model: LoopLMForCausalLM, windows: torch.Tensor, batch_s
                 calib.sums[(depth, key)] += gram
             else:
                 calib.sums[(depth, key)] = gram
+
         return hook
 
     for d, block in enumerate(layers):
@@ -136,7 +159,7 @@ def collect_calibration(model: LoopLMForCausalLM, windows: torch.Tensor, batch_s
         was_training = model.training
         model.eval()
         for start in range(0, windows.shape[0], batch_size):
-            batch = windows[start:start + batch_size].to(next(model.parameters()).device)
+            batch = windows[start : start + batch_size].to(next(model.parameters()).device)
             model.model(batch)
             calib.tokens += batch.numel()
         model.train(was_training)
@@ -150,14 +173,24 @@ def collect_calibration(model: LoopLMForCausalLM, windows: torch.Tensor, batch_s
 def check_calibration(calib: Calibration | None, config, init: str, lora_init: str, lora_ranks: dict) -> None:
     """Refuse a data-aware init without statistics, or with statistics of another model."""
     relaxed = any(v not in (0, "0") for v in lora_ranks.values())
-    needs = [what for what, used in (("--init aware", init == "aware"),
-                                     ("--lora-init aware-svd", lora_init == "aware-svd" and relaxed)) if used]
+    needs = [
+        what
+        for what, used in (
+            ("--init aware", init == "aware"),
+            ("--lora-init aware-svd", lora_init == "aware-svd" and relaxed),
+        )
+        if used
+    ]
     if needs and calib is None:
-        raise ConfigError(f"{' and '.join(needs)} need calibration statistics: give a training-split text "
-                          f"(looplm convert --calib-text FILE or --calib-data DIR)")
+        raise ConfigError(
+            f"{' and '.join(needs)} need calibration statistics: give a training-split text "
+            f"(looplm convert --calib-text FILE or --calib-data DIR)"
+        )
     if calib is not None and calib.num_layers != config.num_hidden_layers:
-        raise ConfigError(f"the calibration statistics are of a {calib.num_layers}-layer model, but this model has "
-                          f"{config.num_hidden_layers} layers: calibrate the model you convert")
+        raise ConfigError(
+            f"the calibration statistics are of a {calib.num_layers}-layer model, but this model has "
+            f"{config.num_hidden_layers} layers: calibrate the model you convert"
+        )
 
 
 def damped(cov: torch.Tensor, damp: float, scale: float | None = None) -> torch.Tensor:
@@ -188,8 +221,14 @@ def converted_norm_raw(calib: Calibration, depths: list[int], key: str, norms: s
     raise ConfigError(f"unknown norms rule {norms!r}")
 
 
-def depth_problem(calib: Calibration, weights: torch.Tensor, depths: list[int], linear: str,
-                  norms: str = "per-depth", pick: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def depth_problem(
+    calib: Calibration,
+    weights: torch.Tensor,
+    depths: list[int],
+    linear: str,
+    norms: str = "per-depth",
+    pick: int | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Targets T_d [B, out, in] (float64) and damped statistics C~_d of one shared linear, such that
     the output error of depth d is tr((T_d - W) C~_d (T_d - W)^T). Without norm folding T_d = W_d."""
     key = INPUT_OF[linear]
@@ -225,8 +264,8 @@ def whitened_svd_factors(residual: torch.Tensor, cov: torch.Tensor, rank: int) -
     """B [out, r], A [r, in] minimising tr((R - B A) C (R - B A)^T) for positive definite C = S S^T:
     truncated SVD of R S, then A = V_r^T S^{-1}. Float64 throughout."""
     S = torch.linalg.cholesky(cov.double())
-    # A full SVD always: the randomised SVD of svd_factors is too inexact on whitened residuals (at
-    # rank 64 on SmolLM2 it gave a held-out perplexity 1.6x that of the exact truncation).
+    # A full SVD always: the randomised SVD of svd_factors is too inexact on whitened residuals (it costs
+    # the converted model a clearly worse held-out perplexity than the exact truncation).
     U, sv, Vh = torch.linalg.svd(residual.double() @ S, full_matrices=False)
     b, a_white = U[:, :rank] * sv[:rank], Vh[:rank]
     a = torch.linalg.solve_triangular(S, a_white, upper=False, left=False)  # a S = a_white
@@ -270,7 +309,7 @@ def shares_text(texts: list[str], heldout: str, probe: int = 200, probes: int = 
     joined = [" ".join(t.split()) for t in texts]
     step = max(probe, (len(body) - probe) // max(probes - 1, 1))
     for start in range(0, len(body) - probe + 1, step):
-        snippet = body[start:start + probe]
+        snippet = body[start : start + probe]
         if any(snippet in t for t in joined):
             return True
     return False

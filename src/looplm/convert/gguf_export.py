@@ -26,13 +26,25 @@ TYPES = ("f32", "f16", "q8_0", "q4_1")
 
 
 def _check_llama(c) -> None:
-    llama_like = (c.norm_type == "rms" and c.mlp_type == "glu" and c.hidden_act == "silu" and not c.parallel_residual
-                  and not c.sandwich_norms and not c.qk_norm and c.embedding_multiplier is None
-                  and c.attn_logit_softcap is None and c.final_logit_softcap is None
-                  and set(c.depth_attention) == {"full"} and not c.mlp_bias and not c.attention_bias)
+    llama_like = (
+        c.norm_type == "rms"
+        and c.mlp_type == "glu"
+        and c.hidden_act == "silu"
+        and not c.parallel_residual
+        and not c.sandwich_norms
+        and not c.qk_norm
+        and c.embedding_multiplier is None
+        and c.attn_logit_softcap is None
+        and c.final_logit_softcap is None
+        and set(c.depth_attention) == {"full"}
+        and not c.mlp_bias
+        and not c.attention_bias
+    )
     if not llama_like:
-        raise UsageError(f"export-gguf writes llama-architecture files; this model is a {c.family} model with "
-                         f"features llama.cpp's llama architecture lacks (export Llama/SmolLM2-family models)")
+        raise UsageError(
+            f"export-gguf writes llama-architecture files; this model is a {c.family} model with "
+            f"features llama.cpp's llama architecture lacks (export Llama/SmolLM2-family models)"
+        )
 
 
 def permute_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -63,7 +75,9 @@ def source_pre(config) -> str:
     """llama.cpp's pre-tokenizer name for the model's tokenizer: read from the GGUF file the model was
     converted from (embedded models are GGUF files), else "default"."""
     import gguf
+
     from ..models.loading import EMBEDDED, embedded_gguf
+
     src = str(config.conversion.get("source", ""))
     path = embedded_gguf(src) if src in EMBEDDED else Path(src)
     if path.suffix != ".gguf" or not path.is_file():
@@ -75,6 +89,7 @@ def source_pre(config) -> str:
 def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre: str = "default") -> dict:
     import gguf
     from gguf.quants import quantize
+
     if tensor_type not in TYPES:
         raise UsageError(f"unknown tensor type {tensor_type!r}; use one of {', '.join(TYPES)}")
     if tokenizer is None:
@@ -83,10 +98,18 @@ def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre
     _check_llama(c)
     dense = unroll(model).float()
     dc = dense.config
-    qtypes = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-              "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
-    ftypes = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
+    qtypes = {
+        "f32": gguf.GGMLQuantizationType.F32,
+        "f16": gguf.GGMLQuantizationType.F16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    }
+    ftypes = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -118,11 +141,22 @@ def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre
     w.add_token_list(tf["tokens"] + [f"[PAD{i}]" for i in range(len(tf["tokens"]), dc.vocab_size)])
     w.add_token_types(tf["types"] + [5] * pad)
     w.add_token_merges(tf["merges"])
-    for name, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
-                      ("unk", tokenizer.unk_token_id), ("pad", tokenizer.pad_token_id)):
+    for name, tid in (
+        ("bos", tokenizer.bos_token_id),
+        ("eos", tokenizer.eos_token_id),
+        ("unk", tokenizer.unk_token_id),
+        ("pad", tokenizer.pad_token_id),
+    ):
         if tid is not None:
-            getattr(w, {"bos": "add_bos_token_id", "eos": "add_eos_token_id", "unk": "add_unk_token_id",
-                        "pad": "add_pad_token_id"}[name])(int(tid))
+            getattr(
+                w,
+                {
+                    "bos": "add_bos_token_id",
+                    "eos": "add_eos_token_id",
+                    "unk": "add_unk_token_id",
+                    "pad": "add_pad_token_id",
+                }[name],
+            )(int(tid))
     w.add_add_bos_token(bool(getattr(c, "add_bos_token", False)))
     w.add_add_space_prefix(False)
     if getattr(tokenizer, "chat_template", None):

@@ -26,8 +26,15 @@ NORMS = ("tied-avg", "tied-choice", "tied-zero", "per-depth")
 SELECTING_INITS = ("stepwise", "stepwise-start", "lower")
 LORA_INITS = ("svd", "zero", "aware-svd")
 # Which linears each LoRA rank group covers (paper appendix F: Q, KV, Out, FFN).
-GROUP_OF = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "out",
-            "gate_proj": "ffn", "up_proj": "ffn", "down_proj": "ffn"}
+GROUP_OF = {
+    "q_proj": "q",
+    "k_proj": "kv",
+    "v_proj": "kv",
+    "o_proj": "out",
+    "gate_proj": "ffn",
+    "up_proj": "ffn",
+    "down_proj": "ffn",
+}
 
 
 def stepwise_layers(num_layers: int, num_shared: int, fixed_ends: bool = True) -> list[int]:
@@ -80,8 +87,12 @@ def _resolve_ranks(config: LoopLMConfig, ranks: dict) -> tuple[dict, dict]:
     N-emb counts only add up with the KV LoRA capped at its 256-wide output."""
     c = config
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    limits = {"q": min(c.hidden_size, q_out), "kv": min(c.hidden_size, kv_out),
-              "out": min(q_out, c.hidden_size), "ffn": min(c.hidden_size, c.intermediate_size)}
+    limits = {
+        "q": min(c.hidden_size, q_out),
+        "kv": min(c.hidden_size, kv_out),
+        "out": min(q_out, c.hidden_size),
+        "ffn": min(c.hidden_size, c.intermediate_size),
+    }
     resolved, capped = {}, {}
     for g in LORA_GROUPS:
         r = ranks.get(g, 0)
@@ -132,9 +143,18 @@ def _derived_config(config: LoopLMConfig, **changes) -> LoopLMConfig:
 
 
 @torch.no_grad()
-def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle", init: str = "average",
-            norms: str | None = None, lora_ranks: dict | int | str = 0, lora_init: str = "svd",
-            seed: int = 0, calibration=None, prefix_length: int = 0) -> LoopLMForCausalLM:
+def convert(
+    vanilla: LoopLMForCausalLM,
+    loops: int = 2,
+    strategy: str = "cycle",
+    init: str = "average",
+    norms: str | None = None,
+    lora_ranks: dict | int | str = 0,
+    lora_init: str = "svd",
+    seed: int = 0,
+    calibration=None,
+    prefix_length: int = 0,
+) -> LoopLMForCausalLM:
     """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model, relaxed by
     per-depth LoRA (``lora_ranks``), per-depth prefixes (``prefix_length``, paper appendix G) or both.
 
@@ -157,16 +177,23 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
     if not isinstance(lora_ranks, dict):
         lora_ranks = parse_lora_ranks(None, lora_ranks)
     from . import aware
+
     aware.check_calibration(calibration, src_cfg, init, lora_init, lora_ranks)
     torch.manual_seed(seed)
     started = time.perf_counter()
 
-    config = _derived_config(src_cfg, num_loops=loops, sharing=strategy,
-                             per_depth_vectors=norms == "per-depth", prefix_length=prefix_length)
+    config = _derived_config(
+        src_cfg, num_loops=loops, sharing=strategy, per_depth_vectors=norms == "per-depth", prefix_length=prefix_length
+    )
     config.lora_ranks, capped = _resolve_ranks(config, lora_ranks)
     config.conversion = {
-        **src_cfg.conversion, "loops": loops, "strategy": strategy, "init": init, "norms": norms,
-        "lora_ranks": dict(config.lora_ranks), "lora_init": lora_init if config.is_relaxed else None,
+        **src_cfg.conversion,
+        "loops": loops,
+        "strategy": strategy,
+        "init": init,
+        "norms": norms,
+        "lora_ranks": dict(config.lora_ranks),
+        "lora_init": lora_init if config.is_relaxed else None,
         "prefix_length": prefix_length,
     }
     if capped:
@@ -184,10 +211,14 @@ def convert(vanilla: LoopLMForCausalLM, loops: int = 2, strategy: str = "cycle",
 def _init_layers(vanilla, model, init: str, norms: str, lora_init: str, calibration) -> None:
     """Shared weights, biases, norms and LoRAs of every shared layer from the pretrained layers."""
     from . import aware
+
     config = model.config
     L, K = vanilla.config.num_hidden_layers, config.num_shared_layers
-    chosen = {"stepwise": stepwise_layers(L, K, True), "stepwise-start": stepwise_layers(L, K, False),
-              "lower": list(range(K))}.get(init)
+    chosen = {
+        "stepwise": stepwise_layers(L, K, True),
+        "stepwise-start": stepwise_layers(L, K, False),
+        "lower": list(range(K)),
+    }.get(init)
     src_layers = vanilla.model.layers
     for k, depths in enumerate(tied_depths(config)):
         block = model.model.layers[k]
@@ -195,8 +226,11 @@ def _init_layers(vanilla, model, init: str, norms: str, lora_init: str, calibrat
         src_lin = [_linears(src_layers[d]) for d in depths]
         for name, lin in _linears(block).items():
             stack = torch.stack([s[name].weight for s in src_lin])
-            problem = aware.depth_problem(calibration, stack, depths, name.rsplit(".", 1)[-1], norms, pick) \
-                if calibration is not None and (init == "aware" or lora_init == "aware-svd") else None
+            problem = (
+                aware.depth_problem(calibration, stack, depths, name.rsplit(".", 1)[-1], norms, pick)
+                if calibration is not None and (init == "aware" or lora_init == "aware-svd")
+                else None
+            )
             if init == "aware":
                 lin.weight.copy_(aware.shared_weight(*problem))
             elif init == "average":
@@ -246,15 +280,19 @@ def _init_lora(lin: LoopLinear, pretrained: torch.Tensor, how: str, problem=None
     A Gaussian and B zero, as does every depth under zero init (paper appendix C)."""
     if how == "aware-svd":  # targets and input statistics from aware.depth_problem
         from .aware import whitened_svd_factors
+
         pretrained, covs = problem
     for slot, w_d in enumerate(pretrained):
         residual = w_d - lin.weight.to(w_d.dtype)
         if how == "zero" or not residual.any():
-            lin.lora_A[slot].normal_(std=lin.in_features ** -0.5)
+            lin.lora_A[slot].normal_(std=lin.in_features**-0.5)
             lin.lora_B[slot].zero_()
             continue
-        b, a = whitened_svd_factors(residual, covs[slot], lin.rank) if how == "aware-svd" \
+        b, a = (
+            whitened_svd_factors(residual, covs[slot], lin.rank)
+            if how == "aware-svd"
             else svd_factors(residual, lin.rank)
+        )
         lin.lora_B[slot].copy_(b)
         lin.lora_A[slot].copy_(a)
 
@@ -265,11 +303,12 @@ def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
     norm weights and its own prefix. Used for export and to check that conversion is exact where it should
     be. An exit adapter is dropped: the unrolled model has no intermediate loop to exit after."""
     c = model.config
-    config = _derived_config(c, num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={},
-                             exit_adapter=None)
+    config = _derived_config(c, num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={}, exit_adapter=None)
     out = LoopLMForCausalLM(config).to(next(model.parameters()).dtype)
-    out.load_state_dict({k: v for k, v in model.state_dict().items()
-                         if not k.startswith(("model.layers.", "exit_adapter."))}, strict=False)
+    out.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if not k.startswith(("model.layers.", "exit_adapter."))},
+        strict=False,
+    )
     for d, (k, slot) in enumerate(zip(c.layer_map, c.slot_map)):
         shared, dense = model.model.layers[k], out.model.layers[d]
         dense_lin = _linears(dense)
@@ -297,6 +336,7 @@ def count_parameters(model: LoopLMForCausalLM) -> dict:
     exits at the head, and the paper's appendix-I table gives its frozen-body head-LoRA row the base model's
     N-emb."""
     from ..models.quantized import QuantWeight
+
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
@@ -311,19 +351,32 @@ def count_parameters(model: LoopLMForCausalLM) -> dict:
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     adapter = sum(p.numel() for p in model.exit_adapter.parameters()) if model.exit_adapter is not None else 0
     prefix = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".attn.prefix"))
-    return {"total": total, "embedding": emb, "n_emb": total - emb - adapter, "lora": lora, "prefix": prefix,
-            "exit_adapter": adapter}
+    return {
+        "total": total,
+        "embedding": emb,
+        "n_emb": total - emb - adapter,
+        "lora": lora,
+        "prefix": prefix,
+        "exit_adapter": adapter,
+    }
 
 
 def describe(model: LoopLMForCausalLM) -> dict:
     """Everything `looplm info` prints: counts, structure and the layer map."""
     c = model.config
     return {
-        "family": c.family, "depth": c.num_hidden_layers, "loops": c.num_loops, "shared_layers": c.num_shared_layers,
-        "sharing": c.sharing, "per_depth_vectors": c.per_depth_vectors, "lora_ranks": c.lora_ranks,
+        "family": c.family,
+        "depth": c.num_hidden_layers,
+        "loops": c.num_loops,
+        "shared_layers": c.num_shared_layers,
+        "sharing": c.sharing,
+        "per_depth_vectors": c.per_depth_vectors,
+        "lora_ranks": c.lora_ranks,
         "exit_adapter_spec": copy.deepcopy(c.exit_adapter),
         "prefix_length": c.prefix_length,
         "quantization": {k: v for k, v in (getattr(c, "quantization", None) or {}).items() if k != "sha256"} or None,
-        "layer_map": c.layer_map, "depth_attention": c.depth_attention, "conversion": copy.deepcopy(c.conversion),
+        "layer_map": c.layer_map,
+        "depth_attention": c.depth_attention,
+        "conversion": copy.deepcopy(c.conversion),
         **count_parameters(model),
     }

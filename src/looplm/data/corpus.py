@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
-from ..util import write_json_atomic
 from ..models.loading import tokenizer_fingerprint
+from ..util import write_json_atomic
 from .sources import resolve_sources, sha256_file
 
 FORMAT = 1
@@ -36,9 +36,11 @@ def load_tokenizer(spec: str):
     """The tokenizer of a model spec (embedded name, looplm/HF directory, .gguf), without its weights
     where possible."""
     from transformers import AutoTokenizer
+
     from ..models import load_model
-    from ..models.loading import EMBEDDED, cache_dir
-    p = Path(cache_dir() / "models" / spec) if spec in EMBEDDED else Path(spec)
+    from ..models.loading import EMBEDDED, embedded_copy
+
+    p = embedded_copy(spec) if spec in EMBEDDED else Path(spec)
     if p.is_dir() and (p / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(p))
     _, tok = load_model(spec)
@@ -65,7 +67,7 @@ def split_blocks(source: str, docs: list[tuple[str, str]], heldout: float, block
             blocks.append([bid, block, False, j == len(paras) - 1])
     if not blocks:
         return blocks
-    scores = [int(hashlib.sha1(b[0].encode()).hexdigest()[:12], 16) / 16 ** 12 for b in blocks]
+    scores = [int(hashlib.sha1(b[0].encode()).hexdigest()[:12], 16) / 16**12 for b in blocks]
     for b, s in zip(blocks, scores):
         b[2] = s < heldout
     if heldout > 0 and not any(b[2] for b in blocks):
@@ -104,12 +106,19 @@ def _write_atomic(path: Path, array: np.ndarray) -> str:
     return sha256_file(path)
 
 
-
-
-def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(("austen", "kjv", "shakespeare",
-          "python-docs")), seq_len: int = 1024, heldout: float = 0.02, block_chars: int = 16000,
-          refresh: bool = False, log=print, progress: bool = True) -> dict:
+def build(
+    out: str | Path,
+    model: str = "smollm2-135m",
+    sources: str = ",".join(("austen", "kjv", "shakespeare", "python-docs")),
+    seq_len: int = 1024,
+    heldout: float = 0.02,
+    block_chars: int = 16000,
+    refresh: bool = False,
+    log=print,
+    progress: bool = True,
+) -> dict:
     from tqdm import tqdm
+
     if seq_len < 8:
         raise UsageError(f"--seq-len {seq_len} is too short; use at least 8 (1024 or 2048 for real runs)")
     if not 0 <= heldout < 1:
@@ -134,16 +143,28 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
     out.mkdir(parents=True, exist_ok=True)
     (out / "parts").mkdir(exist_ok=True)
     old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
-    settings = {"format": FORMAT, "tokenizer": fp, "seq_len": seq_len, "heldout": heldout,
-                "block_chars": block_chars, "dtype": dtype, "bos": bos, "eos": eos}
+    settings = {
+        "format": FORMAT,
+        "tokenizer": fp,
+        "seq_len": seq_len,
+        "heldout": heldout,
+        "block_chars": block_chars,
+        "dtype": dtype,
+        "bos": bos,
+        "eos": eos,
+    }
     meta = {**settings, "model": model, "vocab_size": vocab, "sources": {}, "splits": {}}
     changed = False
     for name, (docs, text_sha) in texts.items():
         prev = old.get("sources", {}).get(name)
         files = {s: out / "parts" / f"{name}.{s}.bin" for s in ("train", "heldout")}
-        if (prev and prev.get("text_sha256") == text_sha and prev.get("max_train_rows") == caps[name]
-                and all(old.get(k) == v for k, v in settings.items())
-                and all(files[s].exists() and sha256_file(files[s]) == prev[s]["sha256"] for s in files)):
+        if (
+            prev
+            and prev.get("text_sha256") == text_sha
+            and prev.get("max_train_rows") == caps[name]
+            and all(old.get(k) == v for k, v in settings.items())
+            and all(files[s].exists() and sha256_file(files[s]) == prev[s]["sha256"] for s in files)
+        ):
             log(f"{name}: up to date ({prev['train']['seqs']} train / {prev['heldout']['seqs']} held-out sequences)")
             meta["sources"][name] = prev
             continue
@@ -151,13 +172,17 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
         blocks = split_blocks(name, docs, heldout, block_chars)
         streams = {"train": [], "heldout": []}
         bar = tqdm(blocks, desc=f"tokenising {name}", unit="block", disable=not progress)
-        for bid, text, is_held, doc_end in bar:
+        for _block, text, is_held, doc_end in bar:
             ids = tok(text, add_special_tokens=False).input_ids
             if doc_end and eos is not None:
                 ids = ids + [eos]
             streams["heldout" if is_held else "train"].append(ids)
-        entry = {"text_sha256": text_sha, "documents": len(docs), "chars": sum(len(t) for _, t in docs),
-                 "max_train_rows": caps[name]}
+        entry = {
+            "text_sha256": text_sha,
+            "documents": len(docs),
+            "chars": sum(len(t) for _, t in docs),
+            "max_train_rows": caps[name],
+        }
         for split, lists in streams.items():
             rows = pack(lists, seq_len, bos)
             if split == "train" and caps[name] is not None and len(rows) > caps[name]:
@@ -168,24 +193,39 @@ def build(out: str | Path, model: str = "smollm2-135m", sources: str = ",".join(
                 raise UsageError(f"token id {rows.max()} does not fit {dtype}")
             digest = _write_atomic(files[split], rows.astype(dtype))
             capped = split == "train" and caps[name] is not None
-            entry[split] = {"seqs": int(rows.shape[0]), "tokens": int(rows.size if capped else sum(map(len, lists))),
-                            "blocks": len(lists), "sha256": digest}
+            entry[split] = {
+                "seqs": int(rows.shape[0]),
+                "tokens": int(rows.size if capped else sum(map(len, lists))),
+                "blocks": len(lists),
+                "sha256": digest,
+            }
         meta["sources"][name] = entry
-        log(f"{name}: {entry['train']['seqs']} train / {entry['heldout']['seqs']} held-out sequences "
-            f"of {seq_len} tokens")
+        log(
+            f"{name}: {entry['train']['seqs']} train / {entry['heldout']['seqs']} held-out sequences "
+            f"of {seq_len} tokens"
+        )
     for split in ("train", "heldout"):
         path = out / f"{split}.bin"
         parts = [out / "parts" / f"{n}.{split}.bin" for n in meta["sources"]]
         seqs = sum(meta["sources"][n][split]["seqs"] for n in meta["sources"])
         prev = old.get("splits", {}).get(split)
-        if (not changed and prev and prev.get("sources") == list(meta["sources"]) and path.exists()
-                and sha256_file(path) == prev["sha256"]):
+        if (
+            not changed
+            and prev
+            and prev.get("sources") == list(meta["sources"])
+            and path.exists()
+            and sha256_file(path) == prev["sha256"]
+        ):
             meta["splits"][split] = prev
             continue
         arrays = [np.fromfile(p, dtype=dtype) for p in parts]
         data = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
-        meta["splits"][split] = {"file": path.name, "seqs": seqs, "sha256": _write_atomic(path, data),
-                                 "sources": list(meta["sources"])}
+        meta["splits"][split] = {
+            "file": path.name,
+            "seqs": seqs,
+            "sha256": _write_atomic(path, data),
+            "sources": list(meta["sources"]),
+        }
     if meta["splits"]["train"]["seqs"] == 0:
         raise UsageError(f"the corpus has no training sequences of {seq_len} tokens; add text or lower --seq-len")
     write_json_atomic(out / "meta.json", meta)
@@ -221,8 +261,9 @@ class PackedCorpus:
                 raise UsageError(f"{path} fails its checksum; re-run `looplm data build --out {d}`")
             self.splits[split] = np.memmap(path, dtype=self.dtype, mode="r", shape=(info["seqs"], self.seq_len))
         if len(self.splits["train"]) == 0:
-            raise UsageError(f"corpus {d} is empty (no training sequences); rebuild it with more text or a "
-                             f"smaller --seq-len")
+            raise UsageError(
+                f"corpus {d} is empty (no training sequences); rebuild it with more text or a smaller --seq-len"
+            )
 
     @property
     def tokenizer(self) -> str:

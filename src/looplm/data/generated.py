@@ -61,7 +61,7 @@ def text_key(text: str) -> str:
 def degenerate(text: str) -> bool:
     """A sample stuck in a loop: few distinct word 4-grams among its words (short samples are kept)."""
     words = text.split()
-    grams = [tuple(words[i:i + 4]) for i in range(len(words) - 3)]
+    grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
     return len(grams) >= 20 and len(set(grams)) / len(grams) < MIN_DISTINCT_4GRAMS
 
 

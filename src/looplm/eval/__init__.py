@@ -3,7 +3,7 @@
 ``perplexity`` is imported here; the lm-eval parts load lazily (lm-eval is slow to import):
 ``looplm.eval.lm_eval_adapter`` (registers the lm-eval model "looplm"), ``looplm.eval.fewshot``
 (``run_fewshot``), ``looplm.eval.tasks`` (task files, ``PAPER7``), ``looplm.eval.report``.
-See docs/EVAL.md."""
+See docs/guides/evaluate.md."""
 
 from .perplexity import perplexity
 

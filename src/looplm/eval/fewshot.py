@@ -28,22 +28,43 @@ def _headline(task_result: dict, metric: str) -> tuple[float | None, float | Non
 
 def model_summary(model) -> dict:
     from ..convert.recursive import count_parameters
+
     c = model.config
     counts = count_parameters(model)
     conv = dict(c.conversion or {})
-    return {"n_emb": counts["n_emb"], "total_params": counts["total"], "num_loops": c.num_loops,
-            "num_hidden_layers": c.num_hidden_layers, "lora_ranks": dict(c.lora_ranks),
-            "init": conv.get("init"), "lora_init": conv.get("lora_init"), "source": conv.get("source"),
-            "exit_adapter": c.exit_adapter, "exit_adapter_params": counts["exit_adapter"], "conversion": conv}
+    return {
+        "n_emb": counts["n_emb"],
+        "total_params": counts["total"],
+        "num_loops": c.num_loops,
+        "num_hidden_layers": c.num_hidden_layers,
+        "lora_ranks": dict(c.lora_ranks),
+        "init": conv.get("init"),
+        "lora_init": conv.get("lora_init"),
+        "source": conv.get("source"),
+        "exit_adapter": c.exit_adapter,
+        "exit_adapter_params": counts["exit_adapter"],
+        "conversion": conv,
+    }
 
 
-def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, exit_loop: int | None = None,
-                all_loops: bool = False, batch_size: int = 16, num_fewshot: int | None = None,
-                log_samples: bool = False, progress: bool = True, exit_rule=None, exit_rule_name: str = "") -> dict:
+def run_fewshot(
+    model,
+    tokenizer,
+    tasks: list[str],
+    limit: int | None = None,
+    exit_loop: int | None = None,
+    all_loops: bool = False,
+    batch_size: int = 16,
+    num_fewshot: int | None = None,
+    log_samples: bool = False,
+    progress: bool = True,
+    exit_rule=None,
+    exit_rule_name: str = "",
+) -> dict:
     """Evaluate short task names (see looplm.eval.tasks.PAPER7) at one exit, or at every exit.
 
     ``exit_rule(logits, loop index) -> bool`` (e.g. an exit policy's decision, see
-    scripts/exit_accuracy.py) also scores every task with each token taken at the loop the rule exits
+    experiments/exit_accuracy.py) also scores every task with each token taken at the loop the rule exits
     it after (teacher-forced dynamic exit).
 
     Returns {"tasks": {name: {metric, value, stderr, n, metrics}}, "average", "exit_loop",
@@ -53,22 +74,36 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
+
     from .lm_eval_adapter import LoopLMEval
     from .tasks import BESIDE, PAPER7, include_path
 
     B = model.config.num_loops
     final = model.model.check_loops(exit_loop)
-    lm = LoopLMEval(pretrained=model, tokenizer=tokenizer, exit_loop=final, batch_size=batch_size,
-                    all_loops=all_loops, exit_rule=exit_rule)
+    lm = LoopLMEval(
+        pretrained=model,
+        tokenizer=tokenizer,
+        exit_loop=final,
+        batch_size=batch_size,
+        all_loops=all_loops,
+        exit_rule=exit_rule,
+    )
     tm = TaskManager(include_path=str(include_path()), include_defaults=False)
     names = [PAPER7[t][0] for t in tasks]
     started = time.perf_counter()
 
     def evaluate(loop: int):
         lm.exit_loop = loop
-        return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
-                                       num_fewshot=num_fewshot, log_samples=log_samples,
-                                       bootstrap_iters=1000, verbosity="ERROR")
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=names,
+            task_manager=tm,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=log_samples,
+            bootstrap_iters=1000,
+            verbosity="ERROR",
+        )
 
     def summarise(res) -> tuple[dict, float]:
         out = {}
@@ -77,20 +112,32 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
             r = res["results"][tname]
             value, stderr = _headline(r, metric)
             beside, beside_stderr = _headline(r, BESIDE)
-            out[short] = {"metric": metric, "value": value, "stderr": stderr,
-                          BESIDE: beside, f"{BESIDE}_stderr": beside_stderr,
-                          "n": int(res.get("n-samples", {}).get(tname, {}).get("effective", 0)),
-                          "metrics": {k.split(",")[0]: v for k, v in r.items()
-                                      if isinstance(v, (int, float)) and "stderr" not in k}}
+            out[short] = {
+                "metric": metric,
+                "value": value,
+                "stderr": stderr,
+                BESIDE: beside,
+                f"{BESIDE}_stderr": beside_stderr,
+                "n": int(res.get("n-samples", {}).get(tname, {}).get("effective", 0)),
+                "metrics": {
+                    k.split(",")[0]: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k
+                },
+            }
         vals = [v["value"] for v in out.values() if v["value"] is not None]
         return out, (sum(vals) / len(vals) if vals else math.nan)
 
     res = evaluate(final)
     task_res, avg = summarise(res)
     shots = {PAPER7[t][0]: res.get("n-shot", {}).get(PAPER7[t][0]) for t in tasks}
-    result = {"tasks": task_res, "average": avg, "exit_loop": final, "num_loops": B, "limit": limit,
-              "num_fewshot": shots, "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__")
-              else None}
+    result = {
+        "tasks": task_res,
+        "average": avg,
+        "exit_loop": final,
+        "num_loops": B,
+        "limit": limit,
+        "num_fewshot": shots,
+        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+    }
     if log_samples:
         result["samples"] = {t: [_sample(s) for s in res["samples"][PAPER7[t][0]]] for t in tasks}
     if all_loops:
@@ -104,10 +151,15 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
         tr, a = summarise(evaluate(final))  # served from the memo: every token was scored at its exit
         st = lm.exit_stats
         n = max(1, st["tokens"])
-        result["exit_rule"] = {"name": exit_rule_name, "tasks": {t: v["value"] for t, v in tr.items()}, "average": a,
-                               "exits_per_loop": st["exits_per_loop"], "scored_tokens": st["tokens"],
-                               "agreement": st["agree"] / n,
-                               "mean_exit_loop": sum((i + 1) * e for i, e in enumerate(st["exits_per_loop"])) / n}
+        result["exit_rule"] = {
+            "name": exit_rule_name,
+            "tasks": {t: v["value"] for t, v in tr.items()},
+            "average": a,
+            "exits_per_loop": st["exits_per_loop"],
+            "scored_tokens": st["tokens"],
+            "agreement": st["agree"] / n,
+            "mean_exit_loop": sum((i + 1) * e for i, e in enumerate(st["exits_per_loop"])) / n,
+        }
     result["seconds"] = round(time.perf_counter() - started, 2)
     result["model"] = model_summary(model)
     return result
@@ -116,8 +168,11 @@ def run_fewshot(model, tokenizer, tasks: list[str], limit: int | None = None, ex
 def _sample(s: dict) -> dict:
     """The per-item record kept for parity checks: doc id, target, loglikelihoods and per-item metrics."""
     resps = s.get("filtered_resps") or s.get("resps")
-    out = {"doc_id": s["doc_id"], "target": str(s.get("target")),
-           "loglikelihoods": [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in resps]}
+    out = {
+        "doc_id": s["doc_id"],
+        "target": str(s.get("target")),
+        "loglikelihoods": [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in resps],
+    }
     for k in ("acc", "acc_norm", "acc_bytes", "perplexity"):
         if k in s:
             out[k] = s[k] if not isinstance(s[k], tuple) else list(s[k])
@@ -139,8 +194,13 @@ def save_results(result: dict, path: str | Path) -> Path:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             old = None
-        if old and old.get("limit") == result.get("limit") and old.get("exit_loop") == result.get("exit_loop") \
-                and "tasks" in old and "tasks" in result:
+        if (
+            old
+            and old.get("limit") == result.get("limit")
+            and old.get("exit_loop") == result.get("exit_loop")
+            and "tasks" in old
+            and "tasks" in result
+        ):
             merged = {**old, **{k: v for k, v in result.items() if k not in ("tasks", "per_loop")}}
             merged["tasks"] = {**old["tasks"], **result["tasks"]}
             vals = [v["value"] for v in merged["tasks"].values() if v.get("value") is not None]

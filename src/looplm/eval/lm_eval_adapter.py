@@ -33,11 +33,10 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
-
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from tqdm import tqdm
 
 from ..models.loading import accepted_fingerprints
 
@@ -49,16 +48,22 @@ def check_tokenizer(model, tokenizer) -> None:
     """A tokenizer whose ids do not fit the model's embedding, or whose vocabulary differs from the
     one saved with the model (its fingerprint in config.json), is not the model's own."""
     if tokenizer is None:
-        raise ValueError("the model has no tokenizer files; save the model with its tokenizer "
-                         "(looplm.models.save_model(model, tokenizer, DIR)) or pass tokenizer=")
+        raise ValueError(
+            "the model has no tokenizer files; save the model with its tokenizer "
+            "(looplm.models.save_model(model, tokenizer, DIR)) or pass tokenizer="
+        )
     n_tok, n_emb = len(tokenizer), model.config.vocab_size
     if n_tok > n_emb:
-        raise ValueError(f"tokenizer mismatch: the tokenizer has {n_tok} tokens but the model's embedding has "
-                         f"{n_emb} rows; use the tokenizer saved with the model (its directory), not another one")
+        raise ValueError(
+            f"tokenizer mismatch: the tokenizer has {n_tok} tokens but the model's embedding has "
+            f"{n_emb} rows; use the tokenizer saved with the model (its directory), not another one"
+        )
     saved = getattr(model.config, "tokenizer_fingerprint", None)
     if saved and saved not in accepted_fingerprints(tokenizer):
-        raise ValueError("tokenizer mismatch: this tokenizer's vocabulary differs from the one saved with the "
-                         "model; use the tokenizer saved with the model (its directory), not another one")
+        raise ValueError(
+            "tokenizer mismatch: this tokenizer's vocabulary differs from the one saved with the "
+            "model; use the tokenizer saved with the model (its directory), not another one"
+        )
 
 
 def _bool(v) -> bool:
@@ -72,11 +77,23 @@ class LoopLMEval(TemplateLM):
     """``pretrained``: a looplm/HF directory, .gguf file, embedded name, or an in-memory
     LoopLMForCausalLM (then pass ``tokenizer``). ``exit_loop``: static exit after loop i (default B)."""
 
-    def __init__(self, pretrained="smollm2-135m", tokenizer=None, exit_loop=None, batch_size=16,
-                 max_length=None, all_loops=False, device="cpu", dtype="float32", max_gen_toks=256,
-                 exit_rule=None, **kwargs):
+    def __init__(
+        self,
+        pretrained="smollm2-135m",
+        tokenizer=None,
+        exit_loop=None,
+        batch_size=16,
+        max_length=None,
+        all_loops=False,
+        device="cpu",
+        dtype="float32",
+        max_gen_toks=256,
+        exit_rule=None,
+        **kwargs,
+    ):
         super().__init__()
         from ..models import load_model
+
         if isinstance(pretrained, str):
             model, tok = load_model(pretrained, dtype=getattr(torch, str(dtype)))
             if tokenizer is not None:
@@ -137,8 +154,12 @@ class LoopLMEval(TemplateLM):
             add_special_tokens = not (bos and string.startswith(bos))
         kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         enc = self.tokenizer.encode(string, **kw)
-        if add_special_tokens and self.add_bos_token and self.tokenizer.bos_token_id is not None \
-                and (not enc or enc[0] != self.tokenizer.bos_token_id):
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.tokenizer.bos_token_id is not None
+            and (not enc or enc[0] != self.tokenizer.bos_token_id)
+        ):
             enc = [self.tokenizer.bos_token_id] + enc
         if left_truncate_len:
             enc = enc[-left_truncate_len:]
@@ -158,7 +179,7 @@ class LoopLMEval(TemplateLM):
                 raise ValueError("an empty continuation cannot be scored")
             if len(cont) > self.max_length:
                 raise ValueError(f"a continuation of {len(cont)} tokens is longer than max_length={self.max_length}")
-            whole = (list(ctx) + list(cont))[-(self.max_length + 1):]
+            whole = (list(ctx) + list(cont))[-(self.max_length + 1) :]
             ctx_t = tuple(whole[: len(whole) - len(cont)])
             key = (ctx_t, tuple(cont))
             keys.append(key)
@@ -166,8 +187,10 @@ class LoopLMEval(TemplateLM):
             if memo is None or len(memo) < entries:
                 todo[ctx_t].append(key)
         # Dedupe continuations within a context, longest groups first.
-        groups = sorted(((c, sorted(set(ks), key=lambda k: -len(k[1]))) for c, ks in todo.items()),
-                        key=lambda g: (-len(g[0]), -max(len(k[1]) for k in g[1])))
+        groups = sorted(
+            ((c, sorted(set(ks), key=lambda k: -len(k[1]))) for c, ks in todo.items()),
+            key=lambda g: (-len(g[0]), -max(len(k[1]) for k in g[1])),
+        )
         n_rows = sum(len(ks) for _, ks in groups)
         bar = tqdm(total=n_rows, desc="looplm loglikelihood", disable=disable_tqdm or n_rows == 0)
         batch: list = []
@@ -201,6 +224,7 @@ class LoopLMEval(TemplateLM):
         continuation[:-1] as one sequence). Pass 2 runs the continuations of multi-answer groups on
         copies of their context's KV cache. Then the exit head runs on the scored positions only."""
         from transformers import DynamicCache
+
         dev = self.device
         G = len(groups)
         inline = [len(ks) == 1 for _, ks in groups]
@@ -223,19 +247,26 @@ class LoopLMEval(TemplateLM):
         offset = (T1 - seq_lens) if left else torch.zeros(G, dtype=torch.long)
         for g, x in enumerate(seqs):
             o = int(offset[g])
-            ids[g, o:o + len(x)] = torch.tensor(x)
-            mask1[g, o:o + len(x)] = 1
+            ids[g, o : o + len(x)] = torch.tensor(x)
+            mask1[g, o : o + len(x)] = 1
         cache = DynamicCache() if cont_rows else None
         if left:
             pos = (mask1.cumsum(-1) - 1).clamp(min=0)
-            _, states1, _ = self.model.model(ids.to(dev), attention_mask=mask1.to(dev), position_ids=pos.to(dev),
-                                             past_key_values=cache, num_loops=loops, output_loop_states=True)
+            _, states1, _ = self.model.model(
+                ids.to(dev),
+                attention_mask=mask1.to(dev),
+                position_ids=pos.to(dev),
+                past_key_values=cache,
+                num_loops=loops,
+                output_loop_states=True,
+            )
         else:
-            _, states1, _ = self.model.model(ids.to(dev), past_key_values=cache, num_loops=loops,
-                                             output_loop_states=True)
+            _, states1, _ = self.model.model(
+                ids.to(dev), past_key_values=cache, num_loops=loops, output_loop_states=True
+            )
         self.forward_tokens += int(mask1.sum())
         # Where each target token's predicting hidden state is: (pass 1, group, slot) or (pass 2, index).
-        src1_g, src1_t, src2, order = [], [], [], []
+        src1_g, src1_t, order = [], [], []
         for r, (gi, c) in enumerate(conts):
             o, n_ctx = int(offset[gi]), len(groups[gi][0])
             if inline[gi]:
@@ -262,7 +293,7 @@ class LoopLMEval(TemplateLM):
             start = 0
             for r, (_, c) in enumerate(conts):
                 n = len(c)
-                results[r].append((float(ll[start:start + n].sum()), bool(greedy[start:start + n].all())))
+                results[r].append((float(ll[start : start + n].sum()), bool(greedy[start : start + n].all())))
                 start += n
 
         rule = self.exit_rule is not None  # then loops == B
@@ -312,14 +343,20 @@ class LoopLMEval(TemplateLM):
             cmask = torch.zeros((R, Tm), dtype=torch.long)
             for j, r in enumerate(chunk):
                 c = conts[r][1]
-                ids[j, :len(c) - 1] = torch.tensor(c[:-1])
-                cmask[j, :len(c) - 1] = 1
+                ids[j, : len(c) - 1] = torch.tensor(c[:-1])
+                cmask[j, : len(c) - 1] = 1
             grp = torch.tensor([conts[r][0] for r in chunk])
             sub = _select_cache(cache, grp.to(dev))
             mask = torch.cat([mask1[grp], cmask], dim=1)
             pos = ctx_lens[grp][:, None] + torch.arange(Tm)[None]
-            _, states, _ = self.model.model(ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                                            past_key_values=sub, num_loops=loops, output_loop_states=True)
+            _, states, _ = self.model.model(
+                ids.to(dev),
+                attention_mask=mask.to(dev),
+                position_ids=pos.to(dev),
+                past_key_values=sub,
+                num_loops=loops,
+                output_loop_states=True,
+            )
             self.forward_tokens += int(cmask.sum())
             sel = cmask.bool().to(dev)
             for li in range(loops):
@@ -333,15 +370,23 @@ class LoopLMEval(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         windows, counts = [], []
         for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="rolling windows"):
-            ws = list(map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length, context_len=1)))
+            ws = list(
+                map(
+                    lm_utils.make_disjoint_window,
+                    lm_utils.get_rolling_token_windows(
+                        token_list=self.tok_encode(string),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    ),
+                )
+            )
             windows.extend((None, list(a), list(b)) for a, b in ws)
             counts.append(len(ws))
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
         out, i = [], 0
         for req, n in zip(requests, counts):
-            total = sum(s for s, _ in scores[i:i + n])
+            total = sum(s for s, _ in scores[i : i + n])
             i += n
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
@@ -351,6 +396,7 @@ class LoopLMEval(TemplateLM):
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False):
         from transformers import DynamicCache
+
         out = []
         for req in tqdm(requests, disable=disable_tqdm, desc="looplm generate"):
             context, gen_kwargs = req.args
@@ -384,8 +430,8 @@ class LoopLMEval(TemplateLM):
         return out
 
 
-# A forward call costs about as much as this many padded tokens of work, whatever its size (30 layers
-# of small ops); measured on SmolLM2, 1 thread: ~0.3 s per call vs ~0.01 s per token.
+# A forward call costs about as much as this many padded tokens of work, whatever its size (every layer's
+# small ops run once per call).
 CALL_COST_TOKENS = 32
 
 
@@ -410,6 +456,7 @@ def _chunk_by_length(lens: list[int], call_cost: int) -> list[tuple[int, int]]:
 def _select_cache(cache, idx: torch.Tensor):
     """A new DynamicCache holding rows ``idx`` of ``cache`` (one row per continuation)."""
     from transformers import DynamicCache
+
     out = DynamicCache()
     for i, layer in enumerate(cache.layers):
         out.update(layer.keys.index_select(0, idx), layer.values.index_select(0, idx), i)
@@ -418,17 +465,21 @@ def _select_cache(cache, idx: torch.Tensor):
 
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
 def main(argv=None) -> int:
     """``lm_eval`` with the ``looplm`` model registered and the project's tasks on the include path."""
     import sys
+
     from .tasks import include_path
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--include_path" not in argv:
         argv += ["--include_path", str(include_path())]
     from lm_eval.__main__ import cli_evaluate
+
     sys.argv = ["lm_eval"] + argv
     return cli_evaluate() or 0
 

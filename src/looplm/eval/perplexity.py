@@ -2,7 +2,8 @@
 
 The text is tokenised once and cut into non-overlapping windows of ``seq_len`` tokens (or the windows
 are given, as the rows of a packed corpus's held-out split); every token after a window's first is
-scored (a BOS is put in front of each text window for models that need one, such as Gemma). Loop i's exit is the final norm and LM head applied after i loops: a static exit.
+scored (a BOS is put in front of each text window for models that need one, such as Gemma). Loop i's exit is the
+final norm and LM head applied after i loops: a static exit.
 """
 
 from __future__ import annotations
@@ -17,8 +18,16 @@ from ..data.ood import token_windows
 
 
 @torch.no_grad()
-def perplexity(model, tokenizer, text: str, seq_len: int = 512, batch_size: int = 4,
-               exit_loop: int | None = None, max_tokens: int | None = None, progress: bool = False) -> dict:
+def perplexity(
+    model,
+    tokenizer,
+    text: str,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    exit_loop: int | None = None,
+    max_tokens: int | None = None,
+    progress: bool = False,
+) -> dict:
     """{"perplexity", "bits_per_byte", "tokens", "per_loop": [{"loop", "perplexity", "bits_per_byte"}]}.
 
     ``perplexity`` is for exit_loop (default: the last loop); per_loop covers loops 1..exit_loop."""
@@ -29,8 +38,15 @@ def perplexity(model, tokenizer, text: str, seq_len: int = 512, batch_size: int 
 
 
 @torch.no_grad()
-def score_windows(model, tokenizer, windows: list[list[int]], batch_size: int = 4, exit_loop: int | None = None,
-                  max_tokens: int | None = None, progress: bool = False) -> dict:
+def score_windows(
+    model,
+    tokenizer,
+    windows: list[list[int]],
+    batch_size: int = 4,
+    exit_loop: int | None = None,
+    max_tokens: int | None = None,
+    progress: bool = False,
+) -> dict:
     """``perplexity`` on token windows given directly (e.g. the rows of a packed corpus's held-out split)."""
     if not windows:
         raise ValueError("nothing to score: no window holds two or more tokens")
@@ -48,17 +64,18 @@ def score_windows(model, tokenizer, windows: list[list[int]], batch_size: int = 
     count = 0
     scored_text = []
     for start in tqdm(range(0, len(windows), batch_size), desc="perplexity", disable=not progress):
-        batch = windows[start:start + batch_size]
+        batch = windows[start : start + batch_size]
         width = max(len(w) for w in batch)
         ids = torch.full((len(batch), width), 0, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, w in enumerate(batch):
-            ids[i, :len(w)] = torch.tensor(w)
-            mask[i, :len(w)] = 1
+            ids[i, : len(w)] = torch.tensor(w)
+            mask[i, : len(w)] = 1
         ids, mask = ids.to(device), mask.to(device)
         # Right padding with a mask keeps positions aligned; padded targets are ignored below.
-        _, states, _ = model.model(ids, attention_mask=mask if not bool(mask.all()) else None,
-                                   num_loops=loops, output_loop_states=True)
+        _, states, _ = model.model(
+            ids, attention_mask=mask if not bool(mask.all()) else None, num_loops=loops, output_loop_states=True
+        )
         targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
         for i, h in enumerate(states):
             # One window at a time: a [batch, seq, vocab] float32 block is GBs for Gemma's 262k vocabulary.
@@ -69,7 +86,19 @@ def score_windows(model, tokenizer, windows: list[list[int]], batch_size: int = 
         scored_text.extend(w[1:] for w in batch)
     # Bytes of the scored tokens (the text they decode to), for a tokenizer-independent measure.
     n_bytes = sum(len(tokenizer.decode([t for t in w if t is not None]).encode("utf-8")) for w in scored_text)
-    per_loop = [{"loop": i + 1, "perplexity": math.exp(nll[i] / count),
-                 "bits_per_byte": float(nll[i] / math.log(2) / max(n_bytes, 1))} for i in range(loops)]
-    return {"perplexity": per_loop[-1]["perplexity"], "bits_per_byte": per_loop[-1]["bits_per_byte"],
-            "tokens": count, "bytes": n_bytes, "exit_loop": loops, "per_loop": per_loop}
+    per_loop = [
+        {
+            "loop": i + 1,
+            "perplexity": math.exp(nll[i] / count),
+            "bits_per_byte": float(nll[i] / math.log(2) / max(n_bytes, 1)),
+        }
+        for i in range(loops)
+    ]
+    return {
+        "perplexity": per_loop[-1]["perplexity"],
+        "bits_per_byte": per_loop[-1]["bits_per_byte"],
+        "tokens": count,
+        "bytes": n_bytes,
+        "exit_loop": loops,
+        "per_loop": per_loop,
+    }

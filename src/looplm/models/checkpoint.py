@@ -25,8 +25,10 @@ WEIGHTS = "model.safetensors"
 
 def save_checkpoint(model: LoopLMForCausalLM, directory: str | Path) -> None:
     if q.is_quantized(model):
-        raise ConfigError("this model was quantized in memory; store a quantized model with `looplm quantize` "
-                          "from its float checkpoint")
+        raise ConfigError(
+            "this model was quantized in memory; store a quantized model with `looplm quantize` "
+            "from its float checkpoint"
+        )
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(str(d))
@@ -65,8 +67,10 @@ def load_checkpoint(directory: str | Path, dtype=torch.float32) -> LoopLMForCaus
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ConfigError(f"{d / WEIGHTS} does not match config.json: missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]}; re-create the checkpoint")
+        raise ConfigError(
+            f"{d / WEIGHTS} does not match config.json: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}; re-create the checkpoint"
+        )
     if config.tie_word_embeddings:
         model.tie_weights()
     # the rotary frequencies are not stored (non-persistent buffers, left on the meta device): computed again,
@@ -78,9 +82,9 @@ def load_checkpoint(directory: str | Path, dtype=torch.float32) -> LoopLMForCaus
 def _read_floats_as(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file in memory of its own, the floating-point ones cast to ``dtype``.
     safetensors hands out tensors backed by its mapping of the file, whose pages stay in the process while the
-    file is open (and while any such tensor lives): read through one mapping, SmolLM2's 256 MB of bfloat16
-    weights took a bare process to a peak of 993 MB. Each tensor is copied out of a mapping of its own
-    instead: a peak of 484 MB, what the process holds once loaded (docs/BENCHMARKS.md)."""
+    file is open (and while any such tensor lives): read through one mapping, the peak is several times the
+    weights' size. Each tensor is copied out of a mapping of its own instead: the peak is then what the process
+    holds once loaded."""
     with safe_open(str(path), framework="pt") as f:
         keys = list(f.keys())
     out = {}
@@ -97,6 +101,7 @@ def read_config(directory: str | Path) -> dict:
 
 # --- quantized checkpoints (`looplm quantize`, models/quantized.py) ----------------------------------
 
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -105,26 +110,43 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_quantized_checkpoint(model: LoopLMForCausalLM, directory: str | Path, fmt: str, group: int,
-                              dtype: torch.dtype, head: str = "int8", act_dtype: torch.dtype = q.DEFAULT_ACT,
-                              lora: str = "shared", moments: dict | None = None, calibration: dict | None = None) -> None:
+def save_quantized_checkpoint(
+    model: LoopLMForCausalLM,
+    directory: str | Path,
+    fmt: str,
+    group: int,
+    dtype: torch.dtype,
+    head: str = "int8",
+    act_dtype: torch.dtype = q.DEFAULT_ACT,
+    lora: str = "shared",
+    moments: dict | None = None,
+    calibration: dict | None = None,
+    progress: bool = False,
+) -> None:
     """config.json (with a ``quantization`` record: format, group size, float dtype, LoRA mode, rounding (GPTQ
-    with ``moments``, ``calibration`` describing their data), the weights file's sha256) + model.safetensors: the portable quantized tensors (``NAME.q``/``.scale`` for int8,
+    with ``moments``, ``calibration`` describing their data), the weights file's sha256) + model.safetensors: the
+    portable quantized tensors (``NAME.q``/``.scale`` for int8,
     ``NAME.q4``/``.scale``/``.min`` for int4; with ``lora="merged"`` one per depth, and no LoRA tensors) and
     every other tensor in ``dtype``."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = q.quantize_portable(model, fmt, group, head, lora, moments)
+    tensors = q.quantize_portable(model, fmt, group, head, lora, moments, progress=progress)
     merged = {f"{n}.{p}" for n, m in q.linears(model) if q.merges(m, lora) for p in ("weight", "lora_A", "lora_B")}
-    sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
-          if k not in tensors and k not in merged and k != "lm_head.weight"}  # lm_head: quantized, or tied
+    sd = {
+        k: v.detach().to(dtype).contiguous()
+        for k, v in model.state_dict().items()
+        if k not in tensors and k not in merged and k != "lm_head.weight"
+    }  # lm_head: quantized, or tied
     for name, parts in tensors.items():
         sd.update({f"{name}.{part}": v.contiguous() for part, v in parts.items()})
     save_file(sd, str(d / WEIGHTS), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
     rounding = "gptq" if moments else "nearest"
-    config.quantization = {**q.record(fmt, group, dtype, head, act_dtype, lora, rounding),
-                           **({"calibration": calibration} if calibration else {}), "sha256": _sha256(d / WEIGHTS)}
+    config.quantization = {
+        **q.record(fmt, group, dtype, head, act_dtype, lora, rounding),
+        **({"calibration": calibration} if calibration else {}),
+        "sha256": _sha256(d / WEIGHTS),
+    }
     config.save_pretrained(str(d))
 
 
@@ -138,21 +160,22 @@ def _load_quantized(d: Path, config: LoopLMConfig, sd: dict) -> LoopLMForCausalL
         raise ConfigError(f"{d / 'config.json'}: unreadable quantization record {rec}; re-run `looplm quantize`")
     q.check_format(fmt, "cpu")
     if _sha256(d / WEIGHTS) != rec["sha256"]:
-        raise ConfigError(f"{d / WEIGHTS} does not match the checksum in config.json (corrupt or replaced); "
-                          f"re-run `looplm quantize`")
+        raise ConfigError(
+            f"{d / WEIGHTS} does not match the checksum in config.json (corrupt or replaced); re-run `looplm quantize`"
+        )
     with torch.device("meta"):
         model = LoopLMForCausalLM(config)
     names = [name for n, m in q.linears(model) for name in q.weight_names(n, m, lora)] + ["model.embed_tokens.weight"]
     names += ["lm_head.weight"] if any(k.startswith("lm_head.weight.") for k in sd) else []
     tensors = {}
     for name in names:
-        parts = {k[len(name) + 1:]: sd.pop(k) for k in [k for k in sd if k.startswith(name + ".")]}
+        parts = {k[len(name) + 1 :]: sd.pop(k) for k in [k for k in sd if k.startswith(name + ".")]}
         if set(parts) not in ({"q", "scale"}, {"q4", "scale", "min"}):
             raise ConfigError(f"{d / WEIGHTS}: {name} is missing or incomplete; re-run `looplm quantize`")
         tensors[name] = parts
     try:
         q.attach(model, tensors, dtype, act, lora=lora)
-        # copies: tensors straight from load_file may keep the whole file's pages resident (measured ~100 MB)
+        # copies: tensors straight from load_file may keep the whole file's pages resident
         model.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True, assign=True)
     except (RuntimeError, KeyError, ValueError, IndexError) as e:
         first = str(e).strip().splitlines()[0]

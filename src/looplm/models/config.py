@@ -17,8 +17,6 @@ SHARING_STRATEGIES = ("cycle", "sequence", "cycle-rev")
 NORM_TYPES = ("rms", "rms_plus1", "layer")
 
 
-
-
 def layer_map(num_layers: int, num_loops: int, sharing: str = "cycle") -> list[int]:
     """s(d): the shared layer that depth d runs, for d = 0..L-1."""
     if num_loops < 1 or num_layers % num_loops:
@@ -178,8 +176,10 @@ class LoopLMConfig(PretrainedConfig):
         if self.exit_adapter is not None:
             self.exit_adapter = check_exit_adapter(self.exit_adapter, self.hidden_size)
             if self.num_loops < 2:
-                raise ConfigError("an exit adapter serves the exits after intermediate loops, and this model has "
-                                  "one loop; convert it with --loops >= 2 first")
+                raise ConfigError(
+                    "an exit adapter serves the exits after intermediate loops, and this model has "
+                    "one loop; convert it with --loops >= 2 first"
+                )
         if not isinstance(self.prefix_length, int) or self.prefix_length < 0:
             raise ConfigError(f"prefix_length must be a whole number >= 0, got {self.prefix_length!r}")
         if self.num_attention_heads % self.num_key_value_heads:

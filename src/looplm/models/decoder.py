@@ -19,8 +19,9 @@ from .exit_adapter import ExitAdapter
 from .layers import Attention, Block, DepthNorm, LoopLinear, Rotary
 
 
-def attention_masks(kinds, batch: int, q_len: int, past_len: int, attention_mask: torch.Tensor | None,
-                    window: int | None, device) -> dict:
+def attention_masks(
+    kinds, batch: int, q_len: int, past_len: int, attention_mask: torch.Tensor | None, window: int | None, device
+) -> dict:
     """Boolean masks [b|1, 1, q, kv] (True = may attend) per attention kind, or None where plain
     causal attention (SDPA's is_causal, or no mask for one query) is exact."""
     kv_len = past_len + q_len
@@ -59,7 +60,7 @@ class LoopLMPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
             if module.lora_A is not None:
-                nn.init.normal_(module.lora_A, std=module.in_features ** -0.5)
+                nn.init.normal_(module.lora_A, std=module.in_features**-0.5)
                 nn.init.zeros_(module.lora_B)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=std)
@@ -104,9 +105,18 @@ class LoopLMModel(LoopLMPreTrainedModel):
             raise ConfigError(f"exit loop {num_loops} is out of range: this model has {B} loops (use 1..{B})")
         return num_loops
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, num_loops: int | None = None, output_loop_states: bool = False,
-                output_depth_states: bool = False, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        num_loops: int | None = None,
+        output_loop_states: bool = False,
+        output_depth_states: bool = False,
+        **kwargs,
+    ):
         """Returns (hidden after the last depth run, [hidden after each loop] or None, cache).
 
         num_loops < B is a static exit: every token leaves after that many loops. With
@@ -119,8 +129,7 @@ class LoopLMModel(LoopLMPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + t, device=h.device)[None].expand(b, t)
         tables = self.rotary(position_ids, h.dtype)
-        masks = attention_masks(set(c.depth_attention), b, t, past_len, attention_mask,
-                                c.sliding_window_size, h.device)
+        masks = attention_masks(set(c.depth_attention), b, t, past_len, attention_mask, c.sliding_window_size, h.device)
         loops = self.check_loops(num_loops)
         K = c.num_shared_layers
         loop_states = [] if output_loop_states or output_depth_states else None
@@ -149,8 +158,11 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         self.model = LoopLMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Only the exits after intermediate loops use it (models/exit_adapter.py); the final output never does.
-        self.exit_adapter = ExitAdapter(config.exit_adapter, config.num_loops, config.hidden_size,
-                                        config.vocab_size) if config.exit_adapter else None
+        self.exit_adapter = (
+            ExitAdapter(config.exit_adapter, config.num_loops, config.hidden_size, config.vocab_size)
+            if config.exit_adapter
+            else None
+        )
         self.post_init()
 
     def get_input_embeddings(self):
@@ -161,14 +173,20 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T. For a few rows on CPU (decode steps, exit decisions) it is computed as (W x^T)^T, the
-        same product: with SmolLM2's 49,152 x 576 head that ran 1.2-2.7x faster for 2-64 rows and as fast
-        at 1 (measured, `benchmarks/bench_step_cost.py --head`; layer-sized matmuls show no difference).
+        same product, which runs faster for a wide vocabulary head at a few rows (layer-sized matmuls show
+        no difference).
         A serving engine's MKL-packed copy of the head (models/packed.py), where present, serves 2-64 rows
         instead. Elsewhere (GPU, long sequences, a wrapped or hooked head) the module itself runs."""
         head = self.lm_head
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if (x.device.type != "cpu" or not 0 < rows <= 64 or type(head) is not nn.Linear or head.bias is not None
-                or head._forward_hooks or head._forward_pre_hooks):
+        if (
+            x.device.type != "cpu"
+            or not 0 < rows <= 64
+            or type(head) is not nn.Linear
+            or head.bias is not None
+            or head._forward_hooks
+            or head._forward_pre_hooks
+        ):
             return head(x)
         if rows > 1 and self.head_packed is not None and self.head_packed.usable(x, head.weight):
             return self.head_packed.linear(x)
@@ -202,13 +220,29 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int = 0,
-                num_loops: int | None = None, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep: int = 0,
+        num_loops: int | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        h, _, cache = self.model(input_ids, attention_mask, position_ids, past_key_values if use_cache or
-                                 past_key_values is not None else None, inputs_embeds, num_loops=num_loops)
+        h, _, cache = self.model(
+            input_ids,
+            attention_mask,
+            position_ids,
+            past_key_values if use_cache or past_key_values is not None else None,
+            inputs_embeds,
+            num_loops=num_loops,
+        )
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.exit_logits(h, None if num_loops is None else num_loops - 1)

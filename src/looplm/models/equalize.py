@@ -1,5 +1,5 @@
 """Equalising input channels before rounding (AWQ, Lin et al. 2023; SmoothQuant's migration, Xiao et al. 2022),
-for ``looplm quantize --calibrate DATA --equalize``.
+for ``looplm quantize --calib-data DATA --equalize``.
 
 A linear's output is unchanged when input channel j is divided by s_j and weight column j multiplied by s_j:
 y = (W diag(s)) (diag(1/s) x). Its rounding is not. A per-output-channel int8 scale is set by each row's largest
@@ -35,7 +35,7 @@ from . import grids as Q
 from .layers import DepthNorm, LoopLinear
 
 ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)  # the input RMS's exponent
-BETAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)   # the column maximum's
+BETAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)  # the column maximum's
 
 
 def scaled_rounding_error(w: torch.Tensor, s: torch.Tensor, h: torch.Tensor, fmt: str, group: int) -> float:
@@ -46,8 +46,9 @@ def scaled_rounding_error(w: torch.Tensor, s: torch.Tensor, h: torch.Tensor, fmt
     return float(((e @ h) * e).sum())
 
 
-def search_scales(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = Q.DEFAULT_GROUP,
-                  tie=None) -> tuple[torch.Tensor, dict]:
+def search_scales(
+    w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = Q.DEFAULT_GROUP, tie=None
+) -> tuple[torch.Tensor, dict]:
     """The column scales s [in] of the grid that round ``w`` [out, in] (a group's stacked weights) with the least
     output error on inputs of moments ``h`` [in, in]; ``tie(s)`` makes a candidate respect shared channels.
     Returns s and {"alpha", "beta", "error", "error_before"}."""
@@ -77,6 +78,7 @@ def _tie_heads(num_heads: int, num_kv_heads: int, head_dim: int):
     def tie(s):
         g = s.view(num_kv_heads, rep, head_dim).log().mean(1, keepdim=True).exp()
         return g.expand(num_kv_heads, rep, head_dim).reshape(-1)
+
     return tie
 
 
@@ -119,16 +121,28 @@ def equalization_groups(model: nn.Module) -> list[dict]:
     for i, block in enumerate(model.model.layers):
         p = f"model.layers.{i}"
         attn, mlp = block.attn, block.mlp
-        groups.append({"names": [f"{p}.attn.{n}" for n in ("q_proj", "k_proj", "v_proj")],
-                       "linears": [attn.q_proj, attn.k_proj, attn.v_proj], "norm": block.attn_norm,
-                       "prefix": attn.prefix})
+        groups.append(
+            {
+                "names": [f"{p}.attn.{n}" for n in ("q_proj", "k_proj", "v_proj")],
+                "linears": [attn.q_proj, attn.k_proj, attn.v_proj],
+                "norm": block.attn_norm,
+                "prefix": attn.prefix,
+            }
+        )
         gu = ("gate_proj", "up_proj") if mlp.gate_proj is not None else ("up_proj",)
-        groups.append({"names": [f"{p}.mlp.{n}" for n in gu], "linears": [getattr(mlp, n) for n in gu],
-                       "norm": block.mlp_norm})
+        groups.append(
+            {"names": [f"{p}.mlp.{n}" for n in gu], "linears": [getattr(mlp, n) for n in gu], "norm": block.mlp_norm}
+        )
         if mlp.gate_proj is not None:  # act(gate x) * up x is linear in up x; act(up x) is not
             groups.append({"names": [f"{p}.mlp.down_proj"], "linears": [mlp.down_proj], "rows": mlp.up_proj})
-        groups.append({"names": [f"{p}.attn.o_proj"], "linears": [attn.o_proj], "rows": attn.v_proj,
-                       "tie": _tie_heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim)})
+        groups.append(
+            {
+                "names": [f"{p}.attn.o_proj"],
+                "linears": [attn.o_proj],
+                "rows": attn.v_proj,
+                "tie": _tie_heads(c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            }
+        )
     return groups
 
 
@@ -152,8 +166,11 @@ def equalize(model: nn.Module, moments: dict, fmt: str, group: int = Q.DEFAULT_G
                 with torch.no_grad():
                     g["prefix"].div_(s.to(g["prefix"]))
         else:
-            rows = s if g.get("tie") is None else _value_scales(s, c.num_key_value_heads, c.num_attention_heads,
-                                                                 c.head_dim)
+            rows = (
+                s
+                if g.get("tie") is None
+                else _value_scales(s, c.num_key_value_heads, c.num_attention_heads, c.head_dim)
+            )
             _divide_rows(g["rows"], rows)
         for lin in g["linears"]:
             _scale_columns(lin, s)

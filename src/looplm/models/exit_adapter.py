@@ -37,8 +37,10 @@ def check_exit_adapter(spec: dict | None, hidden_size: int | None = None) -> dic
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise UsageError(f"a head-lora exit adapter needs a whole-number rank >= 1, got {rank!r}")
     if hidden_size is not None and rank > hidden_size:
-        raise UsageError(f"head-lora rank {rank} exceeds the hidden size {hidden_size}, above which it adds "
-                         f"nothing; use at most {hidden_size}")
+        raise UsageError(
+            f"head-lora rank {rank} exceeds the hidden size {hidden_size}, above which it adds "
+            f"nothing; use at most {hidden_size}"
+        )
     return {"kind": "head-lora", "rank": rank}
 
 
@@ -116,14 +118,15 @@ def add_exit_adapters(model, kind: str, rank: int | None = None) -> ExitAdapter:
     saved and loaded with the model. Returns the adapter. A model that already has one must have the same
     spec (its trained adapter is kept and returned)."""
     c = model.config
-    spec = check_exit_adapter({"kind": kind, "rank": rank} if kind == "head-lora" else {"kind": kind},
-                              c.hidden_size)
+    spec = check_exit_adapter({"kind": kind, "rank": rank} if kind == "head-lora" else {"kind": kind}, c.hidden_size)
     if c.num_loops < 2:
         raise UsageError("an exit adapter serves the exits after intermediate loops, and this model has one loop")
     if model.exit_adapter is not None:
         if c.exit_adapter != spec:
-            raise UsageError(f"the model already has a {describe_spec(c.exit_adapter)} exit adapter, not "
-                             f"{describe_spec(spec)}; start from a model without one")
+            raise UsageError(
+                f"the model already has a {describe_spec(c.exit_adapter)} exit adapter, not "
+                f"{describe_spec(spec)}; start from a model without one"
+            )
         return model.exit_adapter
     p = next(model.parameters())
     model.exit_adapter = ExitAdapter(spec, c.num_loops, c.hidden_size, c.vocab_size).to(p.device, p.dtype)
@@ -135,8 +138,10 @@ def freeze_all_but_exit_adapter(model) -> list[nn.Parameter]:
     """Freeze the body, embeddings, final norm and head; return the exit adapter's parameters, the only
     trainable ones (the paper's appendix-I setting)."""
     if model.exit_adapter is None:
-        raise UsageError("freezing the body leaves nothing to train: the model has no exit adapter "
-                         "(add one: --exit-adapter head-lora:R or affine)")
+        raise UsageError(
+            "freezing the body leaves nothing to train: the model has no exit adapter "
+            "(add one: --exit-adapter head-lora:R or affine)"
+        )
     model.requires_grad_(False)
     model.exit_adapter.requires_grad_(True)
     return list(model.exit_adapter.parameters())

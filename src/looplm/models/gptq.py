@@ -1,4 +1,4 @@
-"""Error-compensated rounding of the shared weights (GPTQ, Frantar et al. 2022), for ``looplm quantize --calibrate``.
+"""Error-compensated rounding of the shared weights (GPTQ, Frantar et al. 2022), for ``looplm quantize --calib-data``.
 
 Round-to-nearest rounds every weight on its own. What matters is each linear's *output* on the inputs it
 sees: ||(W - Q) X||^2 = tr((W - Q) H (W - Q)^T) with H = sum_t x_t x_t^T. GPTQ rounds one input column at a
@@ -47,16 +47,20 @@ def input_moments(model, rows: torch.Tensor, batch_size: int = 4) -> dict:
                 last[:] = x, (flat.T @ flat).double().cpu()
             per_slot = sums.setdefault(name, {})
             per_slot[slot] = per_slot[slot] + last[1] if slot in per_slot else last[1].clone()
+
         return hook
 
-    handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in model.named_modules()
-               if isinstance(m, LoopLinear)]
+    handles = [
+        m.register_forward_pre_hook(hook_for(n), with_kwargs=True)
+        for n, m in model.named_modules()
+        if isinstance(m, LoopLinear)
+    ]
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     try:
         for start in range(0, rows.shape[0], batch_size):
-            h = model.model(rows[start:start + batch_size].to(device))[0]
+            h = model.model(rows[start : start + batch_size].to(device))[0]
             z = model.exit_states(h).reshape(-1, h.shape[-1]).float()  # what the LM head reads at the final exit
             sums["lm_head"] = sums.get("lm_head", 0) + (z.T @ z).double().cpu()
     finally:
@@ -67,8 +71,9 @@ def input_moments(model, rows: torch.Tensor, batch_size: int = 4) -> dict:
     return sums
 
 
-def gptq_portable(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = Q.DEFAULT_GROUP,
-                  damp: float = DAMP, block: int = 128) -> dict:
+def gptq_portable(
+    w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = Q.DEFAULT_GROUP, damp: float = DAMP, block: int = 128
+) -> dict:
     """``portable(w, fmt, group)`` rounded by GPTQ against input moments ``h`` [in, in] (float64 sums)."""
     w = w.detach().double().cpu().clone()
     n, k = w.shape
@@ -101,7 +106,7 @@ def gptq_portable(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = Q.DEF
         for j in range(b1 - b0):
             col = b0 + j
             if col % g == 0:
-                scale, mn = params(wb[:, j:j + g])
+                scale, mn = params(wb[:, j : j + g])
                 scales.append(scale)
                 minima.append(mn)
             q = torch.round((wb[:, j] - mn) / scale).clamp(lo, hi)
@@ -113,8 +118,11 @@ def gptq_portable(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = Q.DEF
     if fmt == "int8":
         return {"q": codes.to(torch.int8), "scale": scale.float()}
     q = codes.to(torch.uint8)
-    return {"q4": q[:, 0::2] | (q[:, 1::2] << 4), "scale": torch.stack(scales, 1).float(),
-            "min": torch.stack(minima, 1).float()}
+    return {
+        "q4": q[:, 0::2] | (q[:, 1::2] << 4),
+        "scale": torch.stack(scales, 1).float(),
+        "min": torch.stack(minima, 1).float(),
+    }
 
 
 def output_error(w: torch.Tensor, t: dict, h: torch.Tensor) -> float:

@@ -27,8 +27,10 @@ def group_for(in_features: int, group: int) -> int:
         return group
     fits = [g for g in GROUPS if in_features % g == 0]
     if not fits:
-        raise UsageError(f"int4 needs an input width divisible by 32; this model has a linear {in_features} wide "
-                         f"(use --weights int8)")
+        raise UsageError(
+            f"int4 needs an input width divisible by 32; this model has a linear {in_features} wide "
+            f"(use --weights int8)"
+        )
     return max(fits)
 
 
@@ -72,8 +74,12 @@ def _fit_codes(best: list | None, wg: torch.Tensor, wm: torch.Tensor, lo: torch.
             best = [err, q, sc, mn]
             continue
         better = err < best[0]
-        best = [torch.where(better, err, best[0]), torch.where(better[..., None], q, best[1]),
-                torch.where(better, sc, best[2]), torch.where(better, mn, best[3])]
+        best = [
+            torch.where(better, err, best[0]),
+            torch.where(better[..., None], q, best[1]),
+            torch.where(better, sc, best[2]),
+            torch.where(better, mn, best[3]),
+        ]
     return best
 
 

@@ -12,15 +12,24 @@ from .config import ConfigError, LoopLMConfig
 from .decoder import LoopLMForCausalLM
 
 FAMILIES = {
-    "llama": "llama", "mistral": "llama", "qwen2": "llama", "smollm3": "llama",
-    "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "smollm3": "llama",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
     "gpt_neox": "gpt_neox",
 }
 
 
 def _rope(params: dict, partial: float = 1.0) -> dict:
-    out = {"theta": float(params.get("rope_theta", 10000.0)), "type": params.get("rope_type", "default"),
-           "partial": float(params.get("partial_rotary_factor", partial))}
+    out = {
+        "theta": float(params.get("rope_theta", 10000.0)),
+        "type": params.get("rope_type", "default"),
+        "partial": float(params.get("partial_rotary_factor", partial)),
+    }
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         if key in params:
             out[key] = params[key]
@@ -33,8 +42,7 @@ def config_from_hf(hf) -> LoopLMConfig:
     family = FAMILIES.get(hf.model_type)
     if family is None:
         raise ConfigError(
-            f"model type {hf.model_type!r} is not supported; looplm converts "
-            f"{', '.join(sorted(set(FAMILIES)))}"
+            f"model type {hf.model_type!r} is not supported; looplm converts {', '.join(sorted(set(FAMILIES)))}"
         )
     L = hf.num_hidden_layers
     rope_params = hf.rope_parameters or {}
@@ -45,36 +53,66 @@ def config_from_hf(hf) -> LoopLMConfig:
     else:
         rope = {"full": _rope(rope_params)}
     common = dict(
-        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
-        num_hidden_layers=L, num_attention_heads=hf.num_attention_heads,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=L,
+        num_attention_heads=hf.num_attention_heads,
         num_key_value_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         max_position_embeddings=getattr(hf, "max_position_embeddings", 8192),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        bos_token_id=hf.bos_token_id, eos_token_id=hf.eos_token_id, pad_token_id=getattr(hf, "pad_token_id", None),
-        rope=rope, depth_attention=depth_attention, family=family,
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id,
+        pad_token_id=getattr(hf, "pad_token_id", None),
+        rope=rope,
+        depth_attention=depth_attention,
+        family=family,
     )
     if family == "llama":
         return LoopLMConfig(
-            hidden_act=hf.hidden_act, mlp_type="glu", norm_type="rms", norm_eps=hf.rms_norm_eps,
-            attention_bias=getattr(hf, "attention_bias", False), mlp_bias=getattr(hf, "mlp_bias", False), **common)
+            hidden_act=hf.hidden_act,
+            mlp_type="glu",
+            norm_type="rms",
+            norm_eps=hf.rms_norm_eps,
+            attention_bias=getattr(hf, "attention_bias", False),
+            mlp_bias=getattr(hf, "mlp_bias", False),
+            **common,
+        )
     if family == "gpt_neox":
         return LoopLMConfig(
-            hidden_act=hf.hidden_act, mlp_type="plain", norm_type="layer", norm_eps=hf.layer_norm_eps,
-            attention_bias=getattr(hf, "attention_bias", True), mlp_bias=True,
-            parallel_residual=hf.use_parallel_residual, **common)
+            hidden_act=hf.hidden_act,
+            mlp_type="plain",
+            norm_type="layer",
+            norm_eps=hf.layer_norm_eps,
+            attention_bias=getattr(hf, "attention_bias", True),
+            mlp_bias=True,
+            parallel_residual=hf.use_parallel_residual,
+            **common,
+        )
     # Gemma 1/2/3: GeGLU, (1 + w) RMSNorm, embeddings scaled by sqrt(hidden).
     act = getattr(hf, "hidden_activation", None) or hf.hidden_act
-    gemma = dict(hidden_act=act, mlp_type="glu", norm_type="rms_plus1", norm_eps=hf.rms_norm_eps,
-                 attention_bias=getattr(hf, "attention_bias", False), embedding_multiplier=hf.hidden_size ** 0.5,
-                 add_bos_token=True, **common)
+    gemma = dict(
+        hidden_act=act,
+        mlp_type="glu",
+        norm_type="rms_plus1",
+        norm_eps=hf.rms_norm_eps,
+        attention_bias=getattr(hf, "attention_bias", False),
+        embedding_multiplier=hf.hidden_size**0.5,
+        add_bos_token=True,
+        **common,
+    )
     if family == "gemma":
         return LoopLMConfig(**gemma)
     return LoopLMConfig(
-        sandwich_norms=True, qk_norm=family == "gemma3", query_pre_attn_scalar=hf.query_pre_attn_scalar,
+        sandwich_norms=True,
+        qk_norm=family == "gemma3",
+        query_pre_attn_scalar=hf.query_pre_attn_scalar,
         attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None),
         final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
-        sliding_window_size=getattr(hf, "sliding_window", None), **gemma)
+        sliding_window_size=getattr(hf, "sliding_window", None),
+        **gemma,
+    )
 
 
 def _llama_names(i: int) -> dict:
@@ -82,23 +120,27 @@ def _llama_names(i: int) -> dict:
     names = {f"{p}self_attn.{n}_proj.{w}": f"attn.{n}_proj.{w}" for n in "qkvo" for w in ("weight", "bias")}
     names.update({f"{p}mlp.{n}_proj.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")})
     names.update({f"{p}mlp.{n}_proj.bias": f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")})
-    names.update({
-        f"{p}input_layernorm.weight": "attn_norm.weight",
-        f"{p}post_attention_layernorm.weight": "mlp_norm.weight",
-        f"{p}self_attn.q_norm.weight": "attn.q_norm.weight",
-        f"{p}self_attn.k_norm.weight": "attn.k_norm.weight",
-    })
+    names.update(
+        {
+            f"{p}input_layernorm.weight": "attn_norm.weight",
+            f"{p}post_attention_layernorm.weight": "mlp_norm.weight",
+            f"{p}self_attn.q_norm.weight": "attn.q_norm.weight",
+            f"{p}self_attn.k_norm.weight": "attn.k_norm.weight",
+        }
+    )
     return names
 
 
 def _gemma2_names(i: int) -> dict:
     p = f"model.layers.{i}."
     names = _llama_names(i)
-    names.update({
-        f"{p}post_attention_layernorm.weight": "attn_out_norm.weight",
-        f"{p}pre_feedforward_layernorm.weight": "mlp_norm.weight",
-        f"{p}post_feedforward_layernorm.weight": "mlp_out_norm.weight",
-    })
+    names.update(
+        {
+            f"{p}post_attention_layernorm.weight": "attn_out_norm.weight",
+            f"{p}pre_feedforward_layernorm.weight": "mlp_norm.weight",
+            f"{p}post_feedforward_layernorm.weight": "mlp_out_norm.weight",
+        }
+    )
     return names
 
 
@@ -106,13 +148,15 @@ def _neox_names(i: int) -> dict:
     p = f"gpt_neox.layers.{i}."
     names = {}
     for w in ("weight", "bias"):
-        names.update({
-            f"{p}input_layernorm.{w}": f"attn_norm.{w}",
-            f"{p}post_attention_layernorm.{w}": f"mlp_norm.{w}",
-            f"{p}attention.dense.{w}": f"attn.o_proj.{w}",
-            f"{p}mlp.dense_h_to_4h.{w}": f"mlp.up_proj.{w}",
-            f"{p}mlp.dense_4h_to_h.{w}": f"mlp.down_proj.{w}",
-        })
+        names.update(
+            {
+                f"{p}input_layernorm.{w}": f"attn_norm.{w}",
+                f"{p}post_attention_layernorm.{w}": f"mlp_norm.{w}",
+                f"{p}attention.dense.{w}": f"attn.o_proj.{w}",
+                f"{p}mlp.dense_h_to_4h.{w}": f"mlp.up_proj.{w}",
+                f"{p}mlp.dense_4h_to_h.{w}": f"mlp.down_proj.{w}",
+            }
+        )
     return names
 
 
@@ -163,8 +207,9 @@ def from_hf_state_dict(config: LoopLMConfig, sd: dict, dtype=torch.float32) -> L
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ConfigError(f"checkpoint does not match the {config.family} layout: missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}")
+        raise ConfigError(
+            f"checkpoint does not match the {config.family} layout: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()

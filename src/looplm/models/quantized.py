@@ -5,19 +5,18 @@ lever. The kernels are PyTorch's own CPU ops, no hand-made one:
 
 * ``int8``: symmetric, one scale per output channel, ``torch.ops.aten._weight_int8pack_mm``. Inside a compiled
   graph a one-row product (the batch-1 token) is ``int8_gemv`` instead: a reduction inductor compiles to one
-  loop over the same int8 rows in several streams, 1.5x the op per token (docs/BENCHMARKS.md); a product of
-  ``DENSE_ROWS`` rows or more (a prompt, a batched step), compiled or not, is ``int8_dense``: the weight dequantized
-  to a bfloat16 temporary and oneDNN's GEMM, 2.1x the op at 64 rows.
+  loop over the same int8 rows in several streams, faster than the op; a product of ``DENSE_ROWS`` rows or more (a
+  prompt, a batched step), compiled or not, is ``int8_dense``: the weight dequantized to a bfloat16 temporary and
+  oneDNN's GEMM, faster than the op at many rows.
 * ``int4``: asymmetric groups of G input columns (a scale and a minimum per group, as llama.cpp's Q4_1,
   chosen per group against the float weight among clipped ranges and least-squares fits: ``int4_portable``),
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout ``_convert_weight_to_int4pack_for_cpu``
-  makes. G is 32 by default (the measured error/speed choice, docs/BENCHMARKS.md); a linear whose input
+  makes. G is 32 by default (the smallest rounding error, at about the larger groups' speed); a linear whose input
   width G does not divide takes the largest of 32/64/128/256 that does.
 
-The ops take their activations in bfloat16 by default (``act_dtype``): with float32 activations they
-ran 10-60x slower than a float32 matmul on this project's CPU (a fallback path), with bfloat16 as fast or
-faster (docs/BENCHMARKS.md). Inputs are cast to ``act_dtype`` for the matmul and its output back, so the
-rest of the model keeps its own dtype.
+The ops take their activations in bfloat16 by default (``act_dtype``): with float32 activations they take a
+slow fallback path, many times slower than a float32 matmul, with bfloat16 as fast or faster. Inputs are cast
+to ``act_dtype`` for the matmul and its output back, so the rest of the model keeps its own dtype.
 
 Every shared linear weight of a LoopLinear and the LM head are quantized; the per-depth LoRA, biases and
 norms stay float (float32, or bfloat16 with ``dtype``) and are applied on top. The token embedding
@@ -27,7 +26,7 @@ are one tensor. The float weights are dropped: no float copy, no MKL-packed copy
 input are stacked into one weight each (q|k|v, gate|up: ``attach``), so a step makes two kernel calls where
 it made five. With ``lora="merged"`` a relaxed model's LoRA is not kept: each depth s of a shared linear gets
 its own quantized W' + B_s A_s (``PerDepthWeight``), no LoRA matmul at serving time, and at SmolLM2's rank 64
-fewer bytes than the float LoRA (docs/SERVING.md).
+fewer bytes than the float LoRA (docs/guides/quantize-export.md).
 
 Two forms: the *portable* one (plain tensors: int8 values and scales; 4-bit values two per byte, scales
 and minima) is what ``looplm quantize`` stores and what a checkpoint loads; the kernel's form (the int4
@@ -46,8 +45,18 @@ from torch import nn
 
 from ..errors import ConfigError, UsageError
 from .gptq import gptq_portable
-from .grids import (DEFAULT_GROUP, GROUPS, INT4_CLIPS, dequantize, group_for, int4_portable,  # noqa: F401
-                    int8_portable, portable, relative_error, unpack4)
+from .grids import (  # noqa: F401
+    DEFAULT_GROUP,
+    GROUPS,
+    INT4_CLIPS,
+    dequantize,
+    group_for,
+    int4_portable,
+    int8_portable,
+    portable,
+    relative_error,
+    unpack4,
+)
 from .layers import MLP, Attention, LoopLinear
 from .packed import PackedWeight
 
@@ -57,6 +66,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # --- what this platform runs ------------------------------------------------------------------
+
 
 @functools.cache
 def _kernel_runs(fmt: str) -> bool:
@@ -93,13 +103,16 @@ def check_format(fmt: str, device) -> None:
         raise UsageError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
     ok = supported_formats(device)
     if fmt not in ok:
-        raise UsageError(f"--weights {fmt} cannot run on {torch.device(device)} with this torch build; "
-                         f"supported here: {', '.join(ok)}")
+        raise UsageError(
+            f"--weights {fmt} cannot run on {torch.device(device)} with this torch build; "
+            f"supported here: {', '.join(ok)}"
+        )
 
 
 # --- portable form: plain tensors, what a quantized checkpoint stores: grids.py ------------------
 
 # --- kernel form: what the engine multiplies with ---------------------------------------------
+
 
 class QuantWeight(nn.Module):
     """A quantized [out, in] weight: ``linear(x, bias)`` is F.linear with the dequantized weight."""
@@ -109,8 +122,10 @@ class QuantWeight(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # the module cannot be moved to a GPU and keep working
-            raise UsageError(f"{self.fmt} weights run on CPU only; supported on {x.device.type}: "
-                             f"{', '.join(supported_formats(x.device))}")
+            raise UsageError(
+                f"{self.fmt} weights run on CPU only; supported on {x.device.type}: "
+                f"{', '.join(supported_formats(x.device))}"
+            )
         return x.reshape(-1, x.shape[-1]).to(self.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, slot=0) -> torch.Tensor:
@@ -154,9 +169,8 @@ def int8_gemv(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, streams: in
 
     The rows are split into ``streams`` blocks far apart (the most, up to that, that divide N), each its own reduction
     over the same input. inductor fuses the blocks into one loop that reads that many weight streams at once. One
-    stream, as one reduction compiles, leaves a core waiting on memory: SmolLM2's 30 layers of one-row products took
-    11.4 ms with PyTorch's op, 15.2 as one reduction and 7.5 in four streams; a token in the compiled engine 1.47x
-    faster than with the op (docs/BENCHMARKS.md, "int8 at batch 1 in four streams")."""
+    stream, as one reduction compiles, leaves a core waiting on memory; several streams beat PyTorch's op, one
+    does not."""
     (n, k), dtype = q.shape, x.dtype
     streams = next(s for s in range(streams, 0, -1) if n % s == 0)
     # realised once: without it inductor inlines the input's producer (a norm) into every output row
@@ -166,14 +180,13 @@ def int8_gemv(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, streams: in
     return (y * scale.float()).to(dtype).unsqueeze(0)
 
 
-# PyTorch's int8 op costs about as much per row as it does for one (it dequantizes as it goes): 30 SmolLM2 layers took
-# 12.8 ms for one row, 39 for 16 and 103 for 64, where bfloat16 weights took 29 ms for 64 rows (oneDNN's GEMM, AMX).
-# So from DENSE_ROWS rows a product dequantizes the int8 weight to a bfloat16 temporary and runs that GEMM, eager or
-# compiled: the 30 layers at 64 rows in 49 ms, even with the op at 16 (docs/BENCHMARKS.md, "int8 steps of many
-# rows"). Only where bfloat16 products are native, and for weights whose temporary stays small (DENSE_MAX_BYTES):
-# the LM head's 56 MB one costs a fixed 22 ms a step.
+# PyTorch's int8 op costs about as much per row as it does for one (it dequantizes as it goes), so its cost grows
+# with the rows where a bfloat16 GEMM's barely does. So from DENSE_ROWS rows a product dequantizes the int8 weight
+# to a bfloat16 temporary and runs that GEMM, eager or compiled (from there it is the faster). Only where bfloat16
+# products are native, and for weights whose temporary stays small (DENSE_MAX_BYTES): dequantizing a
+# vocabulary-sized head every step would cost more than it saves.
 DENSE_ROWS = 16
-DENSE_MAX_BYTES = 8 * 2 ** 20
+DENSE_MAX_BYTES = 8 * 2**20
 
 
 def int8_dense(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -193,13 +206,13 @@ class Int8Weight(QuantWeight):
         q = torch.nn.functional.pad(q, (0, self.pad)) if self.pad else _own_memory(q)
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", _own_memory(scale.to(dtype)), persistent=False)
-        self.dense = (dtype == torch.bfloat16 and q.numel() * 2 <= DENSE_MAX_BYTES and has_bf16_matmuls("cpu"))
+        self.dense = dtype == torch.bfloat16 and q.numel() * 2 <= DENSE_MAX_BYTES and has_bf16_matmuls("cpu")
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] == 1 and torch.compiler.is_compiling():
-            return int8_gemv(self.q[:, :self.in_features], self.scale, rows)
+            return int8_gemv(self.q[:, : self.in_features], self.scale, rows)
         if self.dense and rows.shape[0] >= DENSE_ROWS:  # compiled: a guard, such steps get graphs of their own
-            return int8_dense(self.q[:, :self.in_features], self.scale, rows)
+            return int8_dense(self.q[:, : self.in_features], self.scale, rows)
         return self._op_mm(rows)
 
     def _op_mm(self, rows: torch.Tensor) -> torch.Tensor:
@@ -212,7 +225,7 @@ class Int8Weight(QuantWeight):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight (an embedding lookup), in ``dtype``."""
-        return self.q[ids, :self.in_features].to(dtype) * self.scale[ids].unsqueeze(-1).to(dtype)
+        return self.q[ids, : self.in_features].to(dtype) * self.scale[ids].unsqueeze(-1).to(dtype)
 
 
 class Int4Weight(QuantWeight):
@@ -224,8 +237,9 @@ class Int4Weight(QuantWeight):
         self.out_features, self.in_features = q.shape
         self.group = self.in_features // t["scale"].shape[1]
         self.dtype = dtype
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1),
-                             persistent=False)
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), persistent=False
+        )
         # the op computes (q - 8) * scale + zero: zero = min + 8 * scale; layout [in/G, out, 2]
         sz = torch.stack((t["scale"], t["min"] + 8 * t["scale"]), -1).transpose(0, 1)
         self.register_buffer("scales_zeros", sz.to(dtype).contiguous(), persistent=False)
@@ -250,11 +264,11 @@ class QuantSlice(nn.Module):
         self.out_features, self.in_features = stop - start, stacked.in_features
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, slot=0) -> torch.Tensor:
-        y = self.stacked.linear(x, slot=slot)[..., self.start:self.stop]
+        y = self.stacked.linear(x, slot=slot)[..., self.start : self.stop]
         return y if bias is None else y + bias
 
     def dequantize(self, slot: int = 0) -> torch.Tensor:
-        return self.stacked.dequantize(slot)[self.start:self.stop]
+        return self.stacked.dequantize(slot)[self.start : self.stop]
 
 
 class PerDepthWeight(nn.Module):
@@ -300,9 +314,9 @@ class QuantEmbedding(nn.Module):
 class QuantHead(nn.Module):
     """The LM head on a quantized weight (for a tied int8 head, the embedding's own table).
 
-    The kernel returns its logits in the activation dtype; in bfloat16 a logit near 20 moves by up to 0.06, enough
-    to tie or swap the top two tokens at 2.2% of SmolLM2's held-out positions (more than every other bfloat16
-    rounding of the engine together, docs/BENCHMARKS.md). So the ``RESCORED`` largest logits of each row are
+    The kernel returns its logits in the activation dtype; in bfloat16 a large logit moves by enough to tie or
+    swap the top two tokens at a few percent of positions (more than every other bfloat16 rounding of the engine
+    together). So the ``RESCORED`` largest logits of each row are
     recomputed in the input's own dtype from the int8 rows they read: the greedy token and the margins between
     the leading tokens are then those of the int8 weight in float32, for k dot products per row."""
 
@@ -322,6 +336,7 @@ class QuantHead(nn.Module):
 
 
 # --- whole models -----------------------------------------------------------------------------
+
 
 def linears(model: nn.Module) -> list[tuple[str, LoopLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoopLinear)]
@@ -349,8 +364,15 @@ def weight_names(name: str, lin: LoopLinear, lora: str) -> list[str]:
     return [f"{name}.weight"]
 
 
-def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, head: str = "int8",
-                      lora: str = "shared", moments: dict | None = None) -> dict[str, dict]:
+def quantize_portable(
+    model: nn.Module,
+    fmt: str,
+    group: int = DEFAULT_GROUP,
+    head: str = "int8",
+    lora: str = "shared",
+    moments: dict | None = None,
+    progress: bool = False,
+) -> dict[str, dict]:
     """Portable tensors for every weight ``fmt`` replaces, by name (``weight_names``): each LoopLinear's
     weight (``lora="shared"``: the shared weight, its LoRA left in float; ``"merged"``: W' + B_s A_s per depth s),
     the embedding (int8 rows) and the LM head in ``head`` format, unless it is tied and int8 (then the
@@ -359,12 +381,14 @@ def quantize_portable(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, he
 
     Rounded to nearest, or with ``moments`` (``gptq.input_moments``: each linear's input moments per depth,
     and the head's) by GPTQ against them: a shared weight against its depths' moments summed, a merged one
-    against its own depth's (models/gptq.py)."""
+    against its own depth's (models/gptq.py). ``progress``: a bar on stderr over the linears (GPTQ takes minutes)."""
+    from tqdm import tqdm
+
     def rounded(w, f, h=None):
         return portable(w, f, group) if h is None else gptq_portable(w, h, f, group)
 
     out = {}
-    for n, m in linears(model):
+    for n, m in tqdm(linears(model), desc="GPTQ" if moments else "rounding", unit="linear", disable=not progress):
         names = weight_names(n, m, lora)
         if merges(m, lora):
             weights = [m.merged_weight(s) for s in range(len(names))]
@@ -389,8 +413,9 @@ def _portable_shape(t: dict) -> tuple[int, int]:
 def _checked(t: dict, name: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantWeight:
     w = make_weight(t, dtype)
     if (w.out_features, w.in_features) != shape:
-        raise ConfigError(f"quantized {name} is {w.out_features} x {w.in_features}, the model needs "
-                          f"{shape[0]} x {shape[1]}")
+        raise ConfigError(
+            f"quantized {name} is {w.out_features} x {w.in_features}, the model needs {shape[0]} x {shape[1]}"
+        )
     return w
 
 
@@ -417,33 +442,53 @@ def _drop_float(lin: LoopLinear, merged: bool) -> None:
         lin.lora_A = lin.lora_B = None
 
 
-def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_dtype: torch.dtype = DEFAULT_ACT,
-           fuse: bool = True, lora: str = "shared") -> None:
+def attach(
+    model: nn.Module,
+    tensors: dict[str, dict],
+    dtype: torch.dtype,
+    act_dtype: torch.dtype = DEFAULT_ACT,
+    fuse: bool = True,
+    lora: str = "shared",
+) -> None:
     """Put quantized weights built from portable ``tensors`` (``quantize_portable``'s, in ``lora`` mode) in
     place of the float ones (which are dropped, and with ``lora="merged"`` the LoRA too), multiplying in
     ``act_dtype``. The model's other parameters must already be in ``dtype``. With ``fuse`` the linears of
     each ``input_groups`` group are one stacked weight (per depth when merged), one matmul a step instead of
-    three (q|k|v) or two (gate|up): fewer calls into the kernel at batch 1 (docs/BENCHMARKS.md); each linear
+    three (q|k|v) or two (gate|up): fewer calls into the kernel at batch 1; each linear
     keeps a ``QuantSlice`` of it, and its bias and LoRA. The stored (portable) form is the same either way."""
+
     def parts_of(n, m):  # the portable tensors of one linear, one per depth when merged, shapes checked
         parts = [tensors[name] for name in weight_names(n, m, lora)]
         for p in parts:
             if _portable_shape(p) != (m.out_features, m.in_features):
-                raise ConfigError(f"quantized {n}.weight is {_portable_shape(p)[0]} x {_portable_shape(p)[1]}, "
-                                  f"the model needs {m.out_features} x {m.in_features}")
+                raise ConfigError(
+                    f"quantized {n}.weight is {_portable_shape(p)[0]} x {_portable_shape(p)[1]}, "
+                    f"the model needs {m.out_features} x {m.in_features}"
+                )
         return parts
 
     for owner, attr, members in input_groups(model) if fuse else []:
         per_member = [parts_of(n, m) for n, m in members]
         flat = [p for parts in per_member for p in parts]
-        if (len({len(parts) for parts in per_member}) > 1 or len({frozenset(p) for p in flat}) > 1
-                or len({p["scale"].shape[1:] for p in flat}) > 1):
+        if (
+            len({len(parts) for parts in per_member}) > 1
+            or len({frozenset(p) for p in flat}) > 1
+            or len({p["scale"].shape[1:] for p in flat}) > 1
+        ):
             continue  # mixed formats, group sizes or LoRA modes: separate matmuls
         outs = [m.out_features for _, m in members]
         name = "+".join(n for n, _ in members)
-        stacked = _per_depth([_checked({k: torch.cat([parts[d][k] for parts in per_member]) for k in flat[0]}, name,
-                                       (sum(outs), members[0][1].in_features), act_dtype)
-                              for d in range(len(per_member[0]))])
+        stacked = _per_depth(
+            [
+                _checked(
+                    {k: torch.cat([parts[d][k] for parts in per_member]) for k in flat[0]},
+                    name,
+                    (sum(outs), members[0][1].in_features),
+                    act_dtype,
+                )
+                for d in range(len(per_member[0]))
+            ]
+        )
         stacked.sizes = outs
         setattr(owner, attr, stacked)
         start = 0
@@ -454,8 +499,9 @@ def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_d
     for n, m in linears(model):
         if m.quant is None:
             merged = merges(m, lora)
-            m.quant = _per_depth([_checked(p, f"{n}.weight", (m.out_features, m.in_features), act_dtype)
-                                  for p in parts_of(n, m)])
+            m.quant = _per_depth(
+                [_checked(p, f"{n}.weight", (m.out_features, m.in_features), act_dtype) for p in parts_of(n, m)]
+            )
             _drop_float(m, merged)
     c = model.config
     emb = _checked(tensors["model.embed_tokens.weight"], "embedding", (c.vocab_size, c.hidden_size), act_dtype)
@@ -463,12 +509,14 @@ def attach(model: nn.Module, tensors: dict[str, dict], dtype: torch.dtype, act_d
         raise ConfigError("the quantized embedding must be int8 rows")
     model.model.embed_tokens = QuantEmbedding(emb, dtype)
     head = tensors.get("lm_head.weight")
-    model.lm_head = QuantHead(emb if head is None else _checked(head, "lm_head", (c.vocab_size, c.hidden_size), act_dtype))
+    model.lm_head = QuantHead(
+        emb if head is None else _checked(head, "lm_head", (c.vocab_size, c.hidden_size), act_dtype)
+    )
 
 
 def release_freed_memory() -> None:
     """Hand the memory freed while quantizing (float weights, unpacked int4 temporaries) back to the OS:
-    glibc keeps freed heap pages otherwise, and the served process stayed 200+ MB larger (measured RSS)."""
+    glibc keeps freed heap pages otherwise, and the served process stays that much larger."""
     gc.collect()  # reference cycles left by building the model still hold tensors
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -476,9 +524,17 @@ def release_freed_memory() -> None:
         pass
 
 
-def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype: torch.dtype = torch.float32,
-                   head: str = "int8", act_dtype: torch.dtype = DEFAULT_ACT, fuse: bool = True, lora: str = "shared",
-                   moments: dict | None = None):
+def quantize_model(
+    model: nn.Module,
+    fmt: str,
+    group: int = DEFAULT_GROUP,
+    dtype: torch.dtype = torch.float32,
+    head: str = "int8",
+    act_dtype: torch.dtype = DEFAULT_ACT,
+    fuse: bool = True,
+    lora: str = "shared",
+    moments: dict | None = None,
+):
     """Quantize ``model`` in place for CPU inference (``fmt`` int8 or int4; fp32 returns it unchanged, bf16 casts it:
     ``to_bf16``).
     ``dtype``: the float parameters left (LoRA, norms, biases); ``act_dtype``: the quantized matmuls'
@@ -506,11 +562,25 @@ def quantize_model(model: nn.Module, fmt: str, group: int = DEFAULT_GROUP, dtype
     return model.eval()
 
 
-def record(fmt: str, group: int, dtype: torch.dtype, head: str, act_dtype: torch.dtype, lora: str = "shared",
-           rounding: str = "nearest") -> dict:
+def record(
+    fmt: str,
+    group: int,
+    dtype: torch.dtype,
+    head: str,
+    act_dtype: torch.dtype,
+    lora: str = "shared",
+    rounding: str = "nearest",
+) -> dict:
     name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
-    return {"format": fmt, "group_size": group, "dtype": name(dtype), "act_dtype": name(act_dtype), "head": head,
-            "lora": lora, "rounding": rounding}
+    return {
+        "format": fmt,
+        "group_size": group,
+        "dtype": name(dtype),
+        "act_dtype": name(act_dtype),
+        "head": head,
+        "lora": lora,
+        "rounding": rounding,
+    }
 
 
 def stored_format(model: nn.Module) -> str:
@@ -530,15 +600,19 @@ def prepare(model: nn.Module, fmt: str | None, **options):
     check_format(fmt, next(model.parameters()).device)
     lora = options.pop("lora", None)
     if stored != "fp32" and lora and lora != stored_lora(model):
-        raise UsageError(f"this model is stored with {stored_lora(model)} LoRA weights; serve it with --lora "
-                         f"{stored_lora(model)}, or quantize its float checkpoint with --lora {lora}")
+        raise UsageError(
+            f"this model is stored with {stored_lora(model)} LoRA weights; serve it with --lora "
+            f"{stored_lora(model)}, or quantize its float checkpoint with --lora {lora}"
+        )
     if fmt in ("fp32", "bf16") and lora == "merged":
         raise UsageError("--lora merged needs quantized weights (--weights int8 or int4)")
     if fmt == stored:
         return model
     if stored != "fp32":
-        raise UsageError(f"this model is stored with {stored} weights; serve it with --weights {stored}, or "
-                         f"quantize its float checkpoint to {fmt}")
+        raise UsageError(
+            f"this model is stored with {stored} weights; serve it with --weights {stored}, or "
+            f"quantize its float checkpoint to {fmt}"
+        )
     return quantize_model(model, fmt, lora=lora or "shared", **options)
 
 
@@ -551,8 +625,8 @@ def load_dtype(fmt: str | None) -> torch.dtype:
 
 def to_bf16(model: nn.Module) -> nn.Module:
     """The whole float model in bfloat16 (``--weights bf16``): weights, LoRA, norms, residual stream and KV cache.
-    Half the bytes of float32 and no MKL-packed copy (those are float32 only); on a CPU with AMX a 64-row step's
-    weight products run 2.5x faster than float32's and 2.9x faster than the int4 op's (docs/BENCHMARKS.md)."""
+    Half the bytes of float32 and no MKL-packed copy (those are float32 only); on a CPU with AMX a batched step's
+    weight products run faster than float32's and than the int4 op's."""
     model = model.to(torch.bfloat16)  # the rotary frequencies stay float32 and exact (Rotary._apply)
     release_freed_memory()
     return model.eval()

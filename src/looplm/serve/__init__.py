@@ -4,7 +4,19 @@ from .cache import KVCache
 from .engine import Engine, Request
 from .exits import ExitPolicy, parse_policy
 from .sampling import RequestError, SamplingParams
-from .schedulers import SCHEDULERS, make_scheduler, replay, generate, warm_up
+from .schedulers import SCHEDULERS, generate, make_scheduler, replay, warm_up
 
-__all__ = ["KVCache", "Engine", "Request", "ExitPolicy", "parse_policy", "RequestError", "SamplingParams",
-           "SCHEDULERS", "make_scheduler", "replay", "generate", "warm_up"]
+__all__ = [
+    "KVCache",
+    "Engine",
+    "Request",
+    "ExitPolicy",
+    "parse_policy",
+    "RequestError",
+    "SamplingParams",
+    "SCHEDULERS",
+    "make_scheduler",
+    "replay",
+    "generate",
+    "warm_up",
+]

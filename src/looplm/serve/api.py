@@ -9,12 +9,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-
 # --- errors in OpenAI's shape ----------------------------------------------------------------------
 
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
@@ -31,7 +38,7 @@ def error_response(e: APIError) -> JSONResponse:
 _UNION_MESSAGES = {
     "prompt": "prompt must be a string, a list with one string, or a list of token ids",
     "stop": "stop must be a string or a list of up to 4 strings",
-    "content": "message content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+    "content": 'message content must be a string or a list of {"type": "text", "text": ...} parts',
 }
 
 
@@ -54,6 +61,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 # --- request bodies ------------------------------------------------------------------------------
 
+
 class _Body(BaseModel):
     # strict: "5" is not a number and 1.0 is not a whole number; extra="forbid": a misspelt or
     # unsupported parameter is an error rather than silently ignored
@@ -62,7 +70,7 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
@@ -72,7 +80,7 @@ class _Body(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     # looplm extras (extra_body in the openai client)
-    top_k: int = Field(0, ge=0, le=2 ** 31)
+    top_k: int = Field(0, ge=0, le=2**31)
     full_depth: bool = False  # run every loop for every token: no early exit for this request
     ignore_eos: bool = False  # keep going to max_tokens (load tests)
 
@@ -107,18 +115,24 @@ class ChatBody(_Body):
 
 def check_unsupported(body: _Body) -> None:
     """Parameters we accept only at their no-op value (clients often send the defaults)."""
-    checks = [("n", body.n == 1, "n > 1 is not supported; send one request per completion"),
-              ("presence_penalty", body.presence_penalty == 0, "presence_penalty is not supported (use 0)"),
-              ("frequency_penalty", body.frequency_penalty == 0, "frequency_penalty is not supported (use 0)"),
-              ("logit_bias", not body.logit_bias, "logit_bias is not supported")]
+    checks = [
+        ("n", body.n == 1, "n > 1 is not supported; send one request per completion"),
+        ("presence_penalty", body.presence_penalty == 0, "presence_penalty is not supported (use 0)"),
+        ("frequency_penalty", body.frequency_penalty == 0, "frequency_penalty is not supported (use 0)"),
+        ("logit_bias", not body.logit_bias, "logit_bias is not supported"),
+    ]
     if isinstance(body, CompletionBody):
-        checks += [("echo", not body.echo, "echo is not supported"),
-                   ("logprobs", body.logprobs is None, "logprobs are not supported"),
-                   ("best_of", body.best_of in (None, 1), "best_of > 1 is not supported"),
-                   ("suffix", body.suffix is None, "suffix is not supported")]
+        checks += [
+            ("echo", not body.echo, "echo is not supported"),
+            ("logprobs", body.logprobs is None, "logprobs are not supported"),
+            ("best_of", body.best_of in (None, 1), "best_of > 1 is not supported"),
+            ("suffix", body.suffix is None, "suffix is not supported"),
+        ]
     else:
-        checks += [("logprobs", not body.logprobs, "logprobs are not supported"),
-                   ("top_logprobs", body.top_logprobs is None, "top_logprobs are not supported")]
+        checks += [
+            ("logprobs", not body.logprobs, "logprobs are not supported"),
+            ("top_logprobs", body.top_logprobs is None, "top_logprobs are not supported"),
+        ]
     for param, ok, msg in checks:
         if not ok:
             raise APIError(400, msg, param=param, code="unsupported_parameter")

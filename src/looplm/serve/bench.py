@@ -28,8 +28,15 @@ def heldout_text() -> str:
     return resources.files("looplm").joinpath("data", "heldout_sample.txt").read_text(encoding="utf-8")
 
 
-def make_trace(token_ids: list[int], n: int, prompt_len=(16, 96), output_len=(8, 64), arrivals="all",
-               rate: float = 4.0, seed: int = 0) -> list[dict]:
+def make_trace(
+    token_ids: list[int],
+    n: int,
+    prompt_len=(16, 96),
+    output_len=(8, 64),
+    arrivals="all",
+    rate: float = 4.0,
+    seed: int = 0,
+) -> list[dict]:
     """n requests cut from real text at random offsets: prompt and output lengths uniform in the
     given ranges; arrival 0 for all ("all") or a Poisson process of ``rate`` requests/s ("poisson")."""
     rnd = random.Random(seed)
@@ -43,7 +50,7 @@ def make_trace(token_ids: list[int], n: int, prompt_len=(16, 96), output_len=(8,
             t += rnd.expovariate(rate)
         elif arrivals != "all":
             raise ValueError(f"unknown arrival pattern {arrivals!r}; use all or poisson")
-        out.append({"prompt": token_ids[s:s + L], "max_tokens": o, "arrival": t})
+        out.append({"prompt": token_ids[s : s + L], "max_tokens": o, "arrival": t})
     return out
 
 
@@ -56,10 +63,19 @@ def percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def run_trace(model, trace, scheduler: str, max_batch: int, max_seq_len: int, policy: ExitPolicy | None = None,
-              kv_mode: str = "copy", compile: bool = False) -> tuple[dict, list[Request], Engine]:
-    engine = Engine(model, max_batch=max_batch, max_seq_len=max_seq_len, exit_policy=policy, kv_mode=kv_mode,
-                    compile=compile)
+def run_trace(
+    model,
+    trace,
+    scheduler: str,
+    max_batch: int,
+    max_seq_len: int,
+    policy: ExitPolicy | None = None,
+    kv_mode: str = "copy",
+    compile: bool = False,
+) -> tuple[dict, list[Request], Engine]:
+    engine = Engine(
+        model, max_batch=max_batch, max_seq_len=max_seq_len, exit_policy=policy, kv_mode=kv_mode, compile=compile
+    )
     compile_s = warm_up(engine)  # compiled graphs are built before the clock starts
     reqs = [Request(r["prompt"], r["max_tokens"], arrival=r["arrival"]) for r in trace]
     rss0 = rss_mb()
@@ -72,15 +88,24 @@ def run_trace(model, trace, scheduler: str, max_batch: int, max_seq_len: int, po
     tpot = [r.tpot for r in ok]
     stats = engine.stats
     fig = {
-        "tokens": tokens, "seconds": round(span, 3), "tokens_per_s": round(tokens / span, 2),
-        "ttft_p50": _r(percentile(ttft, 0.5)), "ttft_p99": _r(percentile(ttft, 0.99)),
-        "tpot_p50": _r(percentile(tpot, 0.5)), "tpot_p99": _r(percentile(tpot, 0.99)),
-        "peak_rss_mb": round(res["peak_rss_mb"], 1), "rss_growth_mb": round(res["peak_rss_mb"] - rss0, 1),
-        "kv_cache_mb": round(engine.cache.nbytes / 2 ** 20, 1), "packed_weights_mb": round(engine.packed_bytes / 2 ** 20, 1),
-        "weights_mb": round(weight_bytes(model) / 2 ** 20, 1),  # every weight tensor held, packed copies included
-        "exits_per_loop": list(stats["exits_per_loop"]), "steps": stats["stages"],
-        "mixed_steps": stats["mixed_stages"], "mean_items_per_step": round(stats["stage_items"] / max(1, stats["stages"]), 2),
-        "kv_copy_tokens": stats["kv_copy_tokens"], "kv_later_items": stats["kv_later_items"],
+        "tokens": tokens,
+        "seconds": round(span, 3),
+        "tokens_per_s": round(tokens / span, 2),
+        "ttft_p50": _r(percentile(ttft, 0.5)),
+        "ttft_p99": _r(percentile(ttft, 0.99)),
+        "tpot_p50": _r(percentile(tpot, 0.5)),
+        "tpot_p99": _r(percentile(tpot, 0.99)),
+        "peak_rss_mb": round(res["peak_rss_mb"], 1),
+        "rss_growth_mb": round(res["peak_rss_mb"] - rss0, 1),
+        "kv_cache_mb": round(engine.cache.nbytes / 2**20, 1),
+        "packed_weights_mb": round(engine.packed_bytes / 2**20, 1),
+        "weights_mb": round(weight_bytes(model) / 2**20, 1),  # every weight tensor held, packed copies included
+        "exits_per_loop": list(stats["exits_per_loop"]),
+        "steps": stats["stages"],
+        "mixed_steps": stats["mixed_stages"],
+        "mean_items_per_step": round(stats["stage_items"] / max(1, stats["stages"]), 2),
+        "kv_copy_tokens": stats["kv_copy_tokens"],
+        "kv_later_items": stats["kv_later_items"],
         "failed": sum(r.status == "error" for r in reqs),
     }
     if compile:
@@ -100,13 +125,14 @@ def agreement(model, reqs) -> float:
         if not r.output:
             continue
         ids = torch.tensor([r.prompt + r.output[:-1]], device=next(model.parameters()).device)
-        want = model(ids).logits[0, len(r.prompt) - 1:].argmax(-1).tolist()
+        want = model(ids).logits[0, len(r.prompt) - 1 :].argmax(-1).tolist()
         same += sum(a == b for a, b in zip(want, r.output))
         total += len(r.output)
     return same / total if total else float("nan")
 
 
 # --- machine limits ------------------------------------------------------------------------------
+
 
 def machine_limits(size: int = 1024, reps: int = 5) -> dict:
     """Measured float32 matmul GFLOP/s and memory copy GB/s on this process's threads."""
@@ -115,8 +141,8 @@ def machine_limits(size: int = 1024, reps: int = 5) -> dict:
     t = time.perf_counter()
     for _ in range(reps):
         a @ b
-    gflops = 2 * size ** 3 * reps / (time.perf_counter() - t) / 1e9
-    x = torch.empty(32 * 2 ** 20)  # 128 MB
+    gflops = 2 * size**3 * reps / (time.perf_counter() - t) / 1e9
+    x = torch.empty(32 * 2**20)  # 128 MB
     y = torch.empty_like(x)
     y.copy_(x)
     t = time.perf_counter()
@@ -136,8 +162,12 @@ def utilisation(model, fig: dict, limits: dict) -> dict:
     flops = per_token * fig["tokens_per_s"]
     step_bytes = (body + head) * next(model.parameters()).element_size()
     bw = step_bytes * fig["steps"] / fig["seconds"]
-    return {"gflops": round(flops / 1e9, 2), "matmul_fraction": round(flops / 1e9 / limits["matmul_gflops"], 3),
-            "weight_gb_s": round(bw / 1e9, 2), "bandwidth_fraction": round(bw / 1e9 / limits["copy_gb_s"], 3)}
+    return {
+        "gflops": round(flops / 1e9, 2),
+        "matmul_fraction": round(flops / 1e9 / limits["matmul_gflops"], 3),
+        "weight_gb_s": round(bw / 1e9, 2),
+        "bandwidth_fraction": round(bw / 1e9 / limits["copy_gb_s"], 3),
+    }
 
 
 # --- the whole benchmark -------------------------------------------------------------------------
@@ -147,42 +177,56 @@ HEADLINE_KEYS = ("tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
 
 def _looped_model(args, vanilla):
     from ..models import load_model
+
     if args.looped:
         model, _ = load_model(args.looped)
         return model, f"{args.looped}"
-    from ..convert import convert, parse_lora_ranks
-    ranks = parse_lora_ranks(None, args.lora_rank)
-    model = convert(vanilla, loops=args.loops, init=args.init, lora_ranks=ranks, norms="per-depth", seed=args.seed)
-    return model.eval(), f"{args.model} converted: B={args.loops}, init {args.init}, LoRA rank {args.lora_rank}, " \
-                         f"per-depth norms (not uptrained)"
+    from .on_the_fly import convert_unhealed
+
+    model = convert_unhealed(
+        vanilla,
+        args.model,
+        args.loops,
+        args.init,
+        args.lora_rank,
+        getattr(args, "allow_unhealed", False),
+        seed=args.seed,
+    )
+    return model.eval(), (
+        f"{args.model} converted: B={args.loops}, init {args.init}, LoRA rank {args.lora_rank}, "
+        f"per-depth norms (not uptrained)"
+    )
 
 
 def hf_cache_config(requests: list[dict], max_new_tokens: int, page_size: int = 256, batch_tokens: int = 512):
     """A ContinuousBatchingConfig sized for these requests: every request's pages fit at once (left to
     itself, transformers sizes the cache from free memory, which on a shared CPU machine got the process
-    killed). batch_tokens bounds a step's tokens (prefill chunks); 512 and 2048 ran alike on 64 requests x
-    128 tokens (`bench serve --hf-batch-tokens`, docs/BENCHMARKS.md)."""
+    killed). batch_tokens bounds a step's tokens (prefill chunks; `bench serve --hf-batch-tokens`)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
     pages = sum(-(-(len(r["prompt"]) + max_new_tokens) // page_size) for r in requests)
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=pages + 4, max_batch_tokens=batch_tokens)
 
 
 def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
     """transformers generate (batch 1) and generate_batch against our engine (vanilla model,
-    sequence-wise, ``--max-batch`` rows) on the same requests, all with one output length
+    sequence-wise, ``--max-concurrency`` rows) on the same requests, all with one output length
     (generate_batch takes one): generate_batch on the first ``--hf`` requests, generate at batch 1 on
     the first ``--hf-b1`` of them (default: all; requests one after another take long), each set
     against our engine's run on that same set."""
     from transformers import GenerationConfig
+
     from ..models import load_hf_reference
+
     hf, _ = load_hf_reference(args.model)
-    sub = trace[:args.hf]
+    sub = trace[: args.hf]
     n_new = max(r["max_tokens"] for r in sub)
     sub = [{**r, "max_tokens": n_new, "arrival": 0.0} for r in sub]
-    sub_b1 = sub[:getattr(args, "hf_b1", 0) or len(sub)]
+    sub_b1 = sub[: getattr(args, "hf_b1", 0) or len(sub)]
     out = {"requests": len(sub), "requests_b1": len(sub_b1), "max_new_tokens": n_new, "engine_rows": args.max_batch}
-    cfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
+    cfg = GenerationConfig(
+        max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     t, toks = time.perf_counter(), 0
     with torch.no_grad():
         for r in sub_b1:
@@ -198,20 +242,26 @@ def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
         try:
             cb = hf_cache_config(sub, n_new, batch_tokens=getattr(args, "hf_batch_tokens", 512))
             t = time.perf_counter()
-            res = hf.generate_batch([r["prompt"] for r in sub], generation_config=cfg, continuous_batching_config=cb,
-                                    progress_bar=False)
+            res = hf.generate_batch(
+                [r["prompt"] for r in sub], generation_config=cfg, continuous_batching_config=cb, progress_bar=False
+            )
             toks = sum(len(v.generated_tokens) for v in res.values())
             theirs.append(toks / (time.perf_counter() - t))
-            out["hf_generate_batch_config"] = {"page_size": cb.page_size, "num_blocks": cb.num_blocks,
-                                               "max_batch_tokens": cb.max_batch_tokens}
-        except Exception as e:  # report rather than abort the benchmark
+            out["hf_generate_batch_config"] = {
+                "page_size": cb.page_size,
+                "num_blocks": cb.num_blocks,
+                "max_batch_tokens": cb.max_batch_tokens,
+            }
+        except Exception as e:  # noqa: BLE001 (reported rather than abort the benchmark)
             out["hf_generate_batch_error"] = f"{type(e).__name__}: {e}"
         fig, _, _ = run_trace(vanilla, sub, "sequence", args.max_batch, max_seq_len)
         ours.append(fig["tokens_per_s"])
         if log:
-            log(f"  round {rnd + 1}: transformers generate_batch, {len(sub)} requests: "
+            log(
+                f"  round {rnd + 1}: transformers generate_batch, {len(sub)} requests: "
                 f"{round(theirs[-1], 2) if len(theirs) > rnd else out.get('hf_generate_batch_error')} tok/s; "
-                f"our engine {ours[-1]} tok/s")
+                f"our engine {ours[-1]} tok/s"
+            )
     if theirs:
         out["hf_generate_batch_tokens_per_s"] = round(statistics.median(theirs), 2)
         out["hf_generate_batch_rounds"] = [round(x, 2) for x in theirs]
@@ -225,8 +275,10 @@ def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
     if "hf_generate_batch_tokens_per_s" in out:
         out["vs_generate_batch"] = round(out["engine_sequence_tokens_per_s"] / out["hf_generate_batch_tokens_per_s"], 2)
     if log:
-        log(f"  our engine (vanilla, sequence-wise, {args.max_batch} rows): {out['engine_sequence_tokens_per_s']} "
-            f"tok/s on {len(sub)} requests, {fig_b1['tokens_per_s']} on {len(sub_b1)}")
+        log(
+            f"  our engine (vanilla, sequence-wise, {args.max_batch} rows): {out['engine_sequence_tokens_per_s']} "
+            f"tok/s on {len(sub)} requests, {fig_b1['tokens_per_s']} on {len(sub_b1)}"
+        )
     del hf
     return out
 
@@ -234,6 +286,7 @@ def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
 def bench_serve(args, arrivals: list[str], log=print) -> dict:
     from ..models import load_model
     from .exits import parse_policy
+
     say = log or (lambda *a: None)
     vanilla, tok = load_model(args.model)
     vanilla.eval()
@@ -243,19 +296,30 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
     if getattr(args, "hf_only", False):
         if not args.hf:
             raise ValueError("--hf-only needs --hf N")
-        return {"model": args.model, "torch_threads": torch.get_num_threads(), "machine": machine_limits(),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "transformers": hf_comparison(args, base, vanilla, max_seq_len, log)}
+        return {
+            "model": args.model,
+            "torch_threads": torch.get_num_threads(),
+            "machine": machine_limits(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "transformers": hf_comparison(args, base, vanilla, max_seq_len, log),
+        }
     looped, looped_desc = _looped_model(args, vanilla)
     weights = getattr(args, "weights", None)
     vanilla, looped = prepare(vanilla, weights), prepare(looped, weights, lora=getattr(args, "lora", None))
     policy = parse_policy(args.exit).bind(looped)  # the probe policy: the looped model's fitted probe
     limits = machine_limits()
-    result = {"model": args.model, "looped": looped_desc, "exit_policy": policy.label,
-              "weights": {"vanilla": stored_format(vanilla), "looped": stored_format(looped)},
-              "looped_lora": stored_lora(looped),  # shared, or merged per depth (--lora)
-              "kv_mode": args.kv_mode, "max_batch": args.max_batch, "torch_threads": torch.get_num_threads(),
-              "machine": limits, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {
+        "model": args.model,
+        "looped": looped_desc,
+        "exit_policy": policy.label,
+        "weights": {"vanilla": stored_format(vanilla), "looped": stored_format(looped)},
+        "looped_lora": stored_lora(looped),  # shared, or merged per depth (--lora)
+        "kv_mode": args.kv_mode,
+        "max_batch": args.max_batch,
+        "torch_threads": torch.get_num_threads(),
+        "machine": limits,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     say(f"vanilla {args.model}; looped: {looped_desc}; exit {result['exit_policy']}, kv {args.kv_mode}")
     other_kv = "later" if args.kv_mode == "copy" else "copy"
     for arrival in arrivals:
@@ -271,58 +335,96 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
             trace = base
             say(f"\nall {len(trace)} requests at once; prompts {args.prompt_len}, outputs {args.output_len}")
         runs = {}
-        plan = [("static", vanilla, "static", None, "copy"), ("sequence", vanilla, "sequence", None, "copy"),
-                ("depth", looped, "depth", policy, args.kv_mode)]
+        plan = [
+            ("static", vanilla, "static", None, "copy"),
+            ("sequence", vanilla, "sequence", None, "copy"),
+            ("depth", looped, "depth", policy, args.kv_mode),
+        ]
         if arrival == "all":
             plan.append(("depth_oracle", looped, "depth", parse_policy("oracle"), "copy"))
             if args.extra:
-                plan += [(f"depth_kv_{other_kv}", looped, "depth", policy, other_kv),
-                         ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
-                         ("looped_depth_full_depth", looped, "depth", None, "copy")]
+                plan += [
+                    (f"depth_kv_{other_kv}", looped, "depth", policy, other_kv),
+                    ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
+                    ("looped_depth_full_depth", looped, "depth", None, "copy"),
+                ]
         for name, model, sched, pol, kv in plan:
-            fig, reqs, _ = run_trace(model, trace, sched, args.max_batch, max_seq_len, pol, kv,
-                                     getattr(args, "compile", False))
+            fig, reqs, _ = run_trace(
+                model, trace, sched, args.max_batch, max_seq_len, pol, kv, getattr(args, "compile", False)
+            )
             if model is looped:
                 fig["agreement"] = round(agreement(looped, reqs), 4)
             fig["model"] = "vanilla" if model is vanilla else "looped"
             fig["scheduler"] = sched
             runs[name] = fig
-            say(f"  {name:<28} {fig['tokens_per_s']:>8.1f} tok/s  ttft p50 {fig['ttft_p50']:.3f}s p99 "
+            say(
+                f"  {name:<28} {fig['tokens_per_s']:>8.1f} tok/s  ttft p50 {fig['ttft_p50']:.3f}s p99 "
                 f"{fig['ttft_p99']:.3f}s  tpot p50 {fig['tpot_p50']:.4f}s p99 {fig['tpot_p99']:.4f}s  "
-                f"rss {fig['peak_rss_mb']:.0f} MB  weights {fig['weights_mb']:.0f} MB  exits/loop {fig['exits_per_loop']}"
-                + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else ""))
-        block = {"schedulers": {k: {**{h: runs[k][h] for h in HEADLINE_KEYS}, "model": runs[k]["model"]}
-                                for k in ("static", "sequence", "depth")},
-                 "agreement": runs["depth"]["agreement"],
-                 "speedup": {"depth_vs_static": round(runs["depth"]["tokens_per_s"] / runs["static"]["tokens_per_s"], 3),
-                             "depth_vs_sequence": round(runs["depth"]["tokens_per_s"] / runs["sequence"]["tokens_per_s"], 3)},
-                 "runs": runs,
-                 # float weights only: the estimate counts parameters and their bytes
-                 "utilisation": {k: utilisation(vanilla if runs[k]["model"] == "vanilla" else looped, runs[k], limits)
-                                 for k in ("static", "sequence", "depth")} if result["weights"] == {"vanilla": "fp32", "looped": "fp32"} else None}
-        say(f"  measured: depth/static {block['speedup']['depth_vs_static']}x, depth/sequence "
-            f"{block['speedup']['depth_vs_sequence']}x at agreement {block['agreement']:.3f}")
+                f"rss {fig['peak_rss_mb']:.0f} MB  weights {fig['weights_mb']:.0f} MB  "
+                f"exits/loop {fig['exits_per_loop']}"
+                + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else "")
+            )
+        block = {
+            "schedulers": {
+                k: {**{h: runs[k][h] for h in HEADLINE_KEYS}, "model": runs[k]["model"]}
+                for k in ("static", "sequence", "depth")
+            },
+            "agreement": runs["depth"]["agreement"],
+            "speedup": {
+                "depth_vs_static": round(runs["depth"]["tokens_per_s"] / runs["static"]["tokens_per_s"], 3),
+                "depth_vs_sequence": round(runs["depth"]["tokens_per_s"] / runs["sequence"]["tokens_per_s"], 3),
+            },
+            "runs": runs,
+            # float weights only: the estimate counts parameters and their bytes
+            "utilisation": {
+                k: utilisation(vanilla if runs[k]["model"] == "vanilla" else looped, runs[k], limits)
+                for k in ("static", "sequence", "depth")
+            }
+            if result["weights"] == {"vanilla": "fp32", "looped": "fp32"}
+            else None,
+        }
+        say(
+            f"  measured: depth/static {block['speedup']['depth_vs_static']}x, depth/sequence "
+            f"{block['speedup']['depth_vs_sequence']}x at agreement {block['agreement']:.3f}"
+        )
         if arrival == "all":
             result.update(block)
         else:
             result[arrival] = block
     if args.sim_samples > 0:
-        say(f"\nhypothetical throughput, the paper's protocol (appendix J): {args.sim_samples} held-out windows "
-            f"of {args.sim_prefix} + {args.sim_decode} tokens, oracle exits, block times per model")
-        sim = hypothetical(vanilla, looped, ids, args.sim_prefix, args.sim_decode, args.sim_samples,
-                           args.sim_memory_mb, args.sim_max_batch, say)
+        say(
+            f"\nhypothetical throughput, the paper's protocol (appendix J): {args.sim_samples} held-out windows "
+            f"of {args.sim_prefix} + {args.sim_decode} tokens, oracle exits, block times per model"
+        )
+        sim = hypothetical(
+            vanilla,
+            looped,
+            ids,
+            args.sim_prefix,
+            args.sim_decode,
+            args.sim_samples,
+            args.sim_memory_mb,
+            args.sim_max_batch,
+            say,
+        )
         result["hypothetical"] = sim
-        say(f"  Delta_V {sim['delta_v']}x, Delta_Seq {sim['delta_seq']}x; oracle exits per loop "
-            f"{sim['oracle_exits_per_loop']}")
+        say(
+            f"  Delta_V {sim['delta_v']}x, Delta_Seq {sim['delta_seq']}x; oracle exits per loop "
+            f"{sim['oracle_exits_per_loop']}"
+        )
     if args.tradeoff_tokens > 0:
         say("\nexit policies, teacher-forced on held-out text (full-depth KV; an upper bound for the engine)")
-        trade = exit_tradeoff(looped, ids[len(ids) // 2:], n_tokens=args.tradeoff_tokens)
+        trade = exit_tradeoff(looped, ids[len(ids) // 2 :], n_tokens=args.tradeoff_tokens)
         result["exit_tradeoff"] = trade
-        say(f"  per-loop perplexity {trade['per_loop_perplexity']}, "
-            f"oracle exit fraction {trade['oracle_exit_fraction']}")
+        say(
+            f"  per-loop perplexity {trade['per_loop_perplexity']}, "
+            f"oracle exit fraction {trade['oracle_exit_fraction']}"
+        )
         for row in trade["policies"]:
-            say(f"  {row['policy']:<14} early exits {row['early_exit_fraction']:.3f}  "
-                f"agreement {row['agreement']:.4f}  perplexity {row['perplexity']}")
+            say(
+                f"  {row['policy']:<14} early exits {row['early_exit_fraction']:.3f}  "
+                f"agreement {row['agreement']:.4f}  perplexity {row['perplexity']}"
+            )
     if args.hf:
         say("\ntransformers comparison")
         result["transformers"] = hf_comparison(args, base, vanilla, max_seq_len, log)
@@ -330,17 +432,27 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
 
 
 @torch.no_grad()
-def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: int = 256,
-                  policies=(("softmax", (0.5, 0.7, 0.9, 0.95)), ("margin", (0.3, 0.6, 0.9)),
-                            ("entropy", (2.0, 1.0, 0.5)), ("cosine", (0.9, 0.95, 0.99)))) -> dict:
+def exit_tradeoff(
+    model,
+    token_ids: list[int],
+    n_tokens: int = 1024,
+    seq_len: int = 256,
+    policies=(
+        ("softmax", (0.5, 0.7, 0.9, 0.95)),
+        ("margin", (0.3, 0.6, 0.9)),
+        ("entropy", (2.0, 1.0, 0.5)),
+        ("cosine", (0.9, 0.95, 0.99)),
+    ),
+) -> dict:
     """Teacher-forced on held-out text (full-depth KV, so an upper bound for the engine): per policy and
     threshold, the fraction of tokens leaving before the last loop, agreement of their argmax with the
     final loop's, and the perplexity of the logits actually used (exit logits where a token exits).
     A model with a fitted exit probe also gets the probe policy's rows (its calibrated threshold too)."""
     from .probe import ProbeError, load_probe
+
     B = model.config.num_loops
     dev = next(model.parameters()).device
-    ids = token_ids[:n_tokens + 1]
+    ids = token_ids[: n_tokens + 1]
     try:
         probe = load_probe(model)
         policies = tuple(policies) + (("probe", tuple(sorted({0.5, 0.7, 0.9, probe.threshold}))),)
@@ -349,29 +461,46 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
     per_loop_logp, cos_prev, probe_p = [], [], []
     targets = []
     for s in range(0, len(ids) - 1, seq_len):
-        w = ids[s:s + seq_len + 1]
+        w = ids[s : s + seq_len + 1]
         if len(w) < 2:
             break
         x = torch.tensor([w[:-1]], device=dev)
         h0 = model.model.embed(x)
         _, states, _ = model.model(x, output_loop_states=True)
         lp = [model.exit_logits(h, loop=i)[0].float().log_softmax(-1) for i, h in enumerate(states)]
-        per_loop_logp.append(torch.stack(lp))                       # [B, t, V]
+        per_loop_logp.append(torch.stack(lp))  # [B, t, V]
         prev = [h0] + states[:-1]
-        cos_prev.append(torch.stack([torch.nn.functional.cosine_similarity(a[0].float(), b[0].float(), dim=-1)
-                                     for a, b in zip(states, prev)]))  # [B, t]
+        cos_prev.append(
+            torch.stack(
+                [
+                    torch.nn.functional.cosine_similarity(a[0].float(), b[0].float(), dim=-1)
+                    for a, b in zip(states, prev)
+                ]
+            )
+        )  # [B, t]
         if probe is not None:
-            probe_p.append(torch.stack([probe.prob(probe.featurize(model, states[i][0], prev[i][0], lp[i]),
-                                                   torch.full((x.shape[1],), i, device=dev)) for i in range(B - 1)]))
+            probe_p.append(
+                torch.stack(
+                    [
+                        probe.prob(
+                            probe.featurize(model, states[i][0], prev[i][0], lp[i]),
+                            torch.full((x.shape[1],), i, device=dev),
+                        )
+                        for i in range(B - 1)
+                    ]
+                )
+            )
         targets.append(torch.tensor(w[1:], device=dev))
     logp, cosv, tgt = torch.cat(per_loop_logp, 1), torch.cat(cos_prev, 1), torch.cat(targets)
     probe_pv = torch.cat(probe_p, 1) if probe is not None else None
     arg = logp.argmax(-1)
     nll_loop = -logp.gather(-1, tgt[None, :, None].expand(B, -1, 1))[..., 0]  # [B, t]
-    out = {"tokens": int(tgt.numel()),
-           "per_loop_perplexity": [round(float(nll_loop[i].mean().exp()), 2) for i in range(B)],
-           "oracle_exit_fraction": [round(float((arg[i] == arg[-1]).float().mean()), 3) for i in range(B - 1)],
-           "policies": []}
+    out = {
+        "tokens": int(tgt.numel()),
+        "per_loop_perplexity": [round(float(nll_loop[i].mean().exp()), 2) for i in range(B)],
+        "oracle_exit_fraction": [round(float((arg[i] == arg[-1]).float().mean()), 3) for i in range(B - 1)],
+        "policies": [],
+    }
     probs = logp.exp()
     for kind, thresholds in policies:
         for thr in thresholds:
@@ -391,9 +520,13 @@ def exit_tradeoff(model, token_ids: list[int], n_tokens: int = 1024, seq_len: in
                 exit_loop = torch.where(ok, torch.full_like(exit_loop, i), exit_loop)
             chosen = arg.gather(0, exit_loop[None])[0]
             nll = nll_loop.gather(0, exit_loop[None])[0]
-            out["policies"].append({
-                "policy": f"{kind}:{thr}", "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 3),
-                "mean_loops": round(float(exit_loop.float().mean() + 1), 3),
-                "agreement": round(float((chosen == arg[-1]).float().mean()), 4),
-                "perplexity": round(float(nll.mean().exp()), 2)})
+            out["policies"].append(
+                {
+                    "policy": f"{kind}:{thr}",
+                    "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 3),
+                    "mean_loops": round(float(exit_loop.float().mean() + 1), 3),
+                    "agreement": round(float((chosen == arg[-1]).float().mean()), 4),
+                    "perplexity": round(float(nll.mean().exp()), 2),
+                }
+            )
     return out

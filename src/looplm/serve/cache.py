@@ -20,8 +20,17 @@ class CacheFull(RuntimeError):
 
 
 class KVCache:
-    def __init__(self, num_depths: int, num_rows: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device=None, prefix_len: int = 0):
+    def __init__(
+        self,
+        num_depths: int,
+        num_rows: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype=torch.float32,
+        device=None,
+        prefix_len: int = 0,
+    ):
         self.num_depths, self.num_rows, self.max_len, self.prefix_len = num_depths, num_rows, max_len, prefix_len
         shape = (num_depths * num_rows, kv_heads, prefix_len + max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -59,8 +68,8 @@ class KVCache:
     def set_prefix(self, depth: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [KV, P, d]: depth ``depth``'s prefix keys/values, in front of every row."""
         a = depth * self.num_rows
-        self.k[a:a + self.num_rows, :, :self.prefix_len] = k
-        self.v[a:a + self.num_rows, :, :self.prefix_len] = v
+        self.k[a : a + self.num_rows, :, : self.prefix_len] = k
+        self.v[a : a + self.num_rows, :, : self.prefix_len] = v
 
     def write(self, flat_rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [N, KV, d] for N tokens at (flat row, position)."""
@@ -76,9 +85,9 @@ class KVCache:
     def depth_rows(self, depth: int, length: int):
         """k, v [R, KV, P + length, d] of every row at one depth (a view, no copy)."""
         a, n = depth * self.num_rows, self.prefix_len + length
-        return self.k[a:a + self.num_rows, :, :n], self.v[a:a + self.num_rows, :, :n]
+        return self.k[a : a + self.num_rows, :, :n], self.v[a : a + self.num_rows, :, :n]
 
     def segment(self, flat_row: int, length: int):
         """k, v [1, KV, P + length, d] of one flat row (a view, no copy)."""
         n = self.prefix_len + length
-        return self.k[flat_row:flat_row + 1, :, :n], self.v[flat_row:flat_row + 1, :, :n]
+        return self.k[flat_row : flat_row + 1, :, :n], self.v[flat_row : flat_row + 1, :, :n]

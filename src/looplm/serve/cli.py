@@ -1,20 +1,19 @@
-"""`looplm bench serve`, `looplm generate` and `looplm serve` (the HTTP server is in server.py)."""
+"""`looplm generate` and `looplm serve` (the HTTP server is in server.py)."""
 
 from __future__ import annotations
 
 import argparse
 
+from ..cli_args import HelpFormatter, add_deprecated, add_model, advanced
+from ..convert.recursive import INITS
 from ..errors import UsageError
 from ..util import print_json
 
-
-def _bench_subparsers(sub):
-    """The `bench` command's subparsers, creating `bench` unless another module already did."""
-    if "bench" in sub.choices:
-        parser = sub.choices["bench"]
-        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    parser = sub.add_parser("bench", help="benchmarks")
-    return parser.add_subparsers(dest="bench_command", required=True)
+EXIT_POLICY_HELP = (
+    "exit policy[:threshold][+copy[:BONUS]]: softmax, margin, entropy, cosine, probe or none; "
+    "+copy (or copy alone) also exits where the loop's argmax continues a repeat of the context, "
+    "BONUS nats added to that guess's logit first (e.g. margin:0.49+copy:8)"
+)
 
 
 def _data_subparsers(sub):
@@ -25,71 +24,126 @@ def _data_subparsers(sub):
 
 def _register_generate(sub) -> None:
     from .teacher_text import GenerateConfig
+
     d = GenerateConfig()
     g = _data_subparsers(sub).add_parser(
-        "generate", help="sample a training corpus from a model with the serving engine (resumable); use the "
+        "generate",
+        help="sample a training corpus from a model with the serving engine (resumable); use the "
         "directory as a source of `looplm data build --sources ...,DIR`",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("model", nargs="?", default=d.model, help="the model to sample (the original, for healing)")
+        formatter_class=HelpFormatter,
+    )
+    add_model(g, "the model to sample (the original, for healing)", default=d.model)
     g.add_argument("--out", required=True, help="corpus directory (re-running it resumes)")
     budget = g.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--tokens", type=int, help="stop once this many generated tokens are kept")
-    budget.add_argument("--minutes", type=float, help="stop after this many minutes of generation")
-    g.add_argument("--prompt-mix", default=d.prompt_mix,
-                   help="kind:weight list; start = a bare document start, corpus = a snippet of --corpus's training split")
-    g.add_argument("--corpus", default=None, help="a `looplm data build` corpus for corpus prompts")
+    budget.add_argument(
+        "--generated-tokens",
+        dest="tokens",
+        type=int,
+        metavar="N",
+        help="stop once this many generated tokens are kept (this or --budget-minutes is needed)",
+    )
+    budget.add_argument(
+        "--budget-minutes", dest="minutes", type=float, metavar="M", help="stop after this many minutes of generation"
+    )
+    add_deprecated(budget, "--tokens", "--generated-tokens", "tokens", type=int, metavar="N")
+    add_deprecated(budget, "--minutes", "--budget-minutes", "minutes", type=float, metavar="M")
+    g.add_argument(
+        "--prompt-mix",
+        default=d.prompt_mix,
+        help="kind:weight list; start = a bare document start, corpus = a snippet of --corpus's training split",
+    )
+    g.add_argument(
+        "--corpus",
+        default=None,
+        help="a `looplm data build` corpus for corpus prompts (needed when --prompt-mix has corpus prompts)",
+    )
     g.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="tokens of each corpus prompt")
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generated tokens per sample at most")
-    g.add_argument("--temperature", type=float, default=d.temperature)
-    g.add_argument("--top-p", type=float, default=d.top_p)
-    g.add_argument("--max-batch", type=int, default=d.max_batch, help="concurrent samples in the engine")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=d.top_p,
+        help="nucleus sampling: the smallest set of tokens whose probabilities reach this sum",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        dest="max_batch",
+        type=int,
+        default=d.max_batch,
+        metavar="N",
+        help="samples generated at once (KV cache rows)",
+    )
+    add_deprecated(g, "--max-batch", "--max-concurrency", "max_batch", type=int, metavar="N")
     g.add_argument("--shard-size", type=int, default=d.shard_size, help="samples per shard (the unit of resuming)")
-    g.add_argument("--weights", default=None, choices=["fp32", "bf16", "int8", "int4"],
-                   help="weight format (default: bf16 where the hardware multiplies it natively, else fp32)")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--weights",
+        default=None,
+        choices=["fp32", "bf16", "int8", "int4"],
+        help="weight format (default: bf16 where the hardware multiplies it natively, else fp32)",
+    )
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the prompts and of sampling")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g.set_defaults(func=cmd_data_generate)
 
 
 def cmd_data_generate(args) -> int:
     from .teacher_text import GenerateConfig, generate_corpus
-    cfg = GenerateConfig(model=args.model, out=args.out, tokens=args.tokens, minutes=args.minutes,
-                         prompt_mix=args.prompt_mix, corpus=args.corpus, prompt_tokens=args.prompt_tokens,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         max_batch=args.max_batch, shard_size=args.shard_size, weights=args.weights, seed=args.seed,
-                         progress=not args.no_progress)
+
+    cfg = GenerateConfig(
+        model=args.model,
+        out=args.out,
+        tokens=args.tokens,
+        minutes=args.minutes,
+        prompt_mix=args.prompt_mix,
+        corpus=args.corpus,
+        prompt_tokens=args.prompt_tokens,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_batch=args.max_batch,
+        shard_size=args.shard_size,
+        weights=args.weights,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     m = generate_corpus(cfg)
-    print(f"wrote {args.out}: {m['kept']} samples kept of {m['samples']} ({m['duplicates']} duplicates, "
-          f"{m['degenerate']} degenerate), {m['tokens']:,} tokens, {m['tokens_per_second']} tokens/s "
-          f"({m['weights']}, {m['machine']['cpu']})")
+    print(
+        f"wrote {args.out}: {m['kept']} samples kept of {m['samples']} ({m['duplicates']} duplicates, "
+        f"{m['degenerate']} degenerate), {m['tokens']:,} tokens, {m['tokens_per_second']} tokens/s "
+        f"({m['weights']}, {m['machine']['cpu']})"
+    )
     return 0
 
 
-def _range(text: str) -> tuple[int, int]:
-    try:
-        lo, _, hi = text.partition(":")
-        lo, hi = int(lo), int(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO:HI, got {text!r}") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
-    return lo, hi
-
-
-def _engine_args(p) -> None:
-    """Options of every command that builds an engine: weight format, compilation."""
-    p.add_argument("--weights", default=None, choices=["fp32", "int8", "int4", "bf16"],
-                   help="weight format: int8 (per-channel) or int4 (group-wise) quantized at load on CPU, with "
-                        "LoRA and norms in float on top; bf16: the whole model in bfloat16, where the hardware "
-                        "multiplies it natively (AMX, AVX-512 BF16, CUDA): the fastest batched steps on a CPU with "
-                        "AMX (default: as stored; docs/SERVING.md)")
-    p.add_argument("--lora", default=None, choices=["shared", "merged"],
-                   help="with --weights int8|int4: keep each shared weight once with its per-depth LoRA in float on "
-                        "top (shared, the default), or quantize W + B_s A_s once per depth (merged: no LoRA matmuls, "
-                        "fewer bytes at rank 64 on SmolLM2; docs/SERVING.md)")
-    p.add_argument("--compile", action="store_true",
-                   help="run each layer's work around attention as torch.compile regions (needs a C++ compiler on "
-                        "CPU; the graphs are built before serving starts; docs/SERVING.md)")
+def _engine_args(p, converts_at_load: bool = True) -> None:
+    """Options of every command that builds an engine: weight format, compilation; and for one that can convert
+    a model at load (serve, bench serve), the consent to serve it unhealed."""
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=["fp32", "bf16", "int8", "int4"],
+        help="weight format: int8 (per-channel) or int4 (group-wise) quantized at load on CPU, with "
+        "LoRA and norms in float on top; bf16: the whole model in bfloat16, where the hardware "
+        "multiplies it natively (AMX, AVX-512 BF16, CUDA): the fastest batched steps on a CPU with "
+        "AMX (default: as stored)",
+    )
+    p.add_argument(
+        "--lora",
+        default=None,
+        choices=["shared", "merged"],
+        help="with --weights int8|int4: keep each shared weight once with its per-depth LoRA in float on "
+        "top (shared, the default), or quantize W + B_s A_s once per depth (merged: no LoRA "
+        "matmuls)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each layer's work around attention as torch.compile regions (needs a C++ compiler on "
+        "CPU; the graphs are built before serving starts, which takes a minute or more)",
+    )
+    if converts_at_load:
+        add_allow_unhealed(p)
 
 
 def check_engine_args(args, device: str = "cpu") -> None:
@@ -97,127 +151,151 @@ def check_engine_args(args, device: str = "cpu") -> None:
     compiling without a compiler is a one-line usage error."""
     if args.weights:
         from ..models.quantized import check_format
+
         check_format(args.weights, device)
     if args.lora == "merged" and args.weights in ("fp32", "bf16"):
         raise UsageError("--lora merged needs quantized weights (--weights int8 or int4)")
     if args.compile:
         from ..util import check_compile_available
+
         check_compile_available(device)
 
 
 def register(sub) -> None:
     _register_generate(sub)
-    bench = _bench_subparsers(sub)
-    p = bench.add_parser("serve", help="static vs sequence-wise vs depth-wise batching on real-text traces")
-    p.add_argument("--model", default="smollm2-135m", help="the vanilla model (embedded name or directory)")
-    p.add_argument("--looped", default=None, help="a saved looped model; default: convert --model on the fly")
-    p.add_argument("--loops", type=int, default=2, help="B when converting on the fly")
-    p.add_argument("--init", default="stepwise", help="init when converting on the fly")
-    p.add_argument("--lora-rank", default="64", help="LoRA rank when converting on the fly (0 = recursive)")
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--prompt-len", type=_range, default=(16, 96), help="LO:HI tokens")
-    p.add_argument("--output-len", type=_range, default=(8, 64), help="LO:HI tokens")
-    p.add_argument("--arrivals", default="all,poisson", help="comma list of all, poisson")
-    p.add_argument("--rate", type=float, default=None, help="Poisson requests/s (default: ~80%% of the measured "
-                   "sequence-wise capacity on the all-at-once trace)")
-    p.add_argument("--max-batch", type=int, default=8, help="KV cache rows = concurrent requests")
-    p.add_argument("--exit", default="softmax:0.9", help="exit policy[:threshold][+copy[:BONUS]] for the depth-wise "
-                   "run (softmax, margin, entropy, cosine, probe, oracle, none; +copy or copy: also exit where the "
-                   "loop's argmax continues a repeat of the context; BONUS nats added to that guess's logit first)")
-    p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of skipped loops (headline run)")
-    p.add_argument("--extra", action="store_true", help="also: the other kv mode, looped model under sequence-wise "
-                   "batching without exits")
-    p.add_argument("--hf", type=int, default=0, help="also time transformers generate (batch 1) and generate_batch "
-                   "on the first N requests against our engine (vanilla, sequence-wise)")
-    p.add_argument("--hf-b1", type=int, default=0, help="time transformers generate at batch 1 on only the first "
-                   "N of the --hf requests (0: all of them)")
-    p.add_argument("--hf-rounds", type=int, default=1, help="run generate_batch and our engine in turn this many "
-                   "times (medians and the median of per-round ratios are reported)")
-    p.add_argument("--hf-batch-tokens", type=int, default=512, help="generate_batch's max_batch_tokens (tokens "
-                   "per step, prefill chunks)")
-    p.add_argument("--tradeoff-tokens", type=int, default=1024, help="held-out tokens for the exit-policy table (0 = skip it)")
-    p.add_argument("--sim-samples", type=int, default=8,
-                   help="held-out windows for the paper's hypothetical throughput (0 = skip it; appendix J)")
-    p.add_argument("--sim-prefix", type=int, default=64, help="prefix tokens of each simulated request (paper: 64 or 512)")
-    p.add_argument("--sim-decode", type=int, default=256, help="decoded tokens of each simulated request (paper: 256 or 2048)")
-    p.add_argument("--sim-memory-mb", type=float, default=1024,
-                   help="memory limit that sets each model's maximum batch (weights + KV caches; paper: 16 GB, 40 GB)")
-    p.add_argument("--sim-max-batch", type=int, default=64, help="cap on the simulated batch (timing cost on CPU)")
-    p.add_argument("--hf-only", action="store_true", help="only the transformers comparison (with --hf N)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    _engine_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
-    p.set_defaults(func=cmd_bench_serve)
-
-    p = sub.add_parser("fit-exit-probe", help="fit the learned exit probe (the `probe` exit policy) of a saved "
-                       "looped model on a corpus' training split")
-    p.add_argument("model", help="a saved looped model directory (the probe is written into it)")
+    p = sub.add_parser(
+        "fit-exit-probe",
+        help="fit the learned exit probe (the `probe` exit policy) of a saved looped model on a corpus' training split",
+        formatter_class=HelpFormatter,
+    )
+    add_model(p, "a saved looped model directory (the probe is written into it)")
     p.add_argument("--data", required=True, help="a corpus from `looplm data build` (its training split is used)")
     p.add_argument("--fit-rows", type=int, default=32, help="training-split rows to fit on")
     p.add_argument("--calib-rows", type=int, default=16, help="other training-split rows to calibrate the threshold on")
-    p.add_argument("--target-agreement", type=float, default=0.95, help="calibrate the threshold to this "
-                   "teacher-forced agreement with the final loop")
-    p.add_argument("--l2", type=float, default=1e-3, help="L2 penalty on the standardised weights")
-    p.add_argument("--features", choices=["hidden", "confidence"], default="hidden",
-                   help="hidden: final-normed hidden state + cosine, decides without the LM head; confidence: "
-                        "top-5 probabilities, margin, entropy, logit gap, cosine, needs the head on every row "
-                        "but ranks tokens better (docs/FINDINGS.md, serving findings 12-13)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--target-agreement",
+        type=float,
+        default=0.95,
+        help="calibrate the threshold to this teacher-forced agreement with the final loop",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    a = advanced(p)
+    a.add_argument("--l2", type=float, default=1e-3, help="L2 penalty on the standardised weights")
+    a.add_argument(
+        "--features",
+        choices=["hidden", "confidence"],
+        default="hidden",
+        help="hidden: final-normed hidden state + cosine, decides without the LM head; confidence: "
+        "top-5 probabilities, margin, entropy, logit gap, cosine, needs the head on every row "
+        "but ranks tokens better",
+    )
     p.set_defaults(func=cmd_fit_exit_probe)
 
-    p = sub.add_parser("generate", help="generate text with the serving engine")
-    p.add_argument("prompt", nargs="+")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
-    p.add_argument("--exit", default="none", help="exit policy[:threshold][+copy[:BONUS]]")
-    p.add_argument("--kv-mode", default="copy", choices=["copy", "later"])
-    _engine_args(p)
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("generate", help="generate text with the serving engine", formatter_class=HelpFormatter)
+    add_model(p, "embedded name or saved model directory", spill="prompt")
+    p.add_argument("prompt", nargs="+", help="one or more prompts, generated as one batch")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="generated tokens per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens whose probabilities reach this sum",
+    )
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of sampling (default: a random one)")
+    p.add_argument("--exit-policy", default="none", help=EXIT_POLICY_HELP)
+    _engine_args(p, converts_at_load=False)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    a = advanced(p)
+    a.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"], help=SCHEDULER_HELP)
+    a.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help=KV_MODE_HELP)
+    add_deprecated(p, "--max-tokens", "--max-new-tokens", "max_new_tokens", type=int, metavar="N")
+    add_deprecated(p, "--exit", "--exit-policy", "exit_policy")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the depth-wise engine (docs/SERVING.md)")
-    p.add_argument("model", help="embedded model name or a saved model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: MODEL)")
-    p.add_argument("--max-concurrency", type=int, default=8, help="batch slots (KV cache rows)")
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server on the depth-wise engine", formatter_class=HelpFormatter
+    )
+    add_model(p, "embedded model name or a saved model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--max-concurrency", type=int, default=8, help="requests served at once (KV cache rows)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the slots; more get 429")
     p.add_argument("--max-seq-len", type=int, default=1024, help="context per request (prompt + max_tokens - 1)")
-    p.add_argument("--exit-policy", default="none", help="exit policy[:threshold][+copy[:BONUS]] for every request "
-                   "unless it asks for full depth (softmax, margin, entropy, cosine, probe, none; +copy or copy: also "
-                   "exit where the loop's argmax continues a repeat of the context; +copy:BONUS adds BONUS nats to "
-                   "that guess's logit first, e.g. margin:0.49+copy:8)")
-    p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of the loops an exit skips")
-    p.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"])
-    p.add_argument("--loops", type=int, default=0, help="convert MODEL to B loops on the fly (0: serve as saved)")
-    p.add_argument("--init", default="stepwise", help="init when converting on the fly")
-    p.add_argument("--lora-rank", default="64", help="LoRA rank when converting on the fly (0 = recursive)")
+    p.add_argument(
+        "--exit-policy", default="none", help=EXIT_POLICY_HELP + "; for every request unless it asks for full depth"
+    )
     p.add_argument("--device", default=None, help="torch device (default: where the model loads)")
     _engine_args(p)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish "
-                   "after SIGINT/SIGTERM before they are failed")
-    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    a = advanced(p)
+    a.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: MODEL)")
+    a.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"], help=SCHEDULER_HELP)
+    a.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help=KV_MODE_HELP)
+    a.add_argument(
+        "--loops",
+        type=int,
+        default=0,
+        help="convert MODEL to B loops at load (0: serve as saved); "
+        "such a model was never healed, so this needs --allow-unhealed",
+    )
+    a.add_argument(
+        "--init", default="stepwise", choices=[i for i in INITS if i != "aware"], help="init when converting at load"
+    )
+    a.add_argument("--lora-rank", default="64", help="LoRA rank when converting at load (0 = recursive)")
+    a.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are failed",
+    )
+    a.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
+    )
     p.set_defaults(func=cmd_serve)
+
+
+SCHEDULER_HELP = (
+    "static (a batch runs to its end), sequence (continuous batching of whole tokens) or depth "
+    "(continuous batching of (token, loop) items: exits free their slot at once)"
+)
+KV_MODE_HELP = (
+    "KV of the loops an exited token skips: copy (its exit state projected through the skipped depths) "
+    "or later (it runs them beside its successor: exact, slower at small batches)"
+)
+
+
+def add_allow_unhealed(p) -> None:
+    """The flag that lets a command serve a model converted at load (see on_the_fly.convert_unhealed)."""
+    p.add_argument(
+        "--allow-unhealed",
+        action="store_true",
+        help="serve a model converted at load although no "
+        "healing has touched it (its output is poor: for tests and timing only)",
+    )
 
 
 def cmd_serve(args) -> int:
     from .exits import parse_policy
+
     if args.max_concurrency < 1 or args.max_queue < 0 or args.max_seq_len < 2:
         raise UsageError("need --max-concurrency >= 1, --max-queue >= 0 and --max-seq-len >= 2")
     policy = parse_policy(args.exit_policy)  # a bad policy is a usage error before the model loads
     if policy.kind == "oracle":
-        raise UsageError("the oracle policy is for analysis (it never exits); use softmax, margin, entropy, "
-                         "cosine, probe or none")
+        raise UsageError(
+            "the oracle policy is for analysis (it never exits); use softmax, margin, entropy, cosine, probe or none"
+        )
     check_engine_args(args, args.device or "cpu")
+    from .on_the_fly import check_unhealed
+
+    check_unhealed(args.model, args.loops, args.allow_unhealed)
     from .server import main
+
     return main(args)
 
 
@@ -229,16 +307,19 @@ def cmd_fit_exit_probe(args) -> int:
     import numpy as np
     import torch
 
+    from ..data.corpus import PackedCorpus
     from ..models import load_model
     from ..models.loading import is_looplm_dir, tokenizer_fingerprint
-    from ..data.corpus import PackedCorpus
     from .probe import fit_probe
+
     if args.threads:
         torch.set_num_threads(args.threads)
     d = Path(args.model)
     if not (d.is_dir() and is_looplm_dir(d)):
-        raise UsageError(f"{d} is not a saved looplm model directory; the probe is written beside its weights "
-                         f"(save one with `looplm convert` or `looplm train`)")
+        raise UsageError(
+            f"{d} is not a saved looplm model directory; the probe is written beside its weights "
+            f"(save one with `looplm convert` or `looplm train`)"
+        )
     if args.fit_rows < 1 or args.calib_rows < 1 or not 0 < args.target_agreement <= 1:
         raise UsageError("need --fit-rows >= 1, --calib-rows >= 1 and 0 < --target-agreement <= 1")
     corpus = PackedCorpus(args.data)
@@ -246,8 +327,10 @@ def cmd_fit_exit_probe(args) -> int:
     if model.config.num_loops < 2:
         raise UsageError(f"{d} has B = 1 loop: there is no early exit to fit a probe for")
     if tok is not None and tokenizer_fingerprint(tok) != corpus.tokenizer:
-        raise UsageError(f"corpus {args.data} was tokenised with another tokenizer than {d}; build one with "
-                         f"`looplm data build --model {d}`")
+        raise UsageError(
+            f"corpus {args.data} was tokenised with another tokenizer than {d}; build one with "
+            f"`looplm data build {d} --out DIR`"
+        )
     train = corpus.splits["train"]
     n = args.fit_rows + args.calib_rows
     if len(train) < n:
@@ -258,8 +341,9 @@ def cmd_fit_exit_probe(args) -> int:
     fit_rows = [r for i, r in enumerate(rows) if i not in calib_at]
     calib_rows = [r for i, r in enumerate(rows) if i in calib_at]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    probe, report = fit_probe(model, fit_rows, calib_rows, args.target_agreement, args.l2, log=log,
-                              features=args.features)
+    probe, report = fit_probe(
+        model, fit_rows, calib_rows, args.target_agreement, args.l2, log=log, features=args.features
+    )
     path = probe.save(d)
     report = {"model": str(d), "data": args.data, "probe": str(path), **report}
     (d / "eval").mkdir(exist_ok=True)
@@ -268,55 +352,60 @@ def cmd_fit_exit_probe(args) -> int:
         print_json(report)
     else:
         at = report["calib_at_threshold"]
-        print(f"wrote {path}: threshold {probe.threshold} (calibration rows: {at['early_exit_fraction']:.1%} of "
-              f"tokens leave early at {at['agreement']:.3f} agreement with the final loop); use it with "
-              f"--exit probe (or probe:THRESHOLD)")
+        print(
+            f"wrote {path}: threshold {probe.threshold} (calibration rows: {at['early_exit_fraction']:.1%} of "
+            f"tokens leave early at {at['agreement']:.3f} agreement with the final loop); use it with "
+            f"--exit-policy probe (or probe:THRESHOLD)"
+        )
     return 0
 
 
 def cmd_generate(args) -> int:
     from ..models import load_model
+    from ..models.quantized import load_dtype, prepare
     from .engine import Engine, Request
     from .exits import parse_policy
     from .sampling import SamplingParams
     from .schedulers import make_scheduler, replay, warm_up
-    from ..models.quantized import load_dtype, prepare
+
     check_engine_args(args)
     model, tok = load_model(args.model, dtype=load_dtype(args.weights))
     model = prepare(model, args.weights, lora=args.lora)
     sp = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    reqs = [Request(tok(p, add_special_tokens=bool(model.config.add_bos_token))["input_ids"], args.max_tokens, sp,
-                    eos_token_id=tok.eos_token_id) for p in args.prompt]
-    need = max(len(r.prompt) for r in reqs) + args.max_tokens
-    engine = Engine(model, max_batch=max(1, min(len(reqs), 16)), max_seq_len=max(need, 64),
-                    exit_policy=parse_policy(args.exit), kv_mode=args.kv_mode, compile=args.compile)
+    reqs = [
+        Request(
+            tok(p, add_special_tokens=bool(model.config.add_bos_token))["input_ids"],
+            args.max_new_tokens,
+            sp,
+            eos_token_id=tok.eos_token_id,
+        )
+        for p in args.prompt
+    ]
+    need = max(len(r.prompt) for r in reqs) + args.max_new_tokens
+    engine = Engine(
+        model,
+        max_batch=max(1, min(len(reqs), 16)),
+        max_seq_len=max(need, 64),
+        exit_policy=parse_policy(args.exit_policy),
+        kv_mode=args.kv_mode,
+        compile=args.compile,
+    )
     warm_up(engine)
     res = replay(make_scheduler(args.scheduler, engine), reqs)
-    out = [{"prompt": p, "status": r.status, "error": r.error, "text": tok.decode(r.output), "tokens": len(r.output),
-            "exit_loops": r.exit_loops} for p, r in zip(args.prompt, reqs)]
+    out = [
+        {
+            "prompt": p,
+            "status": r.status,
+            "error": r.error,
+            "text": tok.decode(r.output),
+            "tokens": len(r.output),
+            "exit_loops": r.exit_loops,
+        }
+        for p, r in zip(args.prompt, reqs)
+    ]
     if args.json:
         print_json({"results": out, "seconds": round(res["seconds"], 3)})
     else:
         for o in out:
             print(o["prompt"] + (o["text"] if o["status"] == "done" else f"  [error: {o['error']}]"))
     return 0 if all(r.status == "done" for r in reqs) else 1
-
-
-def cmd_bench_serve(args) -> int:
-    import torch
-    from .bench import bench_serve
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    arrivals = [a.strip() for a in args.arrivals.split(",") if a.strip()]
-    if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
-        raise UsageError(f"--arrivals takes a comma list of all, poisson; got {args.arrivals!r}")
-    if args.requests < 1 or args.max_batch < 1:
-        raise UsageError("--requests and --max-batch must be >= 1")
-    check_engine_args(args)
-    import functools
-    import sys
-    log = functools.partial(print, file=sys.stderr, flush=True) if args.json else print
-    result = bench_serve(args, arrivals, log=log)
-    if args.json:
-        print_json(result)
-    return 0

@@ -1,8 +1,8 @@
 """A compiled engine step (``Engine(compile=True)``, ``--compile``): torch.compile regions around attention.
 
-At batch 1 with int4 weights a token cost 34.6 ms, of which 12.9 ms were the weight matmuls: the rest was
-about 40 small operators per layer (norms, rotary, casts, residuals) and the Python between them
-(docs/BENCHMARKS.md, "Against llama.cpp"). Here each shared layer's work before its attention core (norm,
+At batch 1 with quantized weights the weight matmuls are the smaller part of a token's time: the rest is
+dozens of small operators per layer (norms, rotary, casts, residuals) and the Python between them. Here each shared
+layer's work before its attention core (norm,
 q/k/v projections with per-depth LoRA, q/k norms, rotary) and after it (output projection, residuals, MLP)
 runs as one compiled region each: inductor fuses the elementwise work into a few C++ kernels and one call
 replaces the Python between them. The attention core (cache writes and reads, SDPA) stays the engine's
@@ -15,8 +15,8 @@ removes the eager attention core and the Python between layers from the batch-1 
 dynamo's guards on the modules they read, and on CPU their wrapper is C++ (``_decode_loop_options``).
 
 The KV entries an early-exited token skipped (kv mode ``copy``) are filled by one compiled call per exit
-(``fill_kv``): every skipped depth's k/v projections and cache writes. Eager, those 15 small projections
-cost 7.7 ms of a 28 ms looped batch-1 token (int4, SmolLM2 B=2, docs/BENCHMARKS.md).
+(``fill_kv``): every skipped depth's k/v projections and cache writes. Eager, those many small projections
+are a large share of a looped batch-1 token.
 
 Other steps are regional: every layer runs the same compiled code (its parameters are graph inputs, not
 constants), so compiling costs one layer's graphs, not L of them. Graphs are specialised on a step of one
@@ -86,12 +86,12 @@ def _own_copy(fn):
 
 
 def _decode_loop_options(device) -> dict:
-    """The whole-loop graph runs without dynamo's guards on the modules it reads. Checking them cost 1.6 ms of
-    a 10.7 ms batch-1 int4 token (hundreds of parameters and module attributes, on every call;
-    benchmarks/bench_compiled_b1.py). Dropping them is safe here: an engine's model is frozen for the engine's life, each
+    """The whole-loop graph runs without dynamo's guards on the modules it reads. Checking them is a visible
+    share of a batch-1 token (hundreds of parameters and module attributes, on every call). Dropping them is safe
+    here: an engine's model is frozen for the engine's life, each
     engine compiles its own copy of the function (``_own_copy``), and the guards on the call's own arguments
     (depths, slots, kinds, shapes, the cache) stay, so loops and shapes still get their own graphs. On CPU the
-    graph's wrapper is C++ (``cpp_wrapper``): the ~200 kernel and matmul calls of a token skip Python."""
+    graph's wrapper is C++ (``cpp_wrapper``): the hundreds of kernel and matmul calls of a token skip Python."""
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if torch.device(device).type == "cpu":
         options["cpp_wrapper"] = True

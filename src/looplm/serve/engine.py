@@ -41,9 +41,17 @@ _ids = itertools.count()
 class Request:
     """A generation request and, once served, its result and timings (clock seconds)."""
 
-    def __init__(self, prompt, max_tokens: int = 16, sampling: SamplingParams | None = None,
-                 arrival: float = 0.0, eos_token_id: int | None = None, on_token=None, request_id=None,
-                 full_depth: bool = False):
+    def __init__(
+        self,
+        prompt,
+        max_tokens: int = 16,
+        sampling: SamplingParams | None = None,
+        arrival: float = 0.0,
+        eos_token_id: int | None = None,
+        on_token=None,
+        request_id=None,
+        full_depth: bool = False,
+    ):
         self.id = next(_ids) if request_id is None else request_id
         self.prompt = list(prompt) if not isinstance(prompt, torch.Tensor) else prompt.tolist()
         self.max_tokens = max_tokens
@@ -53,8 +61,8 @@ class Request:
         self.on_token = on_token  # callback(request, token); an exception fails this request only
         self.full_depth = full_depth  # never exit early, whatever the engine's exit policy
         self.output: list[int] = []
-        self.exit_loops: list[int] = []     # loop (1-based) each output token left at
-        self.oracle_loops: list[int] = []   # oracle policy: first loop whose argmax equals the final one
+        self.exit_loops: list[int] = []  # loop (1-based) each output token left at
+        self.oracle_loops: list[int] = []  # oracle policy: first loop whose argmax equals the final one
         self.token_times: list[float] = []
         self.status = "new"  # new, queued, running, done, error, cancelled
         self.error: str | None = None
@@ -67,7 +75,7 @@ class Request:
         """What copying this sequence's context predicts next (exits.ContextGuess), or -1."""
         if self._context is None:
             self._context = ContextGuess(self.prompt)
-        self._context.extend(self.output[len(self._context.tokens) - len(self.prompt):])
+        self._context.extend(self.output[len(self._context.tokens) - len(self.prompt) :])
         return self._context.guess
 
     @property
@@ -96,8 +104,17 @@ class Item:
 
 
 class Engine:
-    def __init__(self, model, max_batch: int = 16, max_seq_len: int = 512, exit_policy: ExitPolicy | None = None,
-                 kv_mode: str = "copy", clock=None, pack_weights: bool = True, compile: bool = False):
+    def __init__(
+        self,
+        model,
+        max_batch: int = 16,
+        max_seq_len: int = 512,
+        exit_policy: ExitPolicy | None = None,
+        kv_mode: str = "copy",
+        clock=None,
+        pack_weights: bool = True,
+        compile: bool = False,
+    ):
         if kv_mode not in KV_MODES:
             raise ValueError(f"unknown kv mode {kv_mode!r}; use one of {KV_MODES}")
         self.model = model.eval()
@@ -116,8 +133,16 @@ class Engine:
         c = self.config = model.config
         self.K, self.B, self.L = c.num_shared_layers, c.num_loops, c.num_hidden_layers
         self.P = c.prefix_length
-        self.cache = KVCache(self.L, max_batch, max_seq_len, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
-                             prefix_len=self.P)
+        self.cache = KVCache(
+            self.L,
+            max_batch,
+            max_seq_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            prefix_len=self.P,
+        )
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.layers = model.model.layers
         self.layer_map, self.slot_map, self.kinds = c.layer_map, c.slot_map, list(c.depth_attention)
@@ -138,9 +163,17 @@ class Engine:
         self.reset_stats()
 
     def reset_stats(self):
-        self.stats = {"stages": 0, "mixed_stages": 0, "stage_items": 0, "stage_tokens": 0, "stage_seconds": 0.0,
-                      "exits_per_loop": [0] * self.B, "kv_copy_tokens": 0, "kv_later_items": 0,
-                      "stage_times": []}
+        self.stats = {
+            "stages": 0,
+            "mixed_stages": 0,
+            "stage_items": 0,
+            "stage_tokens": 0,
+            "stage_seconds": 0.0,
+            "exits_per_loop": [0] * self.B,
+            "kv_copy_tokens": 0,
+            "kv_later_items": 0,
+            "stage_times": [],
+        }
 
     # --- request life ---------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -155,7 +188,8 @@ class Engine:
         if need > self.max_seq_len:
             raise RequestError(
                 f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} needs {need} positions; "
-                f"this engine holds {self.max_seq_len} (shorten the prompt or lower max_tokens)")
+                f"this engine holds {self.max_seq_len} (shorten the prompt or lower max_tokens)"
+            )
         if not isinstance(req.sampling, SamplingParams):
             raise RequestError("sampling must be a SamplingParams")
         req.sampling.validate()
@@ -165,7 +199,7 @@ class Engine:
         req.row = self.cache.allocate()
         req.status = "running"
         if not req.sampling.greedy:
-            seed = req.sampling.seed if req.sampling.seed is not None else int(torch.randint(2 ** 62, ()).item())
+            seed = req.sampling.seed if req.sampling.seed is not None else int(torch.randint(2**62, ()).item())
             req.generator = torch.Generator().manual_seed(seed)
         ids = torch.tensor(req.prompt, device=self.device)
         return Item(req, 0, len(req.prompt), 0, "prefill", ids=ids)
@@ -226,8 +260,10 @@ class Engine:
         loops = {it.loop for it in items}
         uniform = len(loops) == 1
         if not uniform and not self.mixable:
-            raise ConfigError("mixing loops in one batch needs cycle sharing (every loop runs shared layer k "
-                              "at step k); use the static or sequence scheduler for this model")
+            raise ConfigError(
+                "mixing loops in one batch needs cycle sharing (every loop runs shared layer k "
+                "at step k); use the static or sequence scheduler for this model"
+            )
         h = torch.cat([it.h for it in items])[None]
         L_ = torch.long
         pos = torch.tensor([it.pos for it in items[:n_dec]], dtype=L_, device=dev)
@@ -236,10 +272,22 @@ class Engine:
         segs = items[n_dec:]
         if segs:
             pos = torch.cat([pos] + [torch.arange(it.pos, it.pos + it.length, device=dev) for it in segs])
-            row = torch.cat([row, torch.tensor([it.req.row for it in segs], device=dev).repeat_interleave(
-                torch.tensor([it.length for it in segs], device=dev))])
-            loop = torch.cat([loop, torch.tensor([it.loop for it in segs], device=dev).repeat_interleave(
-                torch.tensor([it.length for it in segs], device=dev))])
+            row = torch.cat(
+                [
+                    row,
+                    torch.tensor([it.req.row for it in segs], device=dev).repeat_interleave(
+                        torch.tensor([it.length for it in segs], device=dev)
+                    ),
+                ]
+            )
+            loop = torch.cat(
+                [
+                    loop,
+                    torch.tensor([it.loop for it in segs], device=dev).repeat_interleave(
+                        torch.tensor([it.length for it in segs], device=dev)
+                    ),
+                ]
+            )
         tables = self.model.model.rotary(pos[None], h.dtype)
         pos_dec = pos[:n_dec]
         t_dec = int(pos_dec.max()) + 1 if n_dec else 0
@@ -248,14 +296,28 @@ class Engine:
         win_mask = ((pos_dec[:, None] - ar[None]) < self.window) if (n_dec and self.has_sliding) else None
         in_place = self._in_place_groups(items[:n_dec], base_mask, win_mask) if n_dec else None
         seg_starts = list(itertools.accumulate([n_dec] + [it.length for it in segs]))[:-1]
-        if (self.compiled is not None and uniform and in_place is not None and in_place[0][1] is None and not segs
-                and self.P + t_dec > 1):
+        if (
+            self.compiled is not None
+            and uniform
+            and in_place is not None
+            and in_place[0][1] is None
+            and not segs
+            and self.P + t_dec > 1
+        ):
             # batch 1, or every row busy at one loop: the whole loop is one compiled call (dynamic in the
             # cache length read; a lone first token, which reads one entry, stays regional)
             ds = [next(iter(loops)) * K + k for k in range(K)]
-            return self.compiled.decode_loop([self.layers[self.layer_map[d]] for d in ds],
-                                             [self.slot_map[d] for d in ds], [self.kinds[d] for d in ds], ds,
-                                             h, tables, self.cache, pos, in_place[0][3])[0]
+            return self.compiled.decode_loop(
+                [self.layers[self.layer_map[d]] for d in ds],
+                [self.slot_map[d] for d in ds],
+                [self.kinds[d] for d in ds],
+                ds,
+                h,
+                tables,
+                self.cache,
+                pos,
+                in_place[0][3],
+            )[0]
         for k in range(K):
             if uniform:
                 d = next(iter(loops)) * K + k
@@ -296,13 +358,13 @@ class Engine:
                     sliding = sliding_tok is not None and bool(sliding_tok[s])
                     mask = None
                     if p0 > 0 or (sliding and p0 + t > self.window) or self.P:
-                        qi = self._arange[p0:p0 + t, None]
-                        ki = self._arange[None, :p0 + t]
+                        qi = self._arange[p0 : p0 + t, None]
+                        ki = self._arange[None, : p0 + t]
                         mask = ki <= qi
                         if sliding:
                             mask = mask & (qi - ki < self.window)
                         mask = prefix_columns(mask, self.P)[None, None]
-                    outs.append(attn.attend(q[:, :, s:s + t], ks, vs, mask))
+                    outs.append(attn.attend(q[:, :, s : s + t], ks, vs, mask))
                 return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
             if self.compiled is not None and uniform:
@@ -370,7 +432,7 @@ class Engine:
         cont, emit, exited = [], [], []  # emit: (item, row index into h_out)
         inter, spans = [], {}
         for it, s in zip(items, starts):
-            h = h_out[s:s + it.length]
+            h = h_out[s : s + it.length]
             if it.kind == "kv":
                 if it.loop < B - 1:
                     it.h, it.loop = h, it.loop + 1
@@ -403,8 +465,9 @@ class Engine:
         n_emit = len(emit)
         if inter and policy.needs_logits:
             inter_logits = logits[n_emit:]
-            guesses = torch.tensor([it.req.copy_guess() for it, _ in inter], device=self.device) \
-                if policy.copy else None
+            guesses = (
+                torch.tensor([it.req.copy_guess() for it, _ in inter], device=self.device) if policy.copy else None
+            )
             if policy.copy_bonus:  # the exiting tokens are drawn from these logits too
                 inter_logits = logits[n_emit:] = policy.exit_logits(inter_logits, guesses)
             exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), h_prev, loops, self.model, guesses)
@@ -419,7 +482,7 @@ class Engine:
                     exited.append((it, r))
                 else:
                     s, n = spans[id(it)]
-                    it.h, it.loop = h_out[s:s + n], it.loop + 1
+                    it.h, it.loop = h_out[s : s + n], it.loop + 1
                     cont.append(it)
         emitters = emit + exited
         if not emitters:
@@ -473,7 +536,7 @@ class Engine:
         """KV entries of the loops an early-exited token skipped."""
         if self.kv_mode == "later":
             for it, r in exited:
-                kv = Item(it.req, it.pos, 1, it.loop + 1, "kv", h=h_out[r:r + 1])
+                kv = Item(it.req, it.pos, 1, it.loop + 1, "kv", h=h_out[r : r + 1])
                 cont.append(kv)
                 self.stats["kv_later_items"] += 1
             return
@@ -482,8 +545,12 @@ class Engine:
             by_loop.setdefault(it.loop, []).append((it, r))
         for l, group in by_loop.items():
             h = h_out.index_select(0, torch.tensor([r for _, r in group], device=self.device))[None]
-            self.fill_copy(l, h, torch.tensor([it.pos for it, _ in group], device=self.device),
-                           torch.tensor([it.req.row for it, _ in group], device=self.device))
+            self.fill_copy(
+                l,
+                h,
+                torch.tensor([it.pos for it, _ in group], device=self.device),
+                torch.tensor([it.req.row for it, _ in group], device=self.device),
+            )
             self.stats["kv_copy_tokens"] += len(group)
 
     @torch.no_grad()
@@ -493,8 +560,11 @@ class Engine:
         engine is compiled)."""
         ds = list(range((loop + 1) * self.K, self.L))
         tables = self.model.model.rotary(pos[None], h.dtype)
-        layers, slots, kinds = [self.layers[self.layer_map[d]] for d in ds], [self.slot_map[d] for d in ds], \
-            [self.kinds[d] for d in ds]
+        layers, slots, kinds = (
+            [self.layers[self.layer_map[d]] for d in ds],
+            [self.slot_map[d] for d in ds],
+            [self.kinds[d] for d in ds],
+        )
         if self.compiled is not None:
             self.compiled.fill_kv(layers, slots, kinds, ds, h, tables, self.cache, row, pos)
             return

@@ -20,8 +20,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-
 # --- 1. per-model step times and memory-limited batches --------------------------------------------
+
 
 def model_bytes(model) -> int:
     """Bytes of the model's parameters, tied ones counted once."""
@@ -41,11 +41,12 @@ def kv_bytes_per_sequence(model, context_len: int) -> int:
 def memory_max_batch(model, memory_mb: float, context_len: int, cap: int) -> int:
     """The largest batch whose weights plus KV caches fit in ``memory_mb`` (the paper grows the batch
     until the memory limit), at most ``cap``. Fewer parameters leave room for more sequences."""
-    free = memory_mb * 2 ** 20 - model_bytes(model)
+    free = memory_mb * 2**20 - model_bytes(model)
     fits = int(free // kv_bytes_per_sequence(model, context_len))
     if fits < 1:
-        raise ValueError(f"{memory_mb} MB does not hold the weights and one {context_len}-token KV cache; "
-                         f"raise --sim-memory-mb")
+        raise ValueError(
+            f"{memory_mb} MB does not hold the weights and one {context_len}-token KV cache; raise --sim-memory-mb"
+        )
     return min(fits, cap)
 
 
@@ -90,27 +91,31 @@ def interpolate(table: dict[int, float]):
         hi = next(m for m in ns if m >= n)
         lo = max(m for m in ns if m < n)
         return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
     return t
 
 
 # --- 2. oracle exit trajectories, teacher-forced ---------------------------------------------------
 
+
 @torch.no_grad()
-def oracle_trajectories(model, token_ids: list[int], prefix_len: int, decode_len: int,
-                        samples: int) -> list[list[int]]:
+def oracle_trajectories(model, token_ids: list[int], prefix_len: int, decode_len: int, samples: int) -> list[list[int]]:
     """Per held-out window of prefix_len + decode_len tokens, the oracle exit loop (1..B) of each of
     its last decode_len tokens: the first loop whose argmax equals the final loop's."""
     width = prefix_len + decode_len
     if len(token_ids) < width:
-        raise ValueError(f"the held-out text has {len(token_ids)} tokens, fewer than one {width}-token "
-                         f"window; lower --sim-prefix/--sim-decode")
+        raise ValueError(
+            f"the held-out text has {len(token_ids)} tokens, fewer than one {width}-token "
+            f"window; lower --sim-prefix/--sim-decode"
+        )
     dev = next(model.parameters()).device
     out = []
     for s in range(0, min(samples, len(token_ids) // width) * width, width):
-        ids = torch.tensor([token_ids[s:s + width]], device=dev)
+        ids = torch.tensor([token_ids[s : s + width]], device=dev)
         _, states, _ = model.model(ids, output_loop_states=True)
-        arg = torch.stack([model.exit_logits(h[:, prefix_len - 1:width - 1], loop=i)[0].argmax(-1)
-                           for i, h in enumerate(states)])
+        arg = torch.stack(
+            [model.exit_logits(h[:, prefix_len - 1 : width - 1], loop=i)[0].argmax(-1) for i, h in enumerate(states)]
+        )
         first_match = (arg == arg[-1]).int().argmax(0)  # the final loop always matches
         out.append((first_match + 1).tolist())
     return out
@@ -118,14 +123,17 @@ def oracle_trajectories(model, token_ids: list[int], prefix_len: int, decode_len
 
 # --- 3. the queue, served three ways ----------------------------------------------------------------
 
+
 def simulate(trajectories: list[list[int]], vanilla: tuple[int, callable], looped: tuple[int, callable]) -> dict:
     """Decode-only throughput (tokens per simulated second). ``vanilla`` = (max batch, t(n) of one
     full-depth step), ``looped`` = (max batch, t(n) of one loop); each model uses its own."""
     (mv, tv), (mr, tr) = vanilla, looped
     total = sum(len(t) for t in trajectories)
     # static: batches of mv in queue order; every step runs the full depth over the whole batch
-    t_static = sum(max(len(t) for t in trajectories[i:i + mv]) * tv(len(trajectories[i:i + mv]))
-                   for i in range(0, len(trajectories), mv))
+    t_static = sum(
+        max(len(t) for t in trajectories[i : i + mv]) * tv(len(trajectories[i : i + mv]))
+        for i in range(0, len(trajectories), mv)
+    )
     # continuous sequence-wise: a finished request's slot is refilled at once
     queue, active, t_seq = list(range(len(trajectories))), [], 0.0
     left = [len(t) for t in trajectories]
@@ -150,14 +158,25 @@ def simulate(trajectories: list[list[int]], vanilla: tuple[int, callable], loope
             else:
                 del active[a]
     thr = {"static": total / t_static, "sequence": total / t_seq, "depth_oracle": total / t_cdb}
-    return {"tokens_per_s": {k: round(v, 2) for k, v in thr.items()},
-            "delta_v": round(thr["depth_oracle"] / thr["static"], 3),
-            "delta_seq": round(thr["depth_oracle"] / thr["sequence"], 3),
-            "mean_exit_loop": round(sum(map(sum, trajectories)) / total, 3)}
+    return {
+        "tokens_per_s": {k: round(v, 2) for k, v in thr.items()},
+        "delta_v": round(thr["depth_oracle"] / thr["static"], 3),
+        "delta_seq": round(thr["depth_oracle"] / thr["sequence"], 3),
+        "mean_exit_loop": round(sum(map(sum, trajectories)) / total, 3),
+    }
 
 
-def hypothetical(vanilla, looped, token_ids: list[int], prefix_len: int = 64, decode_len: int = 256,
-                 samples: int = 8, memory_mb: float = 1024, batch_cap: int = 64, log=None) -> dict:
+def hypothetical(
+    vanilla,
+    looped,
+    token_ids: list[int],
+    prefix_len: int = 64,
+    decode_len: int = 256,
+    samples: int = 8,
+    memory_mb: float = 1024,
+    batch_cap: int = 64,
+    log=None,
+) -> dict:
     """The whole protocol; the figures and every input they came from."""
     say = log or (lambda *a: None)
     context = prefix_len + decode_len
@@ -169,10 +188,21 @@ def hypothetical(vanilla, looped, token_ids: list[int], prefix_len: int = 64, de
         table = step_times(model, m, prefix_len + decode_len // 2, loops)
         timed[name] = {"max_batch": m, "step_seconds": {n: round(s, 6) for n, s in table.items()}}
         say(f"  {name}: max batch {m} in {memory_mb} MB, block step times {timed[name]['step_seconds']}")
-    sim = simulate(trajectories, (timed["vanilla"]["max_batch"], interpolate(timed["vanilla"]["step_seconds"])),
-                   (timed["looped"]["max_batch"], interpolate(timed["looped"]["step_seconds"])))
+    sim = simulate(
+        trajectories,
+        (timed["vanilla"]["max_batch"], interpolate(timed["vanilla"]["step_seconds"])),
+        (timed["looped"]["max_batch"], interpolate(timed["looped"]["step_seconds"])),
+    )
     B = looped.config.num_loops
-    sim.update(timed, protocol={"prefix_len": prefix_len, "decode_len": decode_len, "samples": len(trajectories),
-                                "memory_mb": memory_mb, "batch_cap": batch_cap},
-               oracle_exits_per_loop=[sum(l == i + 1 for t in trajectories for l in t) for i in range(B)])
+    sim.update(
+        timed,
+        protocol={
+            "prefix_len": prefix_len,
+            "decode_len": decode_len,
+            "samples": len(trajectories),
+            "memory_mb": memory_mb,
+            "batch_cap": batch_cap,
+        },
+        oracle_exits_per_loop=[sum(l == i + 1 for t in trajectories for l in t) for i in range(B)],
+    )
     return sim

@@ -15,7 +15,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.num_loops, self.window = num_loops, window
         self.requests = {"done": 0, "error": 0, "cancelled": 0}  # finished in the engine, by status
-        self.http_errors: dict[int, int] = {}                     # rejected before the engine, by status
+        self.http_errors: dict[int, int] = {}  # rejected before the engine, by status
         self.tokens_total = 0
         self.steps_total = 0
         self.step_seconds = 0.0
@@ -23,7 +23,7 @@ class Metrics:
         self.queue_depth = 0
         self.running = 0
         self.occupancy = [0] * num_loops  # items at each loop in the last step
-        self.exits = [0] * num_loops      # tokens emitted after each loop (from the engine)
+        self.exits = [0] * num_loops  # tokens emitted after each loop (from the engine)
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
 
     def observe_step(self, items) -> None:
@@ -74,24 +74,56 @@ class Metrics:
 
             metric("queue_depth", "gauge", "Requests waiting for a batch slot.", [({}, self.queue_depth)])
             metric("running_requests", "gauge", "Requests holding a batch slot (KV cache row).", [({}, self.running)])
-            metric("batch_occupancy", "gauge", "Work items at each loop (depth) in the last engine step.",
-                   [({"loop": str(i + 1)}, n) for i, n in enumerate(self.occupancy)])
-            metric("exits_total", "counter", "Tokens emitted after each loop (early exits are loops < the last).",
-                   [({"loop": str(i + 1)}, n) for i, n in enumerate(self.exits)])
+            metric(
+                "batch_occupancy",
+                "gauge",
+                "Work items at each loop (depth) in the last engine step.",
+                [({"loop": str(i + 1)}, n) for i, n in enumerate(self.occupancy)],
+            )
+            metric(
+                "exits_total",
+                "counter",
+                "Tokens emitted after each loop (early exits are loops < the last).",
+                [({"loop": str(i + 1)}, n) for i, n in enumerate(self.exits)],
+            )
             metric("generated_tokens_total", "counter", "Tokens generated.", [({}, self.tokens_total)])
-            metric("tokens_per_second", "gauge", f"Tokens generated per second over the last {self.window:g} s.",
-                   [({}, round(recent / self.window, 3))])
+            metric(
+                "tokens_per_second",
+                "gauge",
+                f"Tokens generated per second over the last {self.window:g} s.",
+                [({}, round(recent / self.window, 3))],
+            )
             metric("engine_steps_total", "counter", "Engine steps (one loop over a batch).", [({}, self.steps_total)])
-            metric("engine_step_seconds_total", "counter", "Seconds spent in engine steps.",
-                   [({}, round(self.step_seconds, 6))])
-            metric("requests_total", "counter", "Requests finished in the engine, by status.",
-                   [({"status": s}, n) for s, n in sorted(self.requests.items())])
-            metric("http_errors_total", "counter", "Requests rejected before the engine, by HTTP status.",
-                   [({"status": str(s)}, n) for s, n in sorted(self.http_errors.items())])
-            metric("errors_total", "counter", "Failed requests: engine errors plus HTTP rejections.",
-                   [({}, self.requests.get("error", 0) + sum(self.http_errors.values()))])
-            metric("worker_faults_total", "counter", "Unexpected exceptions in the worker loop.",
-                   [({}, self.worker_faults)])
+            metric(
+                "engine_step_seconds_total",
+                "counter",
+                "Seconds spent in engine steps.",
+                [({}, round(self.step_seconds, 6))],
+            )
+            metric(
+                "requests_total",
+                "counter",
+                "Requests finished in the engine, by status.",
+                [({"status": s}, n) for s, n in sorted(self.requests.items())],
+            )
+            metric(
+                "http_errors_total",
+                "counter",
+                "Requests rejected before the engine, by HTTP status.",
+                [({"status": str(s)}, n) for s, n in sorted(self.http_errors.items())],
+            )
+            metric(
+                "errors_total",
+                "counter",
+                "Failed requests: engine errors plus HTTP rejections.",
+                [({}, self.requests.get("error", 0) + sum(self.http_errors.values()))],
+            )
+            metric(
+                "worker_faults_total",
+                "counter",
+                "Unexpected exceptions in the worker loop.",
+                [({}, self.worker_faults)],
+            )
         return "\n".join(lines) + "\n"
 
 

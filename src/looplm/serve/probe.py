@@ -8,8 +8,7 @@
 - ``confidence``: eight numbers read off the loop's exit logits (the five largest probabilities, the top-2
   probability margin, negated entropy, the top-2 logit gap) and the cosine. It needs the head on every
   row like the margin policy, and ranks tokens better: a probability per loop, calibrated by the fit,
-  where one margin threshold means different things after different loops (docs/FINDINGS.md, serving
-  finding 13).
+  where one margin threshold means different things after different loops.
 
 Fitted by `looplm fit-exit-probe MODEL --data CORPUS` on teacher-forced full-depth passes over the
 corpus' *training* split; its threshold is calibrated on a separate slice of the training split to a
@@ -62,9 +61,9 @@ def num_features(model, kind: str) -> int:
 
 @dataclass
 class ExitProbe:
-    weight: torch.Tensor   # [B - 1, features]: one probe per loop that can be exited after
-    bias: torch.Tensor     # [B - 1]
-    threshold: float       # calibrated default: exit when the predicted probability >= threshold
+    weight: torch.Tensor  # [B - 1, features]: one probe per loop that can be exited after
+    bias: torch.Tensor  # [B - 1]
+    threshold: float  # calibrated default: exit when the predicted probability >= threshold
     meta: dict
     features: str = "hidden"  # FEATURE_SETS
 
@@ -87,31 +86,36 @@ class ExitProbe:
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / PROBE_FILE
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(tmp),
-                  metadata={"threshold": repr(self.threshold), "meta": json.dumps(self.meta),
-                            "features": self.features})
+        save_file(
+            {"weight": self.weight.contiguous(), "bias": self.bias.contiguous()},
+            str(tmp),
+            metadata={"threshold": repr(self.threshold), "meta": json.dumps(self.meta), "features": self.features},
+        )
         tmp.replace(path)
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "ExitProbe":
+    def load(cls, path: str | Path) -> ExitProbe:
         from safetensors import safe_open
+
         with safe_open(str(path), framework="pt") as f:
             md = f.metadata() or {}
         t = load_file(str(path))
         features = md.get("features", "hidden")  # files written before the confidence set existed
         if features not in FEATURE_SETS:
-            raise ProbeError(f"{path} has features {features!r}, not one of {FEATURE_SETS}; re-fit it with "
-                             f"`looplm fit-exit-probe`")
-        return cls(t["weight"], t["bias"], float(md.get("threshold", 0.5)), json.loads(md.get("meta", "{}")),
-                   features)
+            raise ProbeError(
+                f"{path} has features {features!r}, not one of {FEATURE_SETS}; re-fit it with `looplm fit-exit-probe`"
+            )
+        return cls(t["weight"], t["bias"], float(md.get("threshold", 0.5)), json.loads(md.get("meta", "{}")), features)
 
     def check(self, model) -> None:
         want = (model.config.num_loops - 1, num_features(model, self.features))
         if tuple(self.weight.shape) != want:
-            raise ProbeError(f"the exit probe has shape {tuple(self.weight.shape)}, this model needs {want} "
-                             f"(B - 1 loops, {self.features} features): it was fitted on another model; re-fit "
-                             f"it with `looplm fit-exit-probe`")
+            raise ProbeError(
+                f"the exit probe has shape {tuple(self.weight.shape)}, this model needs {want} "
+                f"(B - 1 loops, {self.features} features): it was fitted on another model; re-fit "
+                f"it with `looplm fit-exit-probe`"
+            )
 
 
 def load_probe(model) -> ExitProbe:
@@ -120,14 +124,17 @@ def load_probe(model) -> ExitProbe:
     path = Path(src) / PROBE_FILE if src else None
     if path is None or not path.exists():
         where = f"in {src}" if src else "(the model was not loaded from a directory)"
-        raise ProbeError(f"the probe exit policy needs a fitted probe, and there is no {PROBE_FILE} {where}; "
-                         f"run `looplm fit-exit-probe MODEL_DIR --data CORPUS` first")
+        raise ProbeError(
+            f"the probe exit policy needs a fitted probe, and there is no {PROBE_FILE} {where}; "
+            f"run `looplm fit-exit-probe MODEL_DIR --data CORPUS` first"
+        )
     probe = ExitProbe.load(path)
     probe.check(model)
     return probe
 
 
 # --- fitting -------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def collect(model, rows: list[list[int]], features: str = "hidden") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,15 +190,20 @@ def exit_curve(p: torch.Tensor, args: torch.Tensor, thresholds) -> list[dict]:
         for i in range(B - 2, -1, -1):
             exit_loop = torch.where(p[i] >= thr, torch.full_like(exit_loop, i), exit_loop)
         chosen = args.gather(0, exit_loop[None])[0]
-        rows.append({"threshold": round(float(thr), 4),
-                     "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 4),
-                     "per_loop": [round(float((exit_loop == i).float().mean()), 4) for i in range(B - 1)],
-                     "agreement": round(float((chosen == args[-1]).float().mean()), 4)})
+        rows.append(
+            {
+                "threshold": round(float(thr), 4),
+                "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 4),
+                "per_loop": [round(float((exit_loop == i).float().mean()), 4) for i in range(B - 1)],
+                "agreement": round(float((chosen == args[-1]).float().mean()), 4),
+            }
+        )
     return rows
 
 
-def fit_probe(model, fit_rows, calib_rows, target_agreement: float = 0.95, l2: float = 1e-3,
-              log=None, features: str = "hidden") -> tuple[ExitProbe, dict]:
+def fit_probe(
+    model, fit_rows, calib_rows, target_agreement: float = 0.95, l2: float = 1e-3, log=None, features: str = "hidden"
+) -> tuple[ExitProbe, dict]:
     """Fit one logistic probe per exitable loop on fit_rows; pick the lowest threshold whose
     agreement on calib_rows reaches target_agreement (teacher-forced)."""
     say = log or (lambda *a: None)
@@ -212,8 +224,14 @@ def fit_probe(model, fit_rows, calib_rows, target_agreement: float = 0.95, l2: f
     ok = [r for r in curve if r["agreement"] >= target_agreement]
     best = min(ok, key=lambda r: r["threshold"]) if ok else curve[-1]
     probe.threshold = best["threshold"]
-    probe.meta = {"features": features, "fit_tokens": int(xf.shape[1]), "calib_tokens": int(xc.shape[1]), "l2": l2,
-                  "target_agreement": target_agreement, "positive_rate_fit": [round(float(v), 4) for v in yf.float().mean(1)],
-                  "calib_at_threshold": best}
+    probe.meta = {
+        "features": features,
+        "fit_tokens": int(xf.shape[1]),
+        "calib_tokens": int(xc.shape[1]),
+        "l2": l2,
+        "target_agreement": target_agreement,
+        "positive_rate_fit": [round(float(v), 4) for v in yf.float().mean(1)],
+        "calib_at_threshold": best,
+    }
     report = {**probe.meta, "threshold": probe.threshold, "curve": curve[::5] + [best]}
     return probe, report

@@ -14,10 +14,10 @@ class RequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0   # 0 = greedy
-    top_p: float = 1.0         # nucleus mass in (0, 1]
-    top_k: int = 0             # 0 = off
-    seed: int | None = None    # per-request generator: same seed, same tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # per-request generator: same seed, same tokens
 
     def validate(self) -> None:
         t, p, k = self.temperature, self.top_p, self.top_k

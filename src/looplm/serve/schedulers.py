@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import types
 from collections import deque
@@ -30,8 +31,8 @@ class Scheduler:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.waiting: deque[Request] = deque()
-        self.cont: list[Item] = []    # items mid-token (between loops)
-        self.ready: list[Item] = []   # items starting a token (prefills, next tokens)
+        self.cont: list[Item] = []  # items mid-token (between loops)
+        self.ready: list[Item] = []  # items starting a token (prefills, next tokens)
 
     def submit(self, req: Request) -> Request:
         """Queue a request; an invalid one is failed at once with a clear message (others unaffected)."""
@@ -102,8 +103,10 @@ class DepthScheduler(Scheduler):
 
     def __init__(self, engine: Engine):
         if not engine.mixable:
-            raise ConfigError("continuous depth-wise batching needs cycle sharing (every loop runs shared layer k "
-                              "at step k); use the static or sequence scheduler for this model")
+            raise ConfigError(
+                "continuous depth-wise batching needs cycle sharing (every loop runs shared layer k "
+                "at step k); use the static or sequence scheduler for this model"
+            )
         super().__init__(engine)
 
     def step(self):
@@ -126,9 +129,10 @@ def rss_mb() -> float:
     """Current resident set size in MB (Linux /proc; falls back to the peak from getrusage)."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -180,16 +184,19 @@ def generate(engine: Engine, prompts, max_tokens: int = 16, scheduler: str = "de
     return reqs
 
 
-def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens: int = 3) -> float:
+def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens: int = 3, log=None) -> float:
     """Build a compiled engine's graphs (serve/compiled.py) before it serves, so requests pay no compile
     time: a one-token prompt, prompts of two lengths (the dynamic token count) decoded one at a time and
     together, then one prompt per cache row (the whole-loop decode graph of a full batch), and a prompt of
     ``DENSE_ROWS`` tokens (from there int8 products take another kernel, a graph of their own), at every loop;
     with exits, after each loop, the head of an exited token and (kv mode ``copy``) the KV fill of one, two and
     ``DENSE_ROWS`` exited tokens (as many as the batch holds). Returns the seconds it took; the engine's
-    statistics are reset afterwards. A no-op for an eager engine."""
+    statistics are reset afterwards. A no-op for an eager engine. ``log``: where the line saying that compiling
+    has started goes (default: stderr), since it takes a while and prints nothing else."""
     if engine.compiled is None:
         return 0.0
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say(f"looplm: compiling the engine for {engine.max_batch} rows (a minute or more, once per process)")
     t0, clock = time.perf_counter(), engine.clock  # replay sets its own clock on the engine
     R = engine.max_batch
     groups = [[1], [prompt_lengths[0]], list(prompt_lengths)[:R]]  # [1]: a lone first token, regional
@@ -208,8 +215,12 @@ def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens
             for n in sorted({1, min(2, R), min(DENSE_ROWS, R)}):
                 rows = [engine.cache.allocate() for _ in range(n)]  # free rows: their stale entries are never read
                 h = torch.zeros(1, n, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
-                engine.fill_copy(loop, h, torch.zeros(n, dtype=torch.long, device=engine.device),
-                                 torch.tensor(rows, device=engine.device))
+                engine.fill_copy(
+                    loop,
+                    h,
+                    torch.zeros(n, dtype=torch.long, device=engine.device),
+                    torch.tensor(rows, device=engine.device),
+                )
                 for r in rows:
                     engine.cache.release(r)
     if engine.policy.active:  # an exited token's head after each earlier loop (its own graph with an exit adapter)

@@ -24,7 +24,8 @@ import uuid
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,8 +38,8 @@ from .sampling import RequestError, SamplingParams
 from .schedulers import warm_up
 from .worker import Worker
 
-
 # --- text out -----------------------------------------------------------------------------------
+
 
 class TextStream:
     """Incremental detokenization with stop strings: ``add(token)`` returns the new text that is
@@ -57,7 +58,7 @@ class TextStream:
         if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
             return ""
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        self.text, self.stopped = (text[:min(hits)], True) if hits else (text, False)
+        self.text, self.stopped = (text[: min(hits)], True) if hits else (text, False)
         safe = len(self.text) if self.stopped else max(self.sent, len(self.text) - self.hold)
         return self._take(safe)
 
@@ -65,12 +66,13 @@ class TextStream:
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
-        delta = self.text[self.sent:upto]
+        delta = self.text[self.sent : upto]
         self.sent = max(self.sent, upto)
         return delta
 
 
 # --- the app ------------------------------------------------------------------------------------
+
 
 @dataclass
 class ServerOptions:
@@ -90,8 +92,14 @@ class LoopServer:
         self.tok, self.opts = tokenizer, opts
         self.config = model.config
         self.max_seq_len = opts.max_seq_len
-        self.engine = Engine(model, max_batch=opts.max_concurrency, max_seq_len=opts.max_seq_len,
-                             exit_policy=opts.exit_policy, kv_mode=opts.kv_mode, compile=opts.compile)
+        self.engine = Engine(
+            model,
+            max_batch=opts.max_concurrency,
+            max_seq_len=opts.max_seq_len,
+            exit_policy=opts.exit_policy,
+            kv_mode=opts.kv_mode,
+            compile=opts.compile,
+        )
         warm_up(self.engine)
         self.metrics = Metrics(model.config.num_loops)
         self.worker = Worker(self.engine, opts.scheduler, self.metrics, opts.max_concurrency + opts.max_queue)
@@ -117,22 +125,36 @@ class LoopServer:
             return list(p), "prompt"
         if isinstance(p, list):
             if len(p) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request", "prompt",
-                               "unsupported_parameter")
+                raise APIError(
+                    400,
+                    "batched prompts are not supported; send one prompt per request",
+                    "prompt",
+                    "unsupported_parameter",
+                )
             p = p[0]
         return self.tok(p, add_special_tokens=bool(self.config.add_bos_token))["input_ids"], "prompt"
 
     def _make_request(self, body) -> tuple[Request, list[str]]:
         if body.model != self.opts.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                                f"{self.opts.model_name!r} (see /v1/models)", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves "
+                f"{self.opts.model_name!r} (see /v1/models)",
+                "model",
+                "model_not_found",
+            )
         check_unsupported(body)
         ids, where = self._prompt_ids(body)
         if not ids:
             raise APIError(400, "the prompt is empty; give at least one token", where)
         if len(ids) >= self.max_seq_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context holds {self.max_seq_len} "
-                                f"(prompt + max_tokens - 1), so shorten it", where, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; this server's context holds {self.max_seq_len} "
+                f"(prompt + max_tokens - 1), so shorten it",
+                where,
+                "context_length_exceeded",
+            )
         room = self.max_seq_len - len(ids) + 1
         max_tokens = body.max_tokens
         if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
@@ -140,18 +162,33 @@ class LoopServer:
         if max_tokens is None:
             max_tokens = 16 if isinstance(body, CompletionBody) else room  # OpenAI's defaults
         if max_tokens > room:
-            raise APIError(400, f"max_tokens is {max_tokens} but the prompt has {len(ids)} tokens and the context "
-                                f"holds {self.max_seq_len}: at most {room} new tokens", "max_tokens",
-                           "context_length_exceeded")
-        req = Request(ids, max_tokens, SamplingParams(body.temperature, body.top_p, body.top_k, body.seed),
-                      arrival=self.engine.clock(), eos_token_id=None if body.ignore_eos else self.tok.eos_token_id,
-                      full_depth=body.full_depth)
+            raise APIError(
+                400,
+                f"max_tokens is {max_tokens} but the prompt has {len(ids)} tokens and the context "
+                f"holds {self.max_seq_len}: at most {room} new tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        req = Request(
+            ids,
+            max_tokens,
+            SamplingParams(body.temperature, body.top_p, body.top_k, body.seed),
+            arrival=self.engine.clock(),
+            eos_token_id=None if body.ignore_eos else self.tok.eos_token_id,
+            full_depth=body.full_depth,
+        )
         try:
             self.engine.validate(req)  # read-only; the same checks the scheduler applies
         except RequestError as e:
             msg = str(e)
-            raise APIError(400, msg, next((f for f in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed")
-                                           if msg.startswith(f)), None)) from None
+            raise APIError(
+                400,
+                msg,
+                next(
+                    (f for f in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed") if msg.startswith(f)),
+                    None,
+                ),
+            ) from None
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return req, stop
 
@@ -160,9 +197,14 @@ class LoopServer:
         if not self.worker.try_submit(req, asyncio.get_running_loop(), events, tokens):
             if not self.worker.accepting:
                 raise APIError(503, "the server is shutting down", code="shutting_down", type_="server_error")
-            raise APIError(429, f"the server is at capacity ({self.opts.max_concurrency} running + "
-                                f"{self.opts.max_queue} queued requests); retry later", code="rate_limit_exceeded",
-                           type_="rate_limit_error", headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"the server is at capacity ({self.opts.max_concurrency} running + "
+                f"{self.opts.max_queue} queued requests); retry later",
+                code="rate_limit_exceeded",
+                type_="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
         return events
 
     def _finish_reason(self, req: Request, text: TextStream) -> str:
@@ -174,12 +216,18 @@ class LoopServer:
     def _failure(req: Request) -> APIError:
         if req.status == "cancelled":
             return APIError(499, "the request was cancelled", code="cancelled")
-        return APIError(503 if "shutting down" in (req.error or "") else 500,
-                        f"the request failed: {req.error}", type_="server_error")
+        return APIError(
+            503 if "shutting down" in (req.error or "") else 500,
+            f"the request failed: {req.error}",
+            type_="server_error",
+        )
 
     def _usage(self, req: Request) -> dict:
-        return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
-                "total_tokens": len(req.prompt) + len(req.output)}
+        return {
+            "prompt_tokens": len(req.prompt),
+            "completion_tokens": len(req.output),
+            "total_tokens": len(req.prompt) + len(req.output),
+        }
 
     async def generate(self, body, http: HTTPRequest):
         req, stop = self._make_request(body)
@@ -195,6 +243,7 @@ class LoopServer:
             while not await http.is_disconnected():
                 await asyncio.sleep(1.0)
             self._abandon(req)
+
         watcher = asyncio.create_task(watch())
         try:
             while True:
@@ -217,8 +266,12 @@ class LoopServer:
         out, reason = text.text, self._finish_reason(req, text)
         extra = {"looplm": {"exit_loops": req.exit_loops}}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": None,
-                      "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
             return {**head, "object": "chat.completion", "choices": [choice], "usage": self._usage(req), **extra}
         choice = {"index": 0, "text": out, "logprobs": None, "finish_reason": reason}
         return {**head, "object": "text_completion", "choices": [choice], "usage": self._usage(req), **extra}
@@ -273,11 +326,16 @@ class LoopServer:
             yield
             server.worker.stop()  # in-flight requests were given shutdown_timeout by UvicornServer
             m = server.metrics.requests
-            print(f"looplm serve: stopped ({m['done']} requests done, {m['error']} failed, {m['cancelled']} cancelled)",
-                  flush=True)
+            print(
+                f"looplm serve: stopped ({m['done']} requests done, {m['error']} failed, {m['cancelled']} cancelled)",
+                flush=True,
+            )
 
-        app = FastAPI(title="looplm", description="OpenAI-compatible server for looplm models (depth-wise batching)",
-                      lifespan=lifespan)
+        app = FastAPI(
+            title="looplm",
+            description="OpenAI-compatible server for looplm models (depth-wise batching)",
+            lifespan=lifespan,
+        )
 
         @app.exception_handler(APIError)
         async def _api_error(request, exc: APIError):
@@ -309,8 +367,14 @@ class LoopServer:
             return await server.generate(body, request)
 
         def model_card():
-            return {"id": server.opts.model_name, "object": "model", "created": server.created, "owned_by": "looplm",
-                    "max_model_len": server.max_seq_len, "num_loops": server.config.num_loops}
+            return {
+                "id": server.opts.model_name,
+                "object": "model",
+                "created": server.created,
+                "owned_by": "looplm",
+                "max_model_len": server.max_seq_len,
+                "num_loops": server.config.num_loops,
+            }
 
         @app.get("/v1/models")
         async def models():
@@ -325,8 +389,12 @@ class LoopServer:
         @app.get("/health")
         async def health():
             ok = server.worker.alive and server.worker.accepting
-            body = {"status": "ok" if ok else "unavailable", "worker_alive": server.worker.alive,
-                    "accepting": server.worker.accepting, "model": server.opts.model_name}
+            body = {
+                "status": "ok" if ok else "unavailable",
+                "worker_alive": server.worker.alive,
+                "accepting": server.worker.accepting,
+                "model": server.opts.model_name,
+            }
             return JSONResponse(body, status_code=200 if ok else 503)
 
         @app.get("/metrics")
@@ -334,7 +402,6 @@ class LoopServer:
             return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
         return app
-
 
 
 def _sse(obj) -> str:
@@ -374,29 +441,44 @@ class UvicornServer(uvicorn.Server):
 def main(args) -> int:
     """`looplm serve MODEL ...` (arguments defined in serve/cli.py)."""
     import torch
+
     from ..models import load_model
     from .exits import parse_policy
+
     if args.threads:
         torch.set_num_threads(args.threads)
     from ..models.quantized import load_dtype, prepare
+
     weights = getattr(args, "weights", None)
     converting = bool(args.loops and args.loops > 1)  # conversion reads float32 weights
     model, tok = load_model(args.model, dtype=torch.float32 if converting else load_dtype(weights))
     if converting:
-        from ..convert import convert, parse_lora_ranks
-        model = convert(model, loops=args.loops, init=args.init, lora_ranks=parse_lora_ranks(None, args.lora_rank),
-                        norms="per-depth", seed=0)
+        from .on_the_fly import convert_unhealed
+
+        model = convert_unhealed(
+            model, args.model, args.loops, args.init, args.lora_rank, getattr(args, "allow_unhealed", False)
+        )
     if args.device:
         model = model.to(args.device)
     model = prepare(model, weights, lora=getattr(args, "lora", None)).eval()
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
-    opts = ServerOptions(model_name=args.served_model_name or args.model, max_concurrency=args.max_concurrency,
-                         max_queue=args.max_queue, max_seq_len=max_seq_len, exit_policy=parse_policy(args.exit_policy),
-                         kv_mode=args.kv_mode, scheduler=args.scheduler, shutdown_timeout=args.shutdown_timeout,
-                         compile=getattr(args, "compile", False))
+    opts = ServerOptions(
+        model_name=args.served_model_name or args.model,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_seq_len=max_seq_len,
+        exit_policy=parse_policy(args.exit_policy),
+        kv_mode=args.kv_mode,
+        scheduler=args.scheduler,
+        shutdown_timeout=args.shutdown_timeout,
+        compile=getattr(args, "compile", False),
+    )
     server = LoopServer(model, tok, opts)
-    print(f"looplm serve: {opts.model_name} (B={model.config.num_loops} loops, exit {server.engine.policy.label}, "
-          f"{opts.scheduler} scheduler, {opts.max_concurrency} slots, queue "
-          f"{opts.max_queue}, context {max_seq_len}) on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"looplm serve: {opts.model_name} (B={model.config.num_loops} loops, exit {server.engine.policy.label}, "
+        f"{opts.scheduler} scheduler, {opts.max_concurrency} slots, queue "
+        f"{opts.max_queue}, context {max_seq_len}) on http://{args.host}:{args.port}",
+        flush=True,
+    )
     UvicornServer(server, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0

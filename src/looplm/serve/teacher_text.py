@@ -34,23 +34,32 @@ PROMPT_KINDS = ("start", "corpus")
 class GenerateConfig:
     model: str = "smollm2-135m"
     out: str = ""
-    tokens: int | None = None            # stop once this many generated tokens are kept (across resumes)
-    minutes: float | None = None         # ... or after this many minutes of generation (across resumes)
+    tokens: int | None = None  # stop once this many generated tokens are kept (across resumes)
+    minutes: float | None = None  # ... or after this many minutes of generation (across resumes)
     prompt_mix: str = "start:1,corpus:1"  # kind:weight, kinds from PROMPT_KINDS
-    corpus: str | None = None            # a built corpus (its training split) for ``corpus`` prompts
+    corpus: str | None = None  # a built corpus (its training split) for ``corpus`` prompts
     prompt_tokens: int = 32
-    max_new_tokens: int = 448            # with the prompt, within a 512-token training row
+    max_new_tokens: int = 448  # with the prompt, within a 512-token training row
     temperature: float = 1.0
     top_p: float = 0.95
     max_batch: int = 128
     shard_size: int = 256
-    weights: str | None = None           # None: bf16 where the hardware multiplies it natively, else fp32
+    weights: str | None = None  # None: bf16 where the hardware multiplies it natively, else fp32
     seed: int = 0
     progress: bool = True
 
     # what a resumed run must share with the run it continues (the samples depend on them)
-    FIXED = ("model", "prompt_mix", "corpus", "prompt_tokens", "max_new_tokens", "temperature", "top_p",
-             "shard_size", "seed")
+    FIXED = (
+        "model",
+        "prompt_mix",
+        "corpus",
+        "prompt_tokens",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "shard_size",
+        "seed",
+    )
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -92,6 +101,7 @@ def weights_fingerprint(model) -> str:
 
 def default_weights(device: torch.device) -> str:
     from ..models.quantized import has_bf16_matmuls
+
     return "bf16" if has_bf16_matmuls(device) else "fp32"
 
 
@@ -108,15 +118,19 @@ class PromptSource:
         if "corpus" in self.kinds:
             from ..data.corpus import PackedCorpus
             from ..models.loading import tokenizer_fingerprint
+
             if not cfg.corpus:
                 raise UsageError("--prompt-mix with corpus prompts needs --corpus DIR (a `looplm data build` corpus)")
             corpus = PackedCorpus(cfg.corpus)
             if corpus.tokenizer != tokenizer_fingerprint(tok):
-                raise UsageError(f"the corpus {cfg.corpus} was tokenised for another model than {cfg.model}; build "
-                                 f"one with `looplm data build --model {cfg.model}`")
+                raise UsageError(
+                    f"the corpus {cfg.corpus} was tokenised for another model than {cfg.model}; build "
+                    f"one with `looplm data build {cfg.model} --out DIR`"
+                )
             if corpus.seq_len <= cfg.prompt_tokens:
-                raise UsageError(f"--prompt-tokens {cfg.prompt_tokens} must be shorter than the corpus's "
-                                 f"{corpus.seq_len}-token rows")
+                raise UsageError(
+                    f"--prompt-tokens {cfg.prompt_tokens} must be shorter than the corpus's {corpus.seq_len}-token rows"
+                )
             self.rows = corpus.splits["train"]
 
     def __call__(self, i: int) -> tuple[str, list[int]]:
@@ -126,7 +140,7 @@ class PromptSource:
             return kind, [self.start]
         row = int(rng.integers(len(self.rows)))
         at = int(rng.integers(self.rows.shape[1] - self.cfg.prompt_tokens))
-        return kind, [self.start] + np.asarray(self.rows[row, at:at + self.cfg.prompt_tokens]).tolist()
+        return kind, [self.start] + np.asarray(self.rows[row, at : at + self.cfg.prompt_tokens]).tolist()
 
 
 def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
@@ -143,11 +157,11 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
     if not cfg.out:
         raise UsageError("give the corpus directory with --out DIR")
     if (cfg.tokens is None) == (cfg.minutes is None):
-        raise UsageError("give one budget: --tokens N (generated tokens kept) or --minutes M")
+        raise UsageError("give one budget: --generated-tokens N (generated tokens kept) or --budget-minutes M")
     if (cfg.tokens is not None and cfg.tokens <= 0) or (cfg.minutes is not None and cfg.minutes <= 0):
         raise UsageError("the budget must be positive")
     if cfg.max_new_tokens < 1 or cfg.prompt_tokens < 1 or cfg.max_batch < 1 or cfg.shard_size < 1:
-        raise UsageError("--max-new-tokens, --prompt-tokens, --max-batch and --shard-size must be >= 1")
+        raise UsageError("--max-new-tokens, --prompt-tokens, --max-concurrency and --shard-size must be >= 1")
     try:
         SamplingParams(cfg.temperature, cfg.top_p).validate()
     except RequestError as e:
@@ -163,9 +177,11 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
         done = read_manifest(out)
         changed = [k for k in GenerateConfig.FIXED if done["settings"].get(k) != settings[k]]
         if changed:
-            raise UsageError(f"{out} was generated with other settings (" + ", ".join(
-                f"{k}: {done['settings'].get(k)!r} -> {settings[k]!r}" for k in changed)
-                + "); resume with the same settings or choose a new --out")
+            raise UsageError(
+                f"{out} was generated with other settings ("
+                + ", ".join(f"{k}: {done['settings'].get(k)!r} -> {settings[k]!r}" for k in changed)
+                + "); resume with the same settings or choose a new --out"
+            )
     elif out.exists() and any(p.name != "shards" for p in out.iterdir()):  # shards/ alone: killed before its first
         raise UsageError(f"{out} exists and is not a generated corpus; choose an empty or new --out")
 
@@ -174,18 +190,35 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
         raise UsageError(f"{cfg.model} has no tokenizer files")
     if model.config.num_loops != 1:
         log(f"note: {cfg.model} is a looped model; the corpus is its own text (heal from the original's)")
-    fingerprint = {"model": cfg.model, "tokenizer": tokenizer_fingerprint(tok), "weights_sha256": weights_fingerprint(model)}
+    fingerprint = {
+        "model": cfg.model,
+        "tokenizer": tokenizer_fingerprint(tok),
+        "weights_sha256": weights_fingerprint(model),
+    }
     if done and done["teacher"] != fingerprint:
-        raise UsageError(f"{out} was generated by another model ({done['teacher']['weights_sha256'][:12]}) than "
-                         f"{cfg.model} ({fingerprint['weights_sha256'][:12]}); choose a new --out")
+        raise UsageError(
+            f"{out} was generated by another model ({done['teacher']['weights_sha256'][:12]}) than "
+            f"{cfg.model} ({fingerprint['weights_sha256'][:12]}); choose a new --out"
+        )
     prompts = PromptSource(cfg, tok)
     model = prepare(model.to(device=device, dtype=load_dtype(weights)), weights)
     max_prompt = 1 + (cfg.prompt_tokens if "corpus" in prompts.kinds else 0)
     engine = Engine(model, max_batch=cfg.max_batch, max_seq_len=max_prompt + cfg.max_new_tokens)
 
-    manifest = done or {"kind": KIND, "format": FORMAT, "settings": settings, "teacher": fingerprint,
-                        "weights": weights, "shards": [], "samples": 0, "kept": 0, "duplicates": 0,
-                        "degenerate": 0, "tokens": 0, "seconds": 0.0}
+    manifest = done or {
+        "kind": KIND,
+        "format": FORMAT,
+        "settings": settings,
+        "teacher": fingerprint,
+        "weights": weights,
+        "shards": [],
+        "samples": 0,
+        "kept": 0,
+        "duplicates": 0,
+        "degenerate": 0,
+        "tokens": 0,
+        "seconds": 0.0,
+    }
     seen = {text_key(s["text"]) for s in read_samples(out)} if done else set()
     (out / "shards").mkdir(parents=True, exist_ok=True)
     for stale in (out / "shards").glob(".*tmp*"):
@@ -198,9 +231,13 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
             return manifest["tokens"] < budget_tokens
         return manifest["seconds"] < budget_seconds
 
-    bar = tqdm(total=budget_tokens or int(budget_seconds), initial=min(manifest["tokens"], budget_tokens or 0)
-               if budget_tokens else int(manifest["seconds"]), unit="tok" if budget_tokens else "s",
-               desc="generating", disable=not cfg.progress)
+    bar = tqdm(
+        total=budget_tokens or int(budget_seconds),
+        initial=min(manifest["tokens"], budget_tokens or 0) if budget_tokens else int(manifest["seconds"]),
+        unit="tok" if budget_tokens else "s",
+        desc="generating",
+        disable=not cfg.progress,
+    )
     eos = tok.eos_token_id
     while left():
         shard = len(manifest["shards"])
@@ -209,8 +246,14 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
         for i in range(first, first + cfg.shard_size):
             kind, ids = prompts(i)
             kinds.append(kind)
-            reqs.append(Request(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, cfg.top_p, 0,
-                                                                       cfg.seed * 1_000_003 + i), eos_token_id=eos))
+            reqs.append(
+                Request(
+                    ids,
+                    cfg.max_new_tokens,
+                    SamplingParams(cfg.temperature, cfg.top_p, 0, cfg.seed * 1_000_003 + i),
+                    eos_token_id=eos,
+                )
+            )
         t0 = time.perf_counter()
         replay(make_scheduler("depth", engine), reqs)
         seconds = time.perf_counter() - t0
@@ -231,15 +274,27 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
                 continue
             seen.add(key)
             kept_tokens += len(completion)
-            lines.append(json.dumps({"index": i, "prompt_kind": kind, "prompt": req.prompt, "completion": completion,
-                                     "text": text}, ensure_ascii=False))
+            lines.append(
+                json.dumps(
+                    {"index": i, "prompt_kind": kind, "prompt": req.prompt, "completion": completion, "text": text},
+                    ensure_ascii=False,
+                )
+            )
         name = f"shards/shard-{shard:05d}.jsonl"
         body = "".join(line + "\n" for line in lines)
         write_text_atomic(out / name, body)
         generated = sum(len(r.output) for r in reqs)
-        manifest["shards"].append({"file": name, "sha256": hashlib.sha256(body.encode("utf-8")).hexdigest(),
-                                   "samples": len(reqs), "kept": len(lines), "tokens": kept_tokens,
-                                   "generated_tokens": generated, "seconds": round(seconds, 2)})
+        manifest["shards"].append(
+            {
+                "file": name,
+                "sha256": hashlib.sha256(body.encode("utf-8")).hexdigest(),
+                "samples": len(reqs),
+                "kept": len(lines),
+                "tokens": kept_tokens,
+                "generated_tokens": generated,
+                "seconds": round(seconds, 2),
+            }
+        )
         manifest["samples"] += len(reqs)
         manifest["kept"] += len(lines)
         manifest["tokens"] += kept_tokens
@@ -258,6 +313,7 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
 
 def _machine() -> dict:
     import platform
+
     model = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -266,5 +322,8 @@ def _machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": model or platform.processor(), "threads": torch.get_num_threads(),
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    return {
+        "cpu": model or platform.processor(),
+        "threads": torch.get_num_threads(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }

@@ -26,7 +26,7 @@ class Worker:
         self.active: dict[Request, tuple] = {}  # request -> (event loop, asyncio.Queue)
         self.outbox: list[tuple[Request, tuple]] = []  # events to deliver after this step
         self.lock = threading.Lock()
-        self.inflight = 0            # submitted and not yet finished (the backpressure count)
+        self.inflight = 0  # submitted and not yet finished (the backpressure count)
         self.accepting = True
         self.deadline: float | None = None  # shutdown: fail whatever is still running after this
         self.stopped = False
@@ -35,6 +35,7 @@ class Worker:
         def counted_step(items):  # batch occupancy by loop, seen at the engine's own entry point
             metrics.observe_step(items)
             return inner(items)
+
         engine.step = counted_step
         self.thread = threading.Thread(target=self._run, name="looplm-worker", daemon=True)
 
@@ -94,11 +95,14 @@ class Worker:
                 self.scheduler.step()
             finally:
                 stats["stage_times"].clear()  # the engine keeps per-step timings; a server runs for ever
-                self.metrics.after_step(sum(stats["exits_per_loop"]) - before, time.perf_counter() - t0,
-                                        stats["exits_per_loop"])
+                self.metrics.after_step(
+                    sum(stats["exits_per_loop"]) - before, time.perf_counter() - t0, stats["exits_per_loop"]
+                )
         self._notify_finished()
-        self.metrics.set_load(sum(r.status == "queued" for r in self.scheduler.waiting),
-                              self.engine.cache.num_rows - self.engine.cache.free_rows)
+        self.metrics.set_load(
+            sum(r.status == "queued" for r in self.scheduler.waiting),
+            self.engine.cache.num_rows - self.engine.cache.free_rows,
+        )
 
     def _take_inbox(self, block: bool):
         try:

@@ -13,7 +13,7 @@ table (appendix E): the K = L / B layers Stepwise selects, with their norms, run
 the pretrained embeddings, final norm and head: the recursive Stepwise model's parameters without the
 looping.
 The other baselines are conversion options (`looplm convert --init random`, or the full-size model
-itself as `--model`); see docs/TRAINING.md.
+itself as `--model`); see docs/guides/heal.md.
 """
 
 from __future__ import annotations
@@ -30,14 +30,18 @@ def _shallower(vanilla, layers: list[int], init: str):
     """A fresh vanilla model of the source's family and width whose depth j has the attention kind of
     the source's depth layers[j]."""
     from ..models import LoopLMConfig, LoopLMForCausalLM
+
     c = vanilla.config
     if c.num_loops != 1:
         raise UsageError("give the vanilla (full-size) model as --model")
     d = c.to_dict()
     for k in ("model_type", "architectures", "transformers_version", "id2label", "label2id"):
         d.pop(k, None)
-    d.update(num_hidden_layers=len(layers), depth_attention=[c.depth_attention[i] for i in layers],
-             conversion={**c.conversion, "init": init, "layers": layers})
+    d.update(
+        num_hidden_layers=len(layers),
+        depth_attention=[c.depth_attention[i] for i in layers],
+        conversion={**c.conversion, "init": init, "layers": layers},
+    )
     return LoopLMForCausalLM(LoopLMConfig(**d)).to(next(vanilla.parameters()).dtype)
 
 
@@ -53,6 +57,7 @@ def stepwise_model(vanilla, loops: int):
     """The Stepwise-selected layers of ``vanilla`` without looping; every other weight pretrained."""
     from ..convert import stepwise_layers
     from ..models import ConfigError, layer_map
+
     L = vanilla.config.num_hidden_layers
     try:
         layer_map(L, loops)
@@ -71,6 +76,7 @@ def stepwise_model(vanilla, loops: int):
 
 def main(argv=None) -> int:
     from ..models import load_model, save_model
+
     p = argparse.ArgumentParser(prog="python -m looplm.train.baselines", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("scratch", help="a reduced-depth vanilla model with fresh weights")
@@ -85,8 +91,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     vanilla, tok = load_model(args.model)
     try:
-        model = scratch_model(vanilla, args.layers, args.seed) if args.cmd == "scratch" \
+        model = (
+            scratch_model(vanilla, args.layers, args.seed)
+            if args.cmd == "scratch"
             else stepwise_model(vanilla, args.loops)
+        )
     except UsageError as e:
         p.error(str(e))
     save_model(model, tok, args.out)

@@ -27,16 +27,24 @@ class Checkpoints:
         acc.save_state(str(tmp / "accelerate"), safe_serialization=False)
         self._export(tmp, step)
         if acc.is_main_process:
-            write_json_atomic(tmp / "state.json", {"step": step, "tokens": tokens, "time": elapsed,
-                                                    "global_batch": self.global_batch, "world": self.world,
-                                                    "epoch": step // (len(self.corpus) // self.global_batch)})
+            write_json_atomic(
+                tmp / "state.json",
+                {
+                    "step": step,
+                    "tokens": tokens,
+                    "time": elapsed,
+                    "global_batch": self.global_batch,
+                    "world": self.world,
+                    "epoch": step // (len(self.corpus) // self.global_batch),
+                },
+            )
             final = out / "checkpoints" / name
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
             write_text_atomic(out / "latest", name + "\n")
             ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if p.is_dir())
-            for old in ckpts[:-self.cfg.keep] if self.cfg.keep > 0 else []:
+            for old in ckpts[: -self.cfg.keep] if self.cfg.keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
 
@@ -45,26 +53,34 @@ class Checkpoints:
         config recording the rows read up to ``step``. Every process must call it: under FSDP / ZeRO-3
         gathering the full weights is collective."""
         from safetensors.torch import save_file
+
         sd = self.acc.get_state_dict(self.module)
         if not self.acc.is_main_process:
             return
         directory.mkdir(parents=True, exist_ok=True)
         lm = self.acc.unwrap_model(self.module).lm
-        sd = {k[len("lm."):]: v for k, v in sd.items() if k.startswith("lm.")}
+        sd = {k[len("lm.") :]: v for k, v in sd.items() if k.startswith("lm.")}
         if lm.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
-        lm.config.conversion = {**(lm.config.conversion or {}),
-                                "training": self.prior_training + [self.training_record(step)]}
+        lm.config.conversion = {
+            **(lm.config.conversion or {}),
+            "training": self.prior_training + [self.training_record(step)],
+        }
         lm.config.save_pretrained(str(directory))
-        save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in sd.items()},
+            str(directory / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         self.tok.save_pretrained(str(directory))
 
     def _load(self, ck: Path) -> tuple[int, int, float]:
         state = json.loads((ck / "state.json").read_text())
         if state["global_batch"] != self.global_batch:
-            raise UsageError(f"checkpoint {ck} was trained with global batch {state['global_batch']}, this run has "
-                             f"{self.global_batch}; keep batch-size x grad-accum x processes the same")
+            raise UsageError(
+                f"checkpoint {ck} was trained with global batch {state['global_batch']}, this run has "
+                f"{self.global_batch}; keep batch-size x grad-accum x processes the same"
+            )
         self.acc.load_state(str(ck / "accelerate"))
         return int(state["step"]), int(state["tokens"]), float(state["time"])
 

@@ -13,7 +13,7 @@ def batch_indices(step: int, global_batch: int, num_seqs: int, seed: int) -> np.
     epoch, offset = divmod(step, per_epoch)
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(num_seqs, generator=g).numpy()
-    return perm[offset * global_batch:(offset + 1) * global_batch]
+    return perm[offset * global_batch : (offset + 1) * global_batch]
 
 
 def rows_read(records: list[dict], corpus: str, num_seqs: int) -> np.ndarray:
@@ -31,4 +31,4 @@ def rows_read(records: list[dict], corpus: str, num_seqs: int) -> np.ndarray:
 
 def micro_batch(indices: np.ndarray, micro: int, rank: int, world: int, bs: int) -> np.ndarray:
     start = (micro * world + rank) * bs
-    return indices[start:start + bs]
+    return indices[start : start + bs]

@@ -16,9 +16,17 @@ from .losses import divergence
 from .optim import adamw
 
 
-def fit_exit_adapter(model, states: list[torch.Tensor], targets: torch.Tensor, steps: int = 200,
-                     lr: float = 1e-3, batch_rows: int = 256, weight_decay: float = 0.0, temperature: float = 1.0,
-                     seed: int = 0) -> list[float]:
+def fit_exit_adapter(
+    model,
+    states: list[torch.Tensor],
+    targets: torch.Tensor,
+    steps: int = 200,
+    lr: float = 1e-3,
+    batch_rows: int = 256,
+    weight_decay: float = 0.0,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> list[float]:
     """Fit ``model.exit_adapter`` so that the exit after each intermediate loop i predicts ``targets``.
 
     states: the hidden states after loops 0..B-2, each [n, hidden] (a list of B is accepted; the last,
@@ -32,8 +40,9 @@ def fit_exit_adapter(model, states: list[torch.Tensor], targets: torch.Tensor, s
         raise UsageError("the model has no exit adapter to fit: add one with add_exit_adapters(model, kind, rank)")
     n_exits = adapter.num_exits
     if len(states) not in (n_exits, n_exits + 1):
-        raise UsageError(f"give the hidden states of the {n_exits} intermediate loops (or of all "
-                         f"{n_exits + 1}), not {len(states)}")
+        raise UsageError(
+            f"give the hidden states of the {n_exits} intermediate loops (or of all {n_exits + 1}), not {len(states)}"
+        )
     n = targets.shape[0]
     if any(s.shape[0] != n or s.dim() != 2 for s in states[:n_exits]):
         raise UsageError(f"every state must be [n, hidden] with the targets' n = {n} rows")
@@ -68,4 +77,4 @@ def fit_exit_adapter(model, states: list[torch.Tensor], targets: torch.Tensor, s
 def _exit_loss(logits: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
     if not target.is_floating_point():
         return F.cross_entropy(logits, target)
-    return divergence(logits, target, "fkl", temperature).mean() * temperature ** 2
+    return divergence(logits, target, "fkl", temperature).mean() * temperature**2

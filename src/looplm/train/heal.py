@@ -31,7 +31,7 @@ Two stages, both reading the original model's hidden states from a teacher cache
 rounded to the serving format by GPTQ (models/gptq.py) and frozen there; the stages then train the per-depth LoRA,
 the norms and the biases around the rounding. `looplm quantize --weights FMT` (LoRA shared) of the result rounds
 nothing new, so what the run measures is what is served. Run it on a healed model (``--local-share 0``) to
-recover what rounding costs it (docs/FINDINGS.md).
+recover what rounding costs it.
 
 The local stage reads the teacher from the cache, never runs it: a step costs the student alone. The
 end-to-end and exit stages read rows by ``e2e_rows``: ``online`` (the default) takes the next rows of a seeded
@@ -91,12 +91,12 @@ from .teacher_cache import build_cache, teacher_states
 LOCAL_MODES = ("parallel", "sequential")
 E2E_ROWS = ("cache", "online")
 EXIT_TARGETS = ("teacher", "final")
-# End-to-end steps after which a time budget's step count is fixed again from the steps since the last
-# fix: steps get faster after the first few (4.7 s -> 3.6 s at B=2 rank 128), so a count fixed from the first
-# three alone left 5 of the hour's 60 minutes unused.
+# Steps of the end-to-end and exit stages after which a time budget's step count is fixed again from the
+# steps since the last fix: steps get faster after the first few (and the plan timed them before they were
+# compiled or warm), so a count fixed from the first three alone leaves part of the budget unused.
 REPLAN_AT = (3, 30)
-# ... and at these shares of the count: the machine's speed also changes late (2026-11-28: one fix at half way, then
-# steps 3.4 -> 3.9 s, and the hour ran 63.9 minutes). The shares are of the count fixed last, each used once.
+# ... and at these shares of the count: the machine's speed also changes late, and a run fixed only once overruns
+# its budget. The shares are of the count fixed last, each used once.
 REPLAN_SHARES = (0.5, 0.75, 0.9)
 
 
@@ -111,62 +111,86 @@ def replan_due(step: int, total: int, done: list[int]) -> bool:
     if step in REPLAN_AT:
         return True
     # each share once, in order; a share the count has already passed (it shrank at the last fix) is skipped
-    pending = REPLAN_SHARES[sum(1 for d in done if d > REPLAN_AT[-1]):]
+    pending = REPLAN_SHARES[sum(1 for d in done if d > REPLAN_AT[-1]) :]
     late = [share * total for share in pending if share * total > max(done, default=0)]
     return step > REPLAN_AT[-1] and bool(late) and step >= late[0]
 
 
 @dataclass
 class HealConfig:
-    model: str = ""                  # the converted student (looplm directory)
-    teacher: str = ""                # the original model it was converted from
-    data: str = ""                   # corpus directory (looplm data build)
+    model: str = ""  # the converted student (looplm directory)
+    teacher: str = ""  # the original model it was converted from
+    data: str = ""  # corpus directory (looplm data build)
     out: str = ""
     budget_minutes: float | None = None
-    tokens: int | None = None        # instead of a time budget: tokens per layer (local) + end to end
-    local_share: float = 0.5         # share of the budget for layer-local distillation
+    tokens: int | None = None  # instead of a time budget: tokens per layer (local) + end to end
+    local_share: float = 0.5  # share of the budget for layer-local distillation
     local_mode: str = "parallel"
-    cache: str | None = None         # teacher cache directory (default OUT/cache)
-    cache_rows: int = 256            # training rows cached (x seq_len tokens)
+    cache: str | None = None  # teacher cache directory (default OUT/cache)
+    cache_rows: int = 256  # training rows cached (x seq_len tokens)
     seq_len: int = 512
-    local_batch: int = 4             # rows per tied depth per local step
+    local_batch: int = 4  # rows per tied depth per local step
     local_lr: float = 2e-3
     e2e_batch: int = 2
     e2e_lr: float = 1e-4
-    e2e_rows: str = "online"         # cache (rows and states from the teacher cache) | online (any training row,
-                                     # the original run on it each step)
+    e2e_rows: str = "online"  # cache (rows and states from the teacher cache) | online (any training row,
+    # the original run on it each step)
     hidden_weight: float = 1.0
-    hidden_loss: str = "log1p"       # log1p (each token's pull bounded: relative_error_log1p) | relative
-    e2e_average: float = 0.0         # decay of a moving average of the weights the end-to-end stage trains, which
-                                     # the stage ends on (0: off; 0.99 averages about the last hundred steps)
-    exit_weight: float = 0.0         # intermediate-exit KD on the body (0: the body copies the original)
-    exit_target: str = "teacher"     # what that KD matches: teacher (the original's output) | final (the student's)
-    exit_adapter: str = "affine"     # exit stage: affine | head-lora:R | none
-    exit_share: float = 0.1          # share of what the local stage leaves, for the exit stage
+    hidden_loss: str = "log1p"  # log1p (each token's pull bounded: relative_error_log1p) | relative
+    e2e_average: float = 0.0  # decay of a moving average of the weights the end-to-end stage trains, which
+    # the stage ends on (0: off; 0.99 averages about the last hundred steps)
+    exit_weight: float = 0.0  # intermediate-exit KD on the body (0: the body copies the original)
+    exit_target: str = "teacher"  # what that KD matches: teacher (the original's output) | final (the student's)
+    exit_adapter: str = "affine"  # exit stage: affine | head-lora:R | none
+    exit_share: float = 0.1  # share of what the local stage leaves, for the exit stage
     exit_lr: float = 1e-3
-    precision: str = "auto"          # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
-    base_weights: str = "float"      # float | int4 | int8: shared weights rounded to that format (GPTQ), then frozen
-    compile: bool = False            # torch.compile each layer of the student (and the original) for the training stages
+    precision: str = "auto"  # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
+    base_weights: str = "float"  # float | int4 | int8: shared weights rounded to that format (GPTQ), then frozen
+    compile: bool = False  # torch.compile each layer of the student (and the original) for the training stages
     grad_clip: float = 1.0
     eval_rows: int = 16
-    ood_windows: int = 4             # windows of each out-of-domain domain (data/ood.py) every evaluation scores
+    ood_windows: int = 4  # windows of each out-of-domain domain (data/ood.py) every evaluation scores
     eval_every_seconds: float = 300.0
     save_every_seconds: float = 180.0
     seed: int = 0
     resume: bool = False
     progress: bool = True
 
-    FIXED = ("teacher", "data", "budget_minutes", "tokens", "local_share", "local_mode", "cache_rows", "seq_len",
-             "local_batch", "local_lr", "e2e_batch", "e2e_lr", "e2e_rows", "e2e_average", "hidden_weight", "hidden_loss", "exit_weight",
-             "exit_target", "grad_clip", "seed", "precision", "exit_adapter", "exit_share", "exit_lr", "base_weights")
+    FIXED = (
+        "teacher",
+        "data",
+        "budget_minutes",
+        "tokens",
+        "local_share",
+        "local_mode",
+        "cache_rows",
+        "seq_len",
+        "local_batch",
+        "local_lr",
+        "e2e_batch",
+        "e2e_lr",
+        "e2e_rows",
+        "e2e_average",
+        "hidden_weight",
+        "hidden_loss",
+        "exit_weight",
+        "exit_target",
+        "grad_clip",
+        "seed",
+        "precision",
+        "exit_adapter",
+        "exit_share",
+        "exit_lr",
+        "base_weights",
+    )
     # settings whose default changed: a run that did not record one ran with this value
     FORMER_DEFAULTS = {"hidden_loss": "relative", "e2e_rows": "cache"}
 
 
 def cached_rows(train_rows: int, cache_rows: int, seed: int) -> np.ndarray:
     """The training rows a run caches, and so the only rows its local stage (and with ``--e2e-rows cache`` its
-    end-to-end stage) reads: a seeded draw without replacement, sorted (scripts/heal_overfit.py scores them
-    against rows the run never read)."""
+    end-to-end stage) reads: a seeded draw without replacement, sorted, so that they can be told from rows the
+    run never read."""
     return np.sort(np.random.default_rng(seed).choice(train_rows, size=cache_rows, replace=False))
 
 
@@ -197,8 +221,8 @@ def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def relative_error_log1p(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of log(1 + relative error): the same as ``relative_error`` where a token is close
     (error << 1), but a token far off pulls with a bounded gradient (at most 1/||target|| in its state). In the
-    end-to-end stage the student sometimes puts a massive activation on one token, relative error ~1,000 at a
-    few depths (docs/FINDINGS.md); squared, that one token sets the direction of the whole clipped step."""
+    end-to-end stage the student sometimes puts a massive activation on one token, a relative error in the
+    thousands at a few depths; squared, that one token sets the direction of the whole clipped step."""
     return torch.log1p(token_errors(pred, target)).mean()
 
 
@@ -237,9 +261,9 @@ class Healer:
         if not c.out:
             raise UsageError("give the run directory with --out DIR")
         if (c.budget_minutes is None) == (c.tokens is None):
-            raise UsageError("give one budget: --budget-minutes N or --tokens N")
+            raise UsageError("give one budget: --budget-minutes N or --train-tokens N")
         if (c.budget_minutes is not None and c.budget_minutes <= 0) or (c.tokens is not None and c.tokens <= 0):
-            raise UsageError("the budget must be positive: --budget-minutes N or --tokens N with N > 0")
+            raise UsageError("the budget must be positive: --budget-minutes N or --train-tokens N with N > 0")
         if c.e2e_rows not in E2E_ROWS:
             raise UsageError(f"unknown --e2e-rows {c.e2e_rows!r}; use one of {', '.join(E2E_ROWS)}")
         if c.hidden_loss not in HIDDEN_LOSSES:
@@ -265,14 +289,23 @@ class Healer:
         if (out / "run.json").exists():
             self.prev = json.loads((out / "run.json").read_text())
             if not c.resume:
-                raise UsageError(f"{out} already holds a healing run; add --resume to continue it or choose a new --out")
+                raise UsageError(
+                    f"{out} already holds a healing run; add --resume to continue it or choose a new --out"
+                )
             # a setting added after the run started has its default there
-            was = {k: self.prev["config"].get(k, HealConfig.FORMER_DEFAULTS.get(k, HealConfig.__dataclass_fields__[k].default))
-                   for k in HealConfig.FIXED}
+            was = {
+                k: self.prev["config"].get(
+                    k, HealConfig.FORMER_DEFAULTS.get(k, HealConfig.__dataclass_fields__[k].default)
+                )
+                for k in HealConfig.FIXED
+            }
             changed = [k for k in HealConfig.FIXED if was[k] != getattr(c, k)]
             if changed:
-                raise UsageError("--resume with different settings (" + ", ".join(
-                    f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed) + "); use the run's settings")
+                raise UsageError(
+                    "--resume with different settings ("
+                    + ", ".join(f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed)
+                    + "); use the run's settings"
+                )
             c.model = c.model or self.prev["config"]["model"]
         elif c.resume and out.exists() and any(out.iterdir()):
             raise UsageError(f"{out} is not a healing run (no run.json); drop --resume and choose an empty --out")
@@ -293,22 +326,35 @@ class Healer:
             raise UsageError("the student and the teacher need their tokenizer files (looplm convert saves them)")
         fp = tokenizer_fingerprint(tok)
         if tokenizer_fingerprint(ttok) != fp or teacher.config.vocab_size != student.config.vocab_size:
-            raise UsageError(f"teacher {c.teacher} and student {c.model} use different tokenizers or vocabularies; "
-                             f"heal with the model the student was converted from as --teacher")
+            raise UsageError(
+                f"teacher {c.teacher} and student {c.model} use different tokenizers or vocabularies; "
+                f"heal with the model the student was converted from as --teacher"
+            )
         if fp != self.corpus.tokenizer:
-            raise UsageError(f"the corpus {c.data} was tokenised with another tokenizer than {c.model}'s; rebuild "
-                             f"it with `looplm data build --model {c.teacher}`")
+            raise UsageError(
+                f"the corpus {c.data} was tokenised with another tokenizer than {c.model}'s; rebuild "
+                f"it with `looplm data build {c.teacher}`"
+            )
         if teacher.config.num_loops != 1:
             raise UsageError(f"--teacher {c.teacher} is itself looped; give the original (vanilla) model")
-        if teacher.config.num_hidden_layers != student.config.num_hidden_layers or \
-                teacher.config.hidden_size != student.config.hidden_size:
-            raise UsageError(f"student {c.model} ({student.config.num_hidden_layers} depths) was not converted "
-                             f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)")
+        if (
+            teacher.config.num_hidden_layers != student.config.num_hidden_layers
+            or teacher.config.hidden_size != student.config.hidden_size
+        ):
+            raise UsageError(
+                f"student {c.model} ({student.config.num_hidden_layers} depths) was not converted "
+                f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)"
+            )
         self.student, self.teacher, self.tok = student, teacher.eval().requires_grad_(False), tok
         # text the run never heals on: each evaluation reports it too, so a run shows when it starts to overfit
         try:
-            self.ood = domain_windows(tok, list(DOMAINS), c.ood_windows, c.seq_len,
-                                      bool(getattr(student.config, "add_bos_token", False))) if c.ood_windows else {}
+            self.ood = (
+                domain_windows(
+                    tok, list(DOMAINS), c.ood_windows, c.seq_len, bool(getattr(student.config, "add_bos_token", False))
+                )
+                if c.ood_windows
+                else {}
+            )
         except UsageError as e:
             raise UsageError(f"{e} (or heal without the out-of-domain evaluation: --ood-windows 0)") from None
         if student.config.num_loops < 2 or not c.exit_share:
@@ -317,6 +363,21 @@ class Healer:
         self.bf16 = resolve_precision(c.precision, self.device) == "bf16"
         if c.compile:
             check_compile_available(self.device)
+
+    def open_cache(self, cache_dir: Path) -> None:
+        """The original model's states at every layer boundary for the cached rows: built in ``cache_dir``, or
+        read (and a build cut short resumed) from there."""
+        c = self.cfg
+        self.cache = build_cache(
+            self.teacher,
+            self.corpus,
+            cache_dir,
+            self.rows,
+            c.seq_len,
+            progress=c.progress,
+            log=self.log,
+            autocast=self.autocast,
+        )
 
     def autocast(self):
         """bf16 autocast for the training forward passes (weights, optimizer state and evaluations stay fp32)."""
@@ -328,8 +389,10 @@ class Healer:
         held_rows = heldout_set(self.corpus)
         train = self.corpus.splits["train"]
         if any(bytes(np.asarray(train[r])) in held_rows for r in self.rows):
-            raise UsageError(f"the training slice of {self.cfg.data} contains held-out rows; rebuild the corpus "
-                             f"(`looplm data build`) so that its splits are disjoint")
+            raise UsageError(
+                f"the training slice of {self.cfg.data} contains held-out rows; rebuild the corpus "
+                f"(`looplm data build`) so that its splits are disjoint"
+            )
 
     # ----- the run
     def run(self) -> dict:
@@ -342,7 +405,7 @@ class Healer:
         torch.manual_seed(c.seed)
         dev = self.device
         if dev.type == "cpu":
-            keep_freed_host_memory()  # ~110k fewer page faults an end-to-end step: 1.12x (docs/BENCHMARKS.md)
+            keep_freed_host_memory()  # far fewer page faults an end-to-end step
         self.student.to(dev)
         self.teacher.to(dev)
         self.state = {"stage": "cache", "visit": 0, "step": 0, "time": 0.0, "tokens": 0, "local_tokens": 0}
@@ -358,14 +421,16 @@ class Healer:
 
         cache_dir = Path(c.cache) if c.cache else out / "cache"
         if self.prev is None:  # written first, so that a run killed while caching resumes with --resume
-            self.prev = {"config": {f.name: getattr(c, f.name) for f in fields(c)}, "cache": str(cache_dir),
-                         "rows": len(self.rows)}
+            self.prev = {
+                "config": {f.name: getattr(c, f.name) for f in fields(c)},
+                "cache": str(cache_dir),
+                "rows": len(self.rows),
+            }
             write_json_atomic(out / "run.json", self.prev)
         started = time.perf_counter() - self.state["time"]
         self.eval_seconds = 0.0
         self.clock = lambda: time.perf_counter() - started - self.eval_seconds
-        self.cache = build_cache(self.teacher, self.corpus, cache_dir, self.rows, c.seq_len, progress=c.progress,
-                                 log=self.log, autocast=self.autocast)
+        self.open_cache(cache_dir)
         if self.state["stage"] == "cache":
             self.state["time"] = self.clock()
         if "plan" not in self.prev:
@@ -403,12 +468,20 @@ class Healer:
         trained_after_local = self.plan["e2e_steps"] or self.plan.get("exit_steps")
         final = after_local[-1] if after_local and not trained_after_local else self._log_eval(tag="final")
         from ..models import save_model
+
         save_model(self.student.cpu(), self.tok, out / "final")
         self.plot()
-        summary = {"out": str(out), "final": str(out / "final"), "minutes": round(self.state["time"] / 60, 2),
-                   "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"],
-                   "teacher": self.prev["teacher_eval"], "healed": final, "exit_adapter": self.exit_spec,
-                   "converted": (self._evals("converted") or [None])[0]}
+        summary = {
+            "out": str(out),
+            "final": str(out / "final"),
+            "minutes": round(self.state["time"] / 60, 2),
+            "tokens": self.state["tokens"],
+            "local_tokens": self.state["local_tokens"],
+            "teacher": self.prev["teacher_eval"],
+            "healed": final,
+            "exit_adapter": self.exit_spec,
+            "converted": (self._evals("converted") or [None])[0],
+        }
         write_json_atomic(out / "heal.json", summary)
         return summary
 
@@ -428,37 +501,54 @@ class Healer:
         else:
             left = c.budget_minutes * 60 - self.clock()
             if left <= 0:
-                raise UsageError(f"building the teacher cache used the whole --budget-minutes {c.budget_minutes}; "
-                                 f"raise the budget or lower --cache-rows")
-            t_local, t_e2e, t_exit = self._time_steps()
+                raise UsageError(
+                    f"building the teacher cache used the whole --budget-minutes {c.budget_minutes}; "
+                    f"raise the budget or lower --cache-rows"
+                )
+            t_local, t_e2e, t_exit = self.time_steps()
             # a sequential run also propagates the student's states once per depth: about one
             # forward pass of the model over the cache, ~1/3 of a local step per row and layer
-            propagate = (self.plan_propagation_seconds(t_local) if c.local_mode == "sequential" else 0.0)
+            propagate = self.plan_propagation_seconds(t_local) if c.local_mode == "sequential" else 0.0
             local_steps = int(max(0.0, c.local_share * left - propagate) / t_local / K) if c.local_share else 0
             e2e_steps = int((1 - c.local_share - exit_share) * left / t_e2e)
             exit_steps = int(exit_share * left / t_exit) if exit_share else 0
         visits = self.student.config.num_hidden_layers if c.local_mode == "sequential" else K
         per_visit = math.ceil(local_steps / (visits // K)) if local_steps else 0
-        plan = {"local_steps_per_layer": local_steps, "local_steps_per_visit": per_visit, "visits": visits,
-                "e2e_steps": e2e_steps, "local_tokens_per_layer": local_steps * per_local,
-                "e2e_tokens": e2e_steps * per_e2e, "exit_steps": exit_steps, "exit_step_seconds": t_exit,
-                "exit_adapter": self.exit_spec, "loops": B, "shared_layers": K}
+        plan = {
+            "local_steps_per_layer": local_steps,
+            "local_steps_per_visit": per_visit,
+            "visits": visits,
+            "e2e_steps": e2e_steps,
+            "local_tokens_per_layer": local_steps * per_local,
+            "e2e_tokens": e2e_steps * per_e2e,
+            "exit_steps": exit_steps,
+            "exit_step_seconds": t_exit,
+            "exit_adapter": self.exit_spec,
+            "loops": B,
+            "shared_layers": K,
+        }
         if c.tokens is None and per_visit:  # the run clock at which the local stage's share of the budget ends
             plan["local_end_seconds"] = round(c.budget_minutes * 60 - (1 - c.local_share) * left, 1)
-        self.log(f"plan: {visits} local visits x {per_visit} steps ({local_steps * per_local:,} tokens per shared layer), "
-                 f"{e2e_steps} end-to-end steps ({e2e_steps * per_e2e:,} tokens), {exit_steps} exit-adapter steps")
+        self.log(
+            f"plan: {visits} local visits x {per_visit} steps ({local_steps * per_local:,} tokens per shared layer), "
+            f"{e2e_steps} end-to-end steps ({e2e_steps * per_e2e:,} tokens), {exit_steps} exit-adapter steps"
+        )
         if local_steps == 0 and e2e_steps == 0 and exit_steps == 0:
-            self.log("warning: the budget leaves no training step after the teacher cache; the model is saved as "
-                     "converted. Give a larger --budget-minutes (or --tokens) to heal it")
+            self.log(
+                "warning: the budget leaves no training step after the teacher cache; the model is saved as "
+                "converted. Give a larger --budget-minutes (or --train-tokens) to heal it"
+            )
         return plan
 
     def plan_propagation_seconds(self, t_local: float) -> float:
         rows_per_step = self.cfg.local_batch * self.student.config.num_loops
         return t_local / 3 * self.cfg.cache_rows / rows_per_step * self.student.config.num_hidden_layers
 
-    def _time_steps(self) -> tuple[float, float]:
-        """Seconds of one local step (one shared layer) and one end-to-end step, measured on copies."""
+    def time_steps(self) -> tuple[float, float, float]:
+        """Seconds of one local step (one shared layer), one end-to-end step and one exit-adapter step (0 without
+        an exit stage), measured on copies of the student. Needs the teacher cache (``open_cache``)."""
         import copy
+
         probe = copy.deepcopy(self.student)
         if self.cfg.compile:  # the stages run compiled: so are the steps that plan them (the copy's first one compiles)
             self._compile_layers(probe, self.teacher)
@@ -488,8 +578,10 @@ class Healer:
                     self._exit_step(probe, s, opt, lr=0.0)
                 times.append(time.perf_counter() - t0)
             t_exit = times[-1]
-        self.log(f"measured: local step {t_local:.2f} s, end-to-end step {t_e2e:.2f} s"
-                 + (f", exit-adapter step {t_exit:.2f} s" if self.exit_spec else ""))
+        self.log(
+            f"measured: local step {t_local:.2f} s, end-to-end step {t_e2e:.2f} s"
+            + (f", exit-adapter step {t_exit:.2f} s" if self.exit_spec else "")
+        )
         return t_local, t_e2e, t_exit
 
     # ----- stage 1: layer-local distillation
@@ -497,8 +589,9 @@ class Healer:
         cfg = model.config
         pos = torch.arange(self.cfg.seq_len, device=self.device)[None].expand(rows, -1)
         tables = model.model.rotary(pos, torch.float32)
-        masks = attention_masks(set(cfg.depth_attention), rows, self.cfg.seq_len, 0, None,
-                                cfg.sliding_window_size, self.device)
+        masks = attention_masks(
+            set(cfg.depth_attention), rows, self.cfg.seq_len, 0, None, cfg.sliding_window_size, self.device
+        )
         return tables, masks
 
     def _run_depth(self, model, d: int, h: torch.Tensor) -> torch.Tensor:
@@ -534,11 +627,14 @@ class Healer:
         out = torch.empty_like(h)
         for s in range(0, h.shape[0], 8):
             with self.autocast():
-                out[s:s + 8] = self._run_depth(model, d, h[s:s + 8].float().to(self.device)).to(torch.bfloat16).cpu()
+                out[s : s + 8] = (
+                    self._run_depth(model, d, h[s : s + 8].float().to(self.device)).to(torch.bfloat16).cpu()
+                )
         return out
 
     def local_stage(self) -> None:
         from tqdm import tqdm
+
         c, p, model = self.cfg, self.plan, self.student
         cfg = model.config
         K, L = cfg.num_shared_layers, cfg.num_hidden_layers
@@ -558,8 +654,13 @@ class Healer:
             self._compile_layers(model)
         model.requires_grad_(False)
         steps = p.setdefault("local_steps_by_visit", [per_visit] * len(order))  # _replan_local changes the rest
-        bar = tqdm(total=sum(steps), initial=sum(steps[:self.state["visit"]]), desc="heal: local",
-                   unit="step", disable=not c.progress)
+        bar = tqdm(
+            total=sum(steps),
+            initial=sum(steps[: self.state["visit"]]),
+            desc="heal: local",
+            unit="step",
+            disable=not c.progress,
+        )
         rng = np.random.default_rng(c.seed + 1)
         try:
             for v in range(self.state["visit"], len(order)):
@@ -588,9 +689,19 @@ class Healer:
                 if "local_end_seconds" in p and v + 1 < len(order) and steps[v]:
                     self._replan_local(v + 1, (self.state["time"] - started) / steps[v])
                     bar.total = sum(steps)
-                self._append({"stage": "local", "visit": v + 1, "depth": d, "layer": layer, "err_first": first,
-                              "err_last": last, "time": round(self.state["time"], 2),
-                              "local_tokens": self.state["local_tokens"], "tokens": self.state["tokens"]})
+                self._append(
+                    {
+                        "stage": "local",
+                        "visit": v + 1,
+                        "depth": d,
+                        "layer": layer,
+                        "err_first": first,
+                        "err_last": last,
+                        "time": round(self.state["time"], 2),
+                        "local_tokens": self.state["local_tokens"],
+                        "tokens": self.state["tokens"],
+                    }
+                )
                 self._save(None)
                 if self._eval_due() and v + 1 < len(order):  # the stage's end is evaluated by run()
                     self._log_eval(tag="local")
@@ -601,20 +712,22 @@ class Healer:
     def _replan_local(self, visit: int, seconds_per_step: float) -> None:
         """The step count of each visit from ``visit`` on that ends the local stage at its share of the time
         budget, from the visit just timed (its compile and, sequential, its propagation included). The machine's
-        speed moves within an hour: with the counts fixed from the plan's first steps, a rank-128 hour whose local
-        steps ran 1.2-1.6x slower than planned (2026-11-28) was on course to end its local stage at 45-47 of 60
-        minutes, not 31, leaving the end-to-end stage, which gains more per minute, a fifth of the hour. Stored
-        in run.json."""
+        speed moves within an hour: with the counts fixed from the plan's first steps, local steps slower than
+        planned would end the local stage far past its share, leaving the end-to-end stage, which gains more per
+        minute, little of the budget. Stored in run.json."""
         steps = self.plan["local_steps_by_visit"]
         left = self.plan["local_end_seconds"] - self.clock()
         per = max(1, int(left / (len(steps) - visit) / seconds_per_step))
         if per != steps[visit]:
-            self.log(f"local: {seconds_per_step:.2f} s per step, {per} steps a visit end the stage at its share "
-                     f"(planned {self.plan['local_steps_per_visit']})")
+            self.log(
+                f"local: {seconds_per_step:.2f} s per step, {per} steps a visit end the stage at its share "
+                f"(planned {self.plan['local_steps_per_visit']})"
+            )
         steps[visit:] = [per] * (len(steps) - visit)
         per_layer = sum(steps) // self.student.config.num_shared_layers  # parallel: the mean over the layers
-        self.plan.update(local_steps_per_layer=per_layer,
-                         local_tokens_per_layer=per_layer * self.cfg.local_batch * self.cfg.seq_len)
+        self.plan.update(
+            local_steps_per_layer=per_layer, local_tokens_per_layer=per_layer * self.cfg.local_batch * self.cfg.seq_len
+        )
         self.prev["plan"] = self.plan
         write_json_atomic(Path(self.cfg.out) / "run.json", self.prev)
 
@@ -635,7 +748,7 @@ class Healer:
     @torch.no_grad()
     def _round_base(self) -> None:
         """Round every shared weight to ``--base-weights`` by GPTQ (models/gptq.py), calibrated on the first
-        cached training rows, as `looplm quantize --calibrate` would round it: serving the healed model with
+        cached training rows, as `looplm quantize --calib-data` would round it: serving the healed model with
         those weights then rounds nothing new (a weight on its grid rounds to itself), and the training after
         this learns around the rounding."""
         c, model = self.cfg, self.student
@@ -648,8 +761,10 @@ class Healer:
             t = gptq_portable(lin.weight, h, c.base_weights)
             errors.append(output_error(lin.weight, t, h))
             lin.weight.copy_(dequantize(t).to(lin.weight))
-        self.log(f"shared weights rounded to {c.base_weights} (GPTQ on {n} cached rows, mean relative output error "
-                 f"{sum(errors) / len(errors):.4f}) in {time.perf_counter() - t0:.0f} s; they stay frozen")
+        self.log(
+            f"shared weights rounded to {c.base_weights} (GPTQ on {n} cached rows, mean relative output error "
+            f"{sum(errors) / len(errors):.4f}) in {time.perf_counter() - t0:.0f} s; they stay frozen"
+        )
 
     def _batch(self, step: int, stage: str):
         """The token rows of a step of the end-to-end or exit stage, and ``boundary(b)``: the original model's
@@ -660,12 +775,13 @@ class Healer:
         if c.e2e_rows == "cache":
             salt = 0 if stage == "e2e" else 500_009
             g = torch.Generator().manual_seed(c.seed * 1_000_003 + salt + step)
-            idx = torch.randperm(len(self.rows), generator=g)[:c.e2e_batch].numpy()
-            return self.cache.tokens(self.corpus, idx).to(self.device), \
-                lambda b: self.cache.boundary(b, idx).to(self.device)
+            idx = torch.randperm(len(self.rows), generator=g)[: c.e2e_batch].numpy()
+            return self.cache.tokens(self.corpus, idx).to(self.device), lambda b: self.cache.boundary(b, idx).to(
+                self.device
+            )
         first = step * c.e2e_batch + (0 if stage == "e2e" else len(self.stream) // 2)
         rows = self.stream[np.arange(first, first + c.e2e_batch) % len(self.stream)]
-        ids = torch.from_numpy(np.asarray(self.corpus.splits["train"][rows][:, :c.seq_len], dtype=np.int64))
+        ids = torch.from_numpy(np.asarray(self.corpus.splits["train"][rows][:, : c.seq_len], dtype=np.int64))
         ids = ids.to(self.device)
         states: list[torch.Tensor] = []
 
@@ -674,6 +790,7 @@ class Healer:
                 with self.autocast():
                     states.extend(teacher_states(self.teacher, ids))
             return states[b].float()
+
         return ids, boundary
 
     def _e2e_step(self, model, step: int, opt, lr: float) -> dict:
@@ -697,8 +814,11 @@ class Healer:
             loss = loss + c.hidden_weight * hid
         if c.exit_weight and cfg.num_loops > 1:
             # "final": each exit learns the student's own full-depth output, the one its tokens must agree with
-            target_z, target = (teacher_z, self.teacher) if c.exit_target == "teacher" else \
-                (model.exit_states(depth_states[-1]).detach(), model)
+            target_z, target = (
+                (teacher_z, self.teacher)
+                if c.exit_target == "teacher"
+                else (model.exit_states(depth_states[-1]).detach(), model)
+            )
             for i in range(1, cfg.num_loops):
                 parts[f"kd_exit{i}"] = self._kd(model, depth_states[i * K - 1], i - 1, target_z, target)
                 loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
@@ -718,8 +838,14 @@ class Healer:
         softcap = model.config.final_logit_softcap
         with self.autocast():
             if model.exit_logits_are_head(loop):
-                return head_kd_loss(model.exit_states(h, loop), model.lm_head.weight, target_z,
-                                    target_model.lm_head.weight, softcap=softcap, compiled=self.cfg.compile)
+                return head_kd_loss(
+                    model.exit_states(h, loop),
+                    model.lm_head.weight,
+                    target_z,
+                    target_model.lm_head.weight,
+                    softcap=softcap,
+                    compiled=self.cfg.compile,
+                )
             logits = model.exit_logits(h, loop)
         target = target_z @ target_model.lm_head.weight.t()
         target = target if softcap is None else torch.tanh(target / softcap) * softcap
@@ -732,9 +858,18 @@ class Healer:
         if self.cfg.compile:
             self._compile_layers(self.student, self.teacher)
         self.student.train()
-        self._train_steps("e2e", "heal: end to end", self._trainable(self.student), self.cfg.e2e_lr, self._e2e_step,
-                          total, tokens_per_step=self.cfg.e2e_batch * self.cfg.seq_len,
-                          replan=bool(self.cfg.budget_minutes), evaluate=True, average=self.cfg.e2e_average)
+        self._train_steps(
+            "e2e",
+            "heal: end to end",
+            self._trainable(self.student),
+            self.cfg.e2e_lr,
+            self._e2e_step,
+            total,
+            tokens_per_step=self.cfg.e2e_batch * self.cfg.seq_len,
+            replan=bool(self.cfg.budget_minutes),
+            evaluate=True,
+            average=self.cfg.e2e_average,
+        )
         self.student.eval()
 
     @staticmethod
@@ -743,26 +878,36 @@ class Healer:
         compiled code serves every layer and depth, its parameters graph inputs). Inductor fuses the elementwise
         work around the matmuls (norms, rotary, LoRA sums, residuals, casts) in the forward and backward passes;
         the distillation loss's softmax math is compiled too (``head_kd_loss(compiled=True)``, in ``_kd``).
-        The plan compiles a copy's layers first (``_time_steps``); the code is shared, so the stages find it
+        The plan compiles a copy's layers first (``time_steps``); the code is shared, so the stages find it
         ready. The local stage's batch (4 rows) and the end-to-end stage's (2) differ: dynamo makes the batch
-        dimension dynamic at the second, which a probe measured no slower (docs/BENCHMARKS.md). Evaluations, the exit stage
-        and sequential propagation stay eager (``eager``). Measured: docs/BENCHMARKS.md, "A healing step
-        compiled"."""
+        dimension dynamic at the second, which runs no slower. Evaluations, the exit stage and sequential
+        propagation stay eager (``eager``)."""
         for model in models:
             for layer in model.model.layers:
                 if getattr(layer, "_compiled_call_impl", None) is None:
                     layer.compile()
 
-    def _train_steps(self, stage: str, desc: str, params, base_lr: float, step_fn, total: int,
-                     tokens_per_step: int = 0, replan: bool = False, evaluate: bool = False,
-                     average: float = 0.0) -> None:
+    def _train_steps(
+        self,
+        stage: str,
+        desc: str,
+        params,
+        base_lr: float,
+        step_fn,
+        total: int,
+        tokens_per_step: int = 0,
+        replan: bool = False,
+        evaluate: bool = False,
+        average: float = 0.0,
+    ) -> None:
         """The step loop of the end-to-end and exit stages: AdamW on ``params`` (its state restored on
         resume), a cosine schedule over ``total`` steps, a JSONL record per step, a checkpoint every
         ``save_every_seconds`` and, with ``evaluate``, held-out evaluations on their schedule. With
-        ``replan``, the step count is fixed again at the ``replan_due`` steps (``_replan_e2e``). With
+        ``replan``, the step count is fixed again at the ``replan_due`` steps (``_replan``). With
         ``average`` (a decay), an exponential moving average of ``params`` is kept beside them (``WeightAverage``),
         evaluated beside them (tag ``<stage>-average``), and copied into them when the stage ends."""
         from tqdm import tqdm
+
         c, model = self.cfg, self.student
         opt = adamw(params, lr=base_lr, weight_decay=0.0)
         avg = WeightAverage(params, average) if average else None
@@ -775,12 +920,12 @@ class Healer:
         last_save = time.perf_counter()
         mark = (self.state["step"], self.clock())  # the steps since the last fix time the next one
         warming_up = True
-        replanned_at = self.plan.setdefault("e2e_replanned_at", [])  # _replan_e2e appends to it
+        replanned_at = self.plan.setdefault(f"{stage}_replanned_at", [])  # _replan appends to it
         try:
             while self.state["step"] < total:
                 s = self.state["step"]
                 if replan and replan_due(s, total, replanned_at) and s > mark[0]:
-                    total = self._replan_e2e(s, (self.clock() - mark[1]) / (s - mark[0]))
+                    total = self._replan(stage, s, (self.clock() - mark[1]) / (s - mark[0]))
                     mark = (s, self.clock())
                     bar.total = total
                 lr = base_lr * _cosine(s, total, max(1, total // 20))
@@ -794,8 +939,17 @@ class Healer:
                 self.state["time"] = self.clock()
                 bar.update(1)
                 bar.set_postfix(kd=f"{rec.get('kd', rec['loss']):.3f}")
-                self._append({"stage": stage, "step": s + 1, "lr": lr, **rec, "time": round(self.state["time"], 2),
-                              "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
+                self._append(
+                    {
+                        "stage": stage,
+                        "step": s + 1,
+                        "lr": lr,
+                        **rec,
+                        "time": round(self.state["time"], 2),
+                        "tokens": self.state["tokens"],
+                        "local_tokens": self.state["local_tokens"],
+                    }
+                )
                 if time.perf_counter() - last_save > c.save_every_seconds and self.state["step"] < total:
                     self._save(opt, avg)
                     last_save = time.perf_counter()
@@ -816,16 +970,24 @@ class Healer:
             self._log_eval(tag=f"{stage}-average")
         self._save(opt, avg)
 
-    def _replan_e2e(self, step: int, seconds_per_step: float) -> int:
-        """The end-to-end step count that fills what is left of the time budget, from the steps just
-        timed: the load of a shared machine changes between planning and this stage. Stored in run.json."""
-        left = self.cfg.budget_minutes * 60 - self.clock() - self.plan.get("exit_steps", 0) * \
-            self.plan.get("exit_step_seconds", 0.0)
+    def _replan(self, stage: str, step: int, seconds_per_step: float) -> int:
+        """The step count of ``stage`` (e2e or exit) that fills what is left of the time budget, from the steps
+        just timed: the load of a shared machine changes between planning and this stage, and the plan timed
+        steps that were not yet compiled or warm. The end-to-end stage leaves the exit stage the seconds the
+        plan gave it. Stored in run.json."""
+        left = self.cfg.budget_minutes * 60 - self.clock()
+        if stage == "e2e":
+            left -= self.plan.get("exit_steps", 0) * self.plan.get("exit_step_seconds", 0.0)
         total = max(step + 1, step + int(left / seconds_per_step))
-        self.log(f"end-to-end: {seconds_per_step:.1f} s per step, {total} steps fill the budget "
-                 f"(planned {self.plan['e2e_steps']})")
-        self.plan["e2e_replanned_at"].append(step)
-        self.plan.update(e2e_steps=total, e2e_tokens=total * self.cfg.e2e_batch * self.cfg.seq_len)
+        name = {"e2e": "end-to-end", "exit": "exit adapters"}[stage]
+        self.log(
+            f"{name}: {seconds_per_step:.1f} s per step, {total} steps fill the budget "
+            f"(planned {self.plan[f'{stage}_steps']})"
+        )
+        self.plan[f"{stage}_replanned_at"].append(step)
+        self.plan[f"{stage}_steps"] = total
+        if stage == "e2e":
+            self.plan["e2e_tokens"] = total * self.cfg.e2e_batch * self.cfg.seq_len
         self.prev["plan"] = self.plan
         write_json_atomic(Path(self.cfg.out) / "run.json", self.prev)
         return total
@@ -857,8 +1019,15 @@ class Healer:
         if not total:
             return
         with eager():
-            self._train_steps("exit", "heal: exit adapters", self._exit_trainable(self.student), self.cfg.exit_lr,
-                              self._exit_step, total)
+            self._train_steps(
+                "exit",
+                "heal: exit adapters",
+                self._exit_trainable(self.student),
+                self.cfg.exit_lr,
+                self._exit_step,
+                total,
+                replan=bool(self.cfg.budget_minutes),
+            )
         self.student.requires_grad_(False)
 
     # ----- evaluation: held-out perplexity at every loop exit
@@ -871,7 +1040,7 @@ class Healer:
         if n == 0:
             raise UsageError(f"the corpus {self.cfg.data} has no held-out rows to evaluate on")
         model.eval()
-        nll, agree, count = self._score_rows(model, [np.asarray(held[i, :self.cfg.seq_len]) for i in range(n)])
+        nll, agree, count = self._score_rows(model, [np.asarray(held[i, : self.cfg.seq_len]) for i in range(n)])
         ood = {}
         for name, windows in self.ood.items():  # the final exit on text the run never heals on
             domain_nll, _, domain_count = self._score_rows(model, windows, final_only=True)
@@ -880,8 +1049,13 @@ class Healer:
         self._last_eval = time.perf_counter()
         ppl = [math.exp(min(float(x) / count, 50.0)) for x in nll]
         # top-1 agreement of each loop's exit with the final one (teacher-forced): what an oracle exit rule gets
-        return {"ppl": ppl[-1], "ppl_per_loop": ppl, "agree_per_loop": [round(float(a) / count, 4) for a in agree],
-                "eval_tokens": count, **({"ood": ood} if ood else {})}
+        return {
+            "ppl": ppl[-1],
+            "ppl_per_loop": ppl,
+            "agree_per_loop": [round(float(a) / count, 4) for a in agree],
+            "eval_tokens": count,
+            **({"ood": ood} if ood else {}),
+        }
 
     def _score_rows(self, model, rows, final_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Summed next-token NLL of each loop's exit over token rows, the count of tokens each loop's argmax
@@ -908,12 +1082,22 @@ class Healer:
         teacher = self.prev["teacher_eval"]
         if "ood" in ev and "ood" in teacher:
             ev["ood_ratio"] = round(geometric_ratio(ev["ood"], teacher["ood"]), 4)
-        self._append({"eval": True, "tag": tag, **ev, "time": round(self.state["time"], 2),
-                      "tokens": self.state["tokens"], "local_tokens": self.state["local_tokens"]})
-        self.log(f"held-out perplexity ({tag}, {self.state['time'] / 60:.1f} min): "
-                 + ", ".join(f"loop {i + 1} {p:,.2f}" for i, p in enumerate(ev["ppl_per_loop"]))
-                 + f" (original {teacher['ppl']:.2f})"
-                 + (f"; out of domain {ev['ood_ratio']:.3f}x the original" if "ood_ratio" in ev else ""))
+        self._append(
+            {
+                "eval": True,
+                "tag": tag,
+                **ev,
+                "time": round(self.state["time"], 2),
+                "tokens": self.state["tokens"],
+                "local_tokens": self.state["local_tokens"],
+            }
+        )
+        self.log(
+            f"held-out perplexity ({tag}, {self.state['time'] / 60:.1f} min): "
+            + ", ".join(f"loop {i + 1} {p:,.2f}" for i, p in enumerate(ev["ppl_per_loop"]))
+            + f" (original {teacher['ppl']:.2f})"
+            + (f"; out of domain {ev['ood_ratio']:.3f}x the original" if "ood_ratio" in ev else "")
+        )
         return ev
 
     def _evals(self, tag: str) -> list[dict]:
@@ -950,6 +1134,7 @@ class Healer:
 
     def _save(self, opt, average: WeightAverage | None = None) -> None:
         from ..models.checkpoint import save_checkpoint
+
         out = Path(self.cfg.out)
         name = f"{self.state['stage']}-{self.state['visit']:03d}-{self.state['step']:06d}"
         tmp = out / "checkpoints" / f".{name}.tmp"
@@ -971,7 +1156,7 @@ class Healer:
 
     def _keep_local_end(self) -> None:
         """A copy of the checkpoint at the end of the local stage, kept as OUT/local-end (the rotation deletes
-        the checkpoint itself): scripts/heal_same_local.py --from-local-end starts later stages from it."""
+        the checkpoint itself): experiments/heal_same_local.py --from-local-end starts later stages from it."""
         out = Path(self.cfg.out)
         tmp = out / ".local-end.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -981,6 +1166,7 @@ class Healer:
 
     def _load(self, ck: Path) -> None:
         from ..models.checkpoint import load_checkpoint
+
         if not (ck / "state.json").exists():
             raise UsageError(f"checkpoint {ck} is incomplete; delete {Path(self.cfg.out) / 'latest'} to start over")
         loaded = load_checkpoint(ck)
@@ -991,8 +1177,10 @@ class Healer:
 
     def plot(self) -> Path | None:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         records = [r for r in self._records() if r.get("eval")]
         evals = [r for r in records if not r["tag"].endswith("-average")]
         averaged = [r for r in records if r["tag"].endswith("-average")]  # --e2e-average's weights
@@ -1004,17 +1192,32 @@ class Healer:
         for ax, key, label in ((axes[0], "time", "wall time (min)"), (axes[1], "tokens", "training tokens")):
             for i in range(loops):
                 xs = [r[key] / (60 if key == "time" else 1) for r in evals]
-                ax.plot(xs, [r["ppl_per_loop"][i] for r in evals], marker="o",
-                        label=f"exit after loop {i + 1}" if i + 1 < loops else "final")
+                ax.plot(
+                    xs,
+                    [r["ppl_per_loop"][i] for r in evals],
+                    marker="o",
+                    label=f"exit after loop {i + 1}" if i + 1 < loops else "final",
+                )
             if averaged:
-                ax.plot([r[key] / (60 if key == "time" else 1) for r in averaged], [r["ppl"] for r in averaged],
-                        marker="x", ls=":", label="final, weight average")
+                ax.plot(
+                    [r[key] / (60 if key == "time" else 1) for r in averaged],
+                    [r["ppl"] for r in averaged],
+                    marker="x",
+                    ls=":",
+                    label="final, weight average",
+                )
             ax.axhline(teacher, color="k", ls="--", label=f"original ({teacher:.1f})")
             off = [r for r in evals if "ood" in r]
-            if off and "ood" in self.prev["teacher_eval"]:  # text the run never heals on: a gap that grows is overfitting
-                ax.plot([r[key] / (60 if key == "time" else 1) for r in off],
-                        [geometric_mean(r["ood"].values()) for r in off], marker="s", color="tab:red",
-                        label="final, out of domain (geometric mean)")
+            if (
+                off and "ood" in self.prev["teacher_eval"]
+            ):  # text the run never heals on: a gap that grows is overfitting
+                ax.plot(
+                    [r[key] / (60 if key == "time" else 1) for r in off],
+                    [geometric_mean(r["ood"].values()) for r in off],
+                    marker="s",
+                    color="tab:red",
+                    label="final, out of domain (geometric mean)",
+                )
                 original_ood = geometric_mean(self.prev["teacher_eval"]["ood"].values())
                 ax.axhline(original_ood, color="tab:red", ls=":", label=f"original out of domain ({original_ood:.1f})")
             ax.set_yscale("log")

@@ -31,19 +31,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data.corpus import PackedCorpus
 from ..errors import UsageError
-from ..util import write_json_atomic
 from ..models.exit_adapter import add_exit_adapters, parse_exit_adapter
 from ..models.loading import tokenizer_fingerprint
 from ..models.quantized import has_bf16_matmuls
-from ..data.corpus import PackedCorpus
+from ..util import write_json_atomic
 from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, truncate_metrics
 from .data_order import batch_indices, micro_batch, rows_read
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
 from .optim import adamw
 
-BUDGET_TIMED = 3        # steps timed (after the first, which warms up) before a time budget becomes a step count
-BUDGET_WARMUP = 20      # warm-up steps assumed until then
+BUDGET_TIMED = 3  # steps timed (after the first, which warms up) before a time budget becomes a step count
+BUDGET_WARMUP = 20  # warm-up steps assumed until then
 TRAIN_GROUPS = ("all", "lora", "prefix", "layers", "norms", "embed", "exit")
 DATA_ROWS = ("all", "new")
 
@@ -61,14 +61,16 @@ class TrainConfig:
     exit_coef: float = 0.1
     self_distill: bool = False
     self_distill_weight: float = 1.0
-    exit_adapter: str | None = None  # head-lora:R | affine: add an adapter per intermediate exit (models/exit_adapter.py)
-    freeze_body: bool = False      # train only the exit adapter (the paper's appendix-I ablation)
+    exit_adapter: str | None = (
+        None  # head-lora:R | affine: add an adapter per intermediate exit (models/exit_adapter.py)
+    )
+    freeze_body: bool = False  # train only the exit adapter (the paper's appendix-I ablation)
     max_steps: int | None = None
     max_tokens: int | None = None
     budget_minutes: float | None = None  # instead: train for this much step time (fixed after BUDGET_TIMED steps)
-    batch_size: int = 2            # sequences per process per micro-step
+    batch_size: int = 2  # sequences per process per micro-step
     grad_accum: int = 1
-    seq_len: int | None = None     # crop the corpus's sequences (default: their full length)
+    seq_len: int | None = None  # crop the corpus's sequences (default: their full length)
     lr: float = 2e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int | None = None
@@ -76,7 +78,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    precision: str = "auto"        # auto | bf16 | fp32
+    precision: str = "auto"  # auto | bf16 | fp32
     grad_checkpointing: bool = False
     train: str = "all"
     eval_every: int = 0
@@ -85,14 +87,36 @@ class TrainConfig:
     keep: int = 2
     log_every: int = 1
     seed: int = 0
-    data_rows: str | None = None   # all | new (rows no earlier run of the model read); None: new for --early-exit
+    data_rows: str | None = None  # all | new (rows no earlier run of the model read); None: new for --early-exit
     resume: bool = False
     progress: bool = True
 
     # Settings that must not change between a run and its resume.
-    FIXED = ("data", "teacher", "kd", "kd_weight", "kd_temperature", "early_exit", "exit_coef", "self_distill",
-             "self_distill_weight", "exit_adapter", "freeze_body", "batch_size", "grad_accum", "seq_len", "lr",
-             "min_lr_ratio", "weight_decay", "beta1", "beta2", "train", "seed", "data_rows", "budget_minutes")
+    FIXED = (
+        "data",
+        "teacher",
+        "kd",
+        "kd_weight",
+        "kd_temperature",
+        "early_exit",
+        "exit_coef",
+        "self_distill",
+        "self_distill_weight",
+        "exit_adapter",
+        "freeze_body",
+        "batch_size",
+        "grad_accum",
+        "seq_len",
+        "lr",
+        "min_lr_ratio",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "train",
+        "seed",
+        "data_rows",
+        "budget_minutes",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,15 +136,26 @@ class TrainModule(nn.Module):
         c = self.cfg
         all_exits = evaluate or c.early_exit != "none"
         h, states, _ = self.lm.model(input_ids, output_loop_states=all_exits)
-        exits = [self.lm.exit_logits(s, loop=i) for i, s in enumerate(states)] if all_exits else [self.lm.exit_logits(h)]
+        exits = (
+            [self.lm.exit_logits(s, loop=i) for i, s in enumerate(states)] if all_exits else [self.lm.exit_logits(h)]
+        )
         if evaluate:  # summed CE per exit and the count of predicted tokens
             sums = torch.stack([token_ce(lg, input_ids).sum() for lg in exits])
             return sums, torch.tensor(float(input_ids[:, 1:].numel()), device=sums.device)
         # A frozen body cannot change the final exit: the teacher then teaches the intermediate exits.
-        return objective(exits, input_ids, teacher_logits, kd=c.kd, kd_weight=c.kd_weight,
-                         temperature=c.kd_temperature, early_exit=c.early_exit, exit_coef=c.exit_coef,
-                         self_distill=c.self_distill, self_distill_weight=c.self_distill_weight,
-                         teacher_exits=c.freeze_body)
+        return objective(
+            exits,
+            input_ids,
+            teacher_logits,
+            kd=c.kd,
+            kd_weight=c.kd_weight,
+            temperature=c.kd_temperature,
+            early_exit=c.early_exit,
+            exit_coef=c.exit_coef,
+            self_distill=c.self_distill,
+            self_distill_weight=c.self_distill_weight,
+            teacher_exits=c.freeze_body,
+        )
 
 
 def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
@@ -129,6 +164,7 @@ def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
             return (step + 1) / (warmup + 1)
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return f
 
 
@@ -138,8 +174,10 @@ def select_trainable(model, spec: str) -> int:
     groups = {s.strip() for s in spec.split(",") if s.strip()}
     bad = groups - set(TRAIN_GROUPS)
     if bad or not groups:
-        raise UsageError(f"unknown --train group(s) {sorted(bad) or spec!r}; use all or a comma list of "
-                         f"{', '.join(TRAIN_GROUPS[1:])}")
+        raise UsageError(
+            f"unknown --train group(s) {sorted(bad) or spec!r}; use all or a comma list of "
+            f"{', '.join(TRAIN_GROUPS[1:])}"
+        )
     n = 0
     for name, p in model.named_parameters():
         if name.startswith("exit_adapter."):
@@ -157,9 +195,15 @@ def select_trainable(model, spec: str) -> int:
         p.requires_grad_("all" in groups or g in groups)
         n += p.numel() if p.requires_grad else 0
     if n == 0:
-        hint = " (this model has no LoRA: convert with --lora-rank > 0)" if "lora" in groups else \
-            " (this model has no exit adapter: add --exit-adapter head-lora:R or affine)" if "exit" in groups else \
-            " (this model has no prefix: convert with --relax prefix)" if "prefix" in groups else ""
+        hint = (
+            " (this model has no LoRA: convert with --lora-rank > 0)"
+            if "lora" in groups
+            else " (this model has no exit adapter: add --exit-adapter head-lora:R or affine)"
+            if "exit" in groups
+            else " (this model has no prefix: convert with --relax prefix)"
+            if "prefix" in groups
+            else ""
+        )
         raise UsageError(f"--train {spec} leaves nothing to train{hint}; use --train all")
     return n
 
@@ -181,8 +225,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         raise UsageError(f"unknown --precision {precision!r}; use auto, bf16 or fp32")
     if precision == "auto":
         # bf16 autocast where the hardware has bf16 matmuls: CUDA devices that support it, and CPUs with
-        # AVX-512 BF16 or AMX (a SmolLM2 step of 2 x 512 tokens: 4.4 s against 6.4 s in fp32 on this
-        # project's 2-core EPYC, docs/BENCHMARKS.md). Without them autocast only adds casts.
+        # AVX-512 BF16 or AMX, where a training step is markedly faster. Without them autocast only adds casts.
         return "bf16" if has_bf16_matmuls(device) else "fp32"
     return precision
 
@@ -199,8 +242,9 @@ def memory_available(device: torch.device) -> int | None:
     return None
 
 
-def estimate_memory(config, n_params: int, teacher_cfg, teacher_params: int, bs: int, seq: int,
-                    exits: int, checkpointing: bool) -> int:
+def estimate_memory(
+    config, n_params: int, teacher_cfg, teacher_params: int, bs: int, seq: int, exits: int, checkpointing: bool
+) -> int:
     """A rough upper estimate of training bytes: weights + grads + AdamW (16 B/param), the teacher's
     weights, activations kept for backward (per depth ~(12 h + 4 ffn) floats per token, one depth's worth
     with checkpointing), and the float32 logits of every exit and the teacher with their softmaxes."""
@@ -212,12 +256,18 @@ def estimate_memory(config, n_params: int, teacher_cfg, teacher_params: int, bs:
     return 16 * n_params + 4 * teacher_params + act + logits
 
 
-
-
 def arch_fingerprint(config) -> dict:
     d = config.to_dict()
-    for k in ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype",
-              "id2label", "label2id"):
+    for k in (
+        "conversion",
+        "transformers_version",
+        "architectures",
+        "_name_or_path",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "label2id",
+    ):
         d.pop(k, None)
     return json.loads(json.dumps(d, default=str))
 
@@ -242,6 +292,7 @@ class Trainer(Checkpoints):
     # ----- validation: everything that can be wrong is found before the run directory is touched
     def prepare(self):
         from accelerate import Accelerator
+
         from ..models import load_model
 
         c = self.cfg
@@ -249,7 +300,7 @@ class Trainer(Checkpoints):
         if not c.out:
             raise UsageError("give the run directory with --out RUN")
         if [c.max_steps, c.max_tokens, c.budget_minutes].count(None) != 2:
-            raise UsageError("give one budget: --max-steps N, --max-tokens N or --budget-minutes M")
+            raise UsageError("give one budget: --max-steps N, --train-tokens N or --budget-minutes M")
         if c.budget_minutes is not None and not c.budget_minutes > 0:
             raise UsageError(f"--budget-minutes {c.budget_minutes} must be positive")
         if c.kd not in KD_FUNCS:
@@ -266,8 +317,10 @@ class Trainer(Checkpoints):
             raise UsageError(f"unknown --data-rows {c.data_rows!r}; use all or new")
         adapter_spec = parse_exit_adapter(c.exit_adapter) if c.exit_adapter else None
         if adapter_spec and c.early_exit == "none":
-            raise UsageError("--exit-adapter serves the intermediate exits, which only --early-exit trains: add "
-                             "--early-exit aggressive (or weighted)")
+            raise UsageError(
+                "--exit-adapter serves the intermediate exits, which only --early-exit trains: add "
+                "--early-exit aggressive (or weighted)"
+            )
         if c.freeze_body and c.early_exit == "none":
             raise UsageError("--freeze-body trains only intermediate exits: add --early-exit aggressive (or weighted)")
         if c.freeze_body and c.train != "all":
@@ -283,17 +336,22 @@ class Trainer(Checkpoints):
             c.model = c.model or prev_run["config"]["model"]
             c.data_rows = c.data_rows or prev_run["config"].get("data_rows", "all")  # runs from before the option
             # a setting missing from an older run.json had its default then (data_rows: all)
-            was = {**{k: TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.FIXED}, "data_rows": "all",
-                   **prev_run["config"]}
+            was = {
+                **{k: TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.FIXED},
+                "data_rows": "all",
+                **prev_run["config"],
+            }
             changed = [k for k in TrainConfig.FIXED if was.get(k) != getattr(c, k)]
             if changed:
                 what = ", ".join(f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed)
                 raise UsageError(f"--resume with different settings ({what}); use the run's settings or a new --out")
         elif c.resume and out.exists() and any(out.iterdir()):
-            raise UsageError(f"{out} is not a looplm run (no run.json); resume needs a run directory written by "
-                             f"`looplm train`, or drop --resume and choose an empty --out")
+            raise UsageError(
+                f"{out} is not a looplm run (no run.json); resume needs a run directory written by "
+                f"`looplm train`, or drop --resume and choose an empty --out"
+            )
         if not c.model:
-            raise UsageError("give the model to train with --model DIR_OR_NAME")
+            raise UsageError("give the model to train as the first argument (`looplm train MODEL ...`)")
         # The paper post-trains early exits on new tokens: do not re-read the uptraining's batches.
         c.data_rows = c.data_rows or ("new" if c.early_exit != "none" else "all")
 
@@ -303,65 +361,86 @@ class Trainer(Checkpoints):
             raise UsageError(f"--seq-len {seq} must be between 2 and the corpus's {self.corpus.seq_len}")
         self.seq = seq
 
-        self.acc = Accelerator(mixed_precision="no", step_scheduler_with_optimizer=False,
-                               cpu=not torch.cuda.is_available())
+        self.acc = Accelerator(
+            mixed_precision="no", step_scheduler_with_optimizer=False, cpu=not torch.cuda.is_available()
+        )
         acc = self.acc
         self.precision = resolve_precision(c.precision, acc.device)
         self.world, self.rank = acc.num_processes, acc.process_index
         self.global_batch = c.batch_size * c.grad_accum * self.world
         if self.global_batch > len(self.corpus):
-            raise UsageError(f"global batch {self.global_batch} (batch-size x grad-accum x processes) is larger "
-                             f"than the corpus's {len(self.corpus)} training sequences; lower --batch-size or "
-                             f"--grad-accum, or build a bigger corpus")
+            raise UsageError(
+                f"global batch {self.global_batch} (batch-size x grad-accum x processes) is larger "
+                f"than the corpus's {len(self.corpus)} training sequences; lower --batch-size or "
+                f"--grad-accum, or build a bigger corpus"
+            )
         tokens_per_step = self.global_batch * seq
         # A time budget becomes a step count once the first steps are timed (stored in run.json, so that a
         # resumed run keeps it); until then the count is open.
         self.budget_open = c.budget_minutes is not None and not (prev_run or {}).get("budget_fixed")
         if c.budget_minutes is not None:
-            self.max_steps = prev_run["max_steps"] if not self.budget_open else 10 ** 9
+            self.max_steps = prev_run["max_steps"] if not self.budget_open else 10**9
         else:
             self.max_steps = c.max_steps if c.max_steps is not None else math.ceil(c.max_tokens / tokens_per_step)
         if self.max_steps < 1:
-            raise UsageError("the budget is less than one step; raise --max-steps or --max-tokens")
+            raise UsageError("the budget is less than one step; raise --max-steps or --train-tokens")
 
         model, tok = load_model(c.model)
         if tok is None:
-            raise UsageError(f"model {c.model} has no tokenizer files; save it with its tokenizer (looplm convert does)")
+            raise UsageError(
+                f"model {c.model} has no tokenizer files; save it with its tokenizer (looplm convert does)"
+            )
         fp = tokenizer_fingerprint(tok)
         if fp != self.corpus.tokenizer:
-            raise UsageError(f"the corpus {c.data} was tokenised with another tokenizer ({self.corpus.meta['model']}) "
-                             f"than {c.model}'s; rebuild it with `looplm data build --model {c.model}`")
+            raise UsageError(
+                f"the corpus {c.data} was tokenised with another tokenizer ({self.corpus.meta['model']}) "
+                f"than {c.model}'s; rebuild it with `looplm data build {c.model} --out DIR`"
+            )
         self.tok = tok
         if adapter_spec:
             add_exit_adapters(model, adapter_spec["kind"], adapter_spec.get("rank"))
         if c.freeze_body and model.exit_adapter is None:
-            raise UsageError(f"--freeze-body leaves nothing to train: {c.model} has no exit adapter; add "
-                             f"--exit-adapter head-lora:R or affine")
+            raise UsageError(
+                f"--freeze-body leaves nothing to train: {c.model} has no exit adapter; add "
+                f"--exit-adapter head-lora:R or affine"
+            )
         self._choose_rows(model)
         self.teacher = None
         if c.teacher:
             teacher, ttok = load_model(c.teacher)
-            if ttok is None or tokenizer_fingerprint(ttok) != fp or teacher.config.vocab_size != model.config.vocab_size:
-                raise UsageError(f"teacher {c.teacher} and student {c.model} use different tokenizers; distillation "
-                                 f"needs the same vocabulary: pick the student's source model as --teacher")
+            if (
+                ttok is None
+                or tokenizer_fingerprint(ttok) != fp
+                or teacher.config.vocab_size != model.config.vocab_size
+            ):
+                raise UsageError(
+                    f"teacher {c.teacher} and student {c.model} use different tokenizers; distillation "
+                    f"needs the same vocabulary: pick the student's source model as --teacher"
+                )
             teacher.requires_grad_(False)
             self.teacher = teacher.eval()
 
         if prev_run is not None and prev_run["arch"] != arch_fingerprint(model.config):
             diff = _diff(prev_run["arch"], arch_fingerprint(model.config))
-            raise UsageError(f"{out} holds a run of another model (differs in {', '.join(diff[:4])}); resume with "
-                             f"--model {prev_run['config']['model']} or choose a new --out")
+            raise UsageError(
+                f"{out} holds a run of another model (differs in {', '.join(diff[:4])}); resume with "
+                f"the model {prev_run['config']['model']} or choose a new --out"
+            )
         if latest:
             ck = out / "checkpoints" / latest
             if not (ck / "config.json").exists() or not (ck / "state.json").exists():
-                raise UsageError(f"checkpoint {ck} named by {out / 'latest'} is incomplete; delete {out / 'latest'} "
-                                 f"to restart from the previous one or choose a new --out")
+                raise UsageError(
+                    f"checkpoint {ck} named by {out / 'latest'} is incomplete; delete {out / 'latest'} "
+                    f"to restart from the previous one or choose a new --out"
+                )
             ck_arch = json.loads((ck / "config.json").read_text())
             model_arch = arch_fingerprint(model.config)
             diff = [k for k in model_arch if k in ck_arch and ck_arch[k] != model_arch[k]]
             if diff:
-                raise UsageError(f"checkpoint {ck} belongs to another model (differs in {', '.join(diff[:4])}); "
-                                 f"resume with the run's own --model or choose a new --out")
+                raise UsageError(
+                    f"checkpoint {ck} belongs to another model (differs in {', '.join(diff[:4])}); "
+                    f"resume with the run's own model or choose a new --out"
+                )
         self.latest = latest
 
         n_train = select_trainable(model, "exit" if c.freeze_body else c.train)
@@ -369,14 +448,23 @@ class Trainer(Checkpoints):
         if c.grad_checkpointing:
             model.model.gradient_checkpointing = True
         exits = model.config.num_loops if c.early_exit != "none" else 1
-        need = estimate_memory(model.config, n_params, self.teacher.config if self.teacher else None,
-                               sum(p.numel() for p in self.teacher.parameters()) if self.teacher else 0,
-                               c.batch_size, seq, exits, c.grad_checkpointing)
+        need = estimate_memory(
+            model.config,
+            n_params,
+            self.teacher.config if self.teacher else None,
+            sum(p.numel() for p in self.teacher.parameters()) if self.teacher else 0,
+            c.batch_size,
+            seq,
+            exits,
+            c.grad_checkpointing,
+        )
         have = memory_available(acc.device)
         if have is not None and need > have:
-            raise UsageError(f"batch {c.batch_size} x {seq} tokens needs about {need / 2**30:.1f} GiB but "
-                             f"{have / 2**30:.1f} GiB is free; lower --batch-size (raise --grad-accum to keep the "
-                             f"global batch), lower --seq-len, or add --grad-checkpointing")
+            raise UsageError(
+                f"batch {c.batch_size} x {seq} tokens needs about {need / 2**30:.1f} GiB but "
+                f"{have / 2**30:.1f} GiB is free; lower --batch-size (raise --grad-accum to keep the "
+                f"global batch), lower --seq-len, or add --grad-checkpointing"
+            )
         self.n_train, self.n_params = n_train, n_params
         self.model = model
         self.prev_run = prev_run
@@ -390,15 +478,22 @@ class Trainer(Checkpoints):
         read = rows_read(self.prior_training, self.corpus_id, n) if c.data_rows == "new" else np.zeros(n, bool)
         self.rows = np.flatnonzero(~read)
         if len(self.rows) < self.global_batch:
-            raise UsageError(f"{c.model}'s earlier training read {int(read.sum())} of the {n} training sequences of "
-                             f"{c.data}; {len(self.rows)} new ones cannot fill a global batch of {self.global_batch}: "
-                             f"build a bigger corpus or pass --data-rows all")
+            raise UsageError(
+                f"{c.model}'s earlier training read {int(read.sum())} of the {n} training sequences of "
+                f"{c.data}; {len(self.rows)} new ones cannot fill a global batch of {self.global_batch}: "
+                f"build a bigger corpus or pass --data-rows all"
+            )
 
     def training_record(self, step: int) -> dict:
         """What this run has read so far, kept in the trained model's config (conversion.training) so that
         a later run with --data-rows new skips it."""
-        return {"corpus": self.corpus_id, "seed": self.cfg.seed, "global_batch": self.global_batch, "steps": step,
-                "new_rows": self.cfg.data_rows == "new"}
+        return {
+            "corpus": self.corpus_id,
+            "seed": self.cfg.seed,
+            "global_batch": self.global_batch,
+            "steps": step,
+            "new_rows": self.cfg.data_rows == "new",
+        }
 
     def _lr_factor(self, step: int) -> float:
         """Warm-up (5% of the steps unless --warmup-steps) and cosine decay over the run's step count; while a
@@ -415,6 +510,7 @@ class Trainer(Checkpoints):
         left = self.cfg.budget_minutes * 60 - elapsed
         total = torch.tensor([max(step, step + int(left / seconds_per_step))], device=self.acc.device)
         from accelerate.utils import broadcast
+
         self.max_steps = int(broadcast(total, from_process=0).item())
         self.budget_open = False
         # the scheduler already set the next step's rate under the open budget: set it under the fixed one
@@ -424,8 +520,10 @@ class Trainer(Checkpoints):
             run = json.loads((Path(self.cfg.out) / "run.json").read_text())
             run.update(max_steps=self.max_steps, budget_fixed=True)
             write_json_atomic(Path(self.cfg.out) / "run.json", run)
-            self.log(f"budget: {seconds_per_step:.2f} s per step, {self.max_steps} steps fill "
-                     f"{self.cfg.budget_minutes:g} minutes")
+            self.log(
+                f"budget: {seconds_per_step:.2f} s per step, {self.max_steps} steps fill "
+                f"{self.cfg.budget_minutes:g} minutes"
+            )
 
     # ----- the run itself
     def run(self) -> dict:
@@ -442,8 +540,11 @@ class Trainer(Checkpoints):
             self.teacher.to(acc.device)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         dev = acc.device
-        autocast = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if self.precision == "bf16" else \
-            (lambda: torch.autocast(dev.type, enabled=False))
+        autocast = (
+            (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
+            if self.precision == "bf16"
+            else (lambda: torch.autocast(dev.type, enabled=False))
+        )
         self.autocast = autocast
 
         step, tokens, elapsed = 0, 0, 0.0
@@ -458,21 +559,37 @@ class Trainer(Checkpoints):
                 shutil.rmtree(stale, ignore_errors=True)
             truncate_metrics(out / "metrics.jsonl", step)
             if self.prev_run is None:
-                write_json_atomic(out / "run.json", {"config": {f.name: getattr(c, f.name) for f in fields(c)},
-                                                      "arch": arch_fingerprint(self.model.config),
-                                                      "tokenizer": self.corpus.tokenizer, "world": self.world,
-                                                      "global_batch": self.global_batch, "seq_len": self.seq,
-                                                      "max_steps": self.max_steps, "precision": self.precision})
+                write_json_atomic(
+                    out / "run.json",
+                    {
+                        "config": {f.name: getattr(c, f.name) for f in fields(c)},
+                        "arch": arch_fingerprint(self.model.config),
+                        "tokenizer": self.corpus.tokenizer,
+                        "world": self.world,
+                        "global_batch": self.global_batch,
+                        "seq_len": self.seq,
+                        "max_steps": self.max_steps,
+                        "precision": self.precision,
+                    },
+                )
         acc.wait_for_everyone()
         tb = tensorboard_writer(out) if acc.is_main_process else None
 
         from tqdm import tqdm
-        bar = tqdm(total=None if self.budget_open else self.max_steps, initial=step, desc="train", unit="step",
-                   disable=not (c.progress and acc.is_main_process))
+
+        bar = tqdm(
+            total=None if self.budget_open else self.max_steps,
+            initial=step,
+            desc="train",
+            unit="step",
+            disable=not (c.progress and acc.is_main_process),
+        )
         if acc.is_main_process:
-            self.log(f"training {self.n_train:,} of {self.n_params:,} parameters on {dev} ({self.precision}), "
-                     f"{self.world} process(es), global batch {self.global_batch} x {self.seq} tokens, "
-                     + (f"steps to fill {c.budget_minutes:g} minutes" if self.budget_open else f"{self.max_steps} steps"))
+            self.log(
+                f"training {self.n_train:,} of {self.n_params:,} parameters on {dev} ({self.precision}), "
+                f"{self.world} process(es), global batch {self.global_batch} x {self.seq} tokens, "
+                + (f"steps to fill {c.budget_minutes:g} minutes" if self.budget_open else f"{self.max_steps} steps")
+            )
         if c.eval_every and step == 0:
             self._log_eval(out, tb, step, tokens)
         train = self.corpus.splits["train"]
@@ -485,7 +602,7 @@ class Trainer(Checkpoints):
                 sums: dict[str, float] = {}
                 for m in range(c.grad_accum):
                     rows = micro_batch(idx, m, self.rank, self.world, c.batch_size)
-                    ids = torch.from_numpy(np.asarray(train[rows][:, :self.seq], dtype=np.int64)).to(dev)
+                    ids = torch.from_numpy(np.asarray(train[rows][:, : self.seq], dtype=np.int64)).to(dev)
                     teacher_logits = None
                     if self.teacher is not None:
                         with torch.no_grad(), autocast():
@@ -498,8 +615,11 @@ class Trainer(Checkpoints):
                         acc.backward(loss / c.grad_accum)
                     for k, v in parts.items():
                         sums[k] = sums.get(k, 0.0) + v.float() / c.grad_accum
-                grad_norm = acc.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], c.grad_clip) \
-                    if c.grad_clip and c.grad_clip > 0 else None
+                grad_norm = (
+                    acc.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], c.grad_clip)
+                    if c.grad_clip and c.grad_clip > 0
+                    else None
+                )
                 lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 scheduler.step()
@@ -514,9 +634,15 @@ class Trainer(Checkpoints):
                     bar.total = self.max_steps
                 keys = sorted(sums)
                 vals = acc.reduce(torch.stack([sums[k] for k in keys]).to(dev), reduction="mean")
-                rec = {"step": step, "tokens": tokens, **{k: float(v) for k, v in zip(keys, vals)}, "lr": lr,
-                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                       "tok_per_s": self.global_batch * self.seq / dt, "time": round(elapsed, 3)}
+                rec = {
+                    "step": step,
+                    "tokens": tokens,
+                    **{k: float(v) for k, v in zip(keys, vals)},
+                    "lr": lr,
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tok_per_s": self.global_batch * self.seq / dt,
+                    "time": round(elapsed, 3),
+                }
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tok_per_s']:.0f}")
                 if acc.is_main_process and (step % c.log_every == 0 or step == self.max_steps):
@@ -529,9 +655,11 @@ class Trainer(Checkpoints):
             if isinstance(e, torch.OutOfMemoryError) or "memory" in str(e).lower():
                 if created and step == 0 and acc.is_main_process:
                     shutil.rmtree(out, ignore_errors=True)
-                raise UsageError(f"out of memory at batch {c.batch_size} x {self.seq} tokens; lower --batch-size "
-                                 f"(raise --grad-accum to keep the global batch), lower --seq-len or add "
-                                 f"--grad-checkpointing") from None
+                raise UsageError(
+                    f"out of memory at batch {c.batch_size} x {self.seq} tokens; lower --batch-size "
+                    f"(raise --grad-accum to keep the global batch), lower --seq-len or add "
+                    f"--grad-checkpointing"
+                ) from None
             raise
         finally:
             bar.close()
@@ -569,7 +697,7 @@ class Trainer(Checkpoints):
             i = j * self.world + self.rank
             weight = 1.0 if i < n else 0.0
             i = i if i < n else 0
-            ids = torch.from_numpy(np.asarray(held[i:i + 1, :self.seq], dtype=np.int64)).to(dev)
+            ids = torch.from_numpy(np.asarray(held[i : i + 1, : self.seq], dtype=np.int64)).to(dev)
             with self.autocast():
                 s, k = self.module(ids, evaluate=True)
             sums = sums + weight * s.float()
@@ -590,8 +718,10 @@ class Trainer(Checkpoints):
             return
         if self.acc.is_main_process:
             append_metrics(out / "metrics.jsonl", {"step": step, "tokens": tokens, "eval": True, **ev}, tb)
-            self.log("held-out perplexity at step %d: %s" % (step, ", ".join(
-                f"loop {k.split('_')[1]} {v:.2f}" for k, v in ev.items() if k.startswith("ppl_"))))
+            self.log(
+                f"held-out perplexity at step {step}: "
+                + ", ".join(f"loop {k.split('_')[1]} {v:.2f}" for k, v in ev.items() if k.startswith("ppl_"))
+            )
 
 
 class _null:
@@ -600,8 +730,6 @@ class _null:
 
     def __exit__(self, *a):
         return False
-
-
 
 
 def train(cfg: TrainConfig, log=print) -> dict:

@@ -32,8 +32,9 @@ def ce_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shift(logits).float(), input_ids[:, 1:].flatten(), ignore_index=-100)
 
 
-def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, func: str = "fkl",
-               temperature: float = 1.0) -> torch.Tensor:
+def divergence(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, func: str = "fkl", temperature: float = 1.0
+) -> torch.Tensor:
     """Per-row divergence between teacher p and student q = softmax(logits / T) over the last dim.
 
     fkl: KL(p || q) (forward, the paper's pick); rkl: KL(q || p); jsd: Jensen-Shannon with
@@ -53,8 +54,13 @@ def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, func:
     return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor | None = None,
-            func: str = "fkl", temperature: float = 1.0) -> torch.Tensor:
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    func: str = "fkl",
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Mean divergence over predicted positions, scaled by T^2 (Hinton et al.) so that its gradient
     scale does not depend on the temperature. Positions whose label is -100 are ignored."""
     d = divergence(shift(student_logits), shift(teacher_logits), func, temperature)
@@ -63,11 +69,18 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_id
         d = (d * keep).sum() / keep.sum().clamp_min(1)
     else:
         d = d.mean()
-    return d * temperature ** 2
+    return d * temperature**2
 
 
-def _chunk_kl(logits: torch.Tensor, t_logits: torch.Tensor, scale: torch.Tensor, softcap: float | None,
-              temperature: float, grad: bool, grad_dtype: torch.dtype):
+def _chunk_kl(
+    logits: torch.Tensor,
+    t_logits: torch.Tensor,
+    scale: torch.Tensor,
+    softcap: float | None,
+    temperature: float,
+    grad: bool,
+    grad_dtype: torch.dtype,
+):
     """One chunk of rows of ``_HeadKD``: the sum over rows of each row's forward KL times ``scale`` [rows], and
     with ``grad`` its gradient with respect to the student's logits before the soft-cap, in ``grad_dtype``.
     Float32 math whatever the logits' dtype. Written without in-place operations so that torch.compile can fuse
@@ -104,9 +117,9 @@ class _HeadKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, weight, teacher_z, teacher_weight, keep, softcap, temperature, chunk_rows, compiled):
         ctx.z_dtype = z.dtype
-        # The logits are float32 products whatever autocast is: rounded to bf16 (an ulp of 0.125 at SmolLM2's
-        # top logits, ~18), they moved the gradient by 6% on a healing batch, 41% on the 99th-percentile token.
-        # The gradient's product runs in bf16 under bf16 autocast (4x faster with AMX): its rounding is relative
+        # The logits are float32 products whatever autocast is: rounded to bf16 (a coarse ulp at the top
+        # logits), they would move the gradient noticeably, most on the tokens that matter most.
+        # The gradient's product runs in bf16 under bf16 autocast (much faster with AMX): its rounding is relative
         # to each entry. Not in float16, whose range would flush the 1/rows-scaled gradient to zero. The softmax
         # math is float32.
         device = z.device.type
@@ -121,15 +134,16 @@ class _HeadKD(torch.autograd.Function):
             grad_z = torch.empty_like(z, dtype=torch.float32) if ctx.needs_input_grad[0] else None
             w, wt, w_grad = weight.float(), teacher_weight.float(), weight.to(grad_dtype)
             for s in range(0, rows, chunk_rows):
-                logits = z[s:s + chunk_rows].float() @ w.t()
-                t_logits = teacher_z[s:s + chunk_rows].float() @ wt.t()
-                part, g = kl(logits, t_logits, scale[s:s + chunk_rows], softcap, temperature, grad_z is not None,
-                             grad_dtype)
+                logits = z[s : s + chunk_rows].float() @ w.t()
+                t_logits = teacher_z[s : s + chunk_rows].float() @ wt.t()
+                part, g = kl(
+                    logits, t_logits, scale[s : s + chunk_rows], softcap, temperature, grad_z is not None, grad_dtype
+                )
                 loss += part
                 if g is not None:
-                    grad_z[s:s + chunk_rows] = g @ w_grad
+                    grad_z[s : s + chunk_rows] = g @ w_grad
         ctx.save_for_backward(grad_z)
-        return loss * temperature ** 2
+        return loss * temperature**2
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -137,21 +151,37 @@ class _HeadKD(torch.autograd.Function):
         return (grad_z * grad_loss).to(ctx.z_dtype), None, None, None, None, None, None, None, None
 
 
-def head_kd_loss(z: torch.Tensor, weight: torch.Tensor, teacher_z: torch.Tensor, teacher_weight: torch.Tensor,
-                 input_ids: torch.Tensor | None = None, softcap: float | None = None, temperature: float = 1.0,
-                 chunk_rows: int = 256, compiled: bool = False) -> torch.Tensor:
+def head_kd_loss(
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_z: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    chunk_rows: int = 256,
+    compiled: bool = False,
+) -> torch.Tensor:
     """``kd_loss`` (forward KL) of the logits ``z W^T`` against ``teacher_z W_t^T``, without materialising
     either [batch, seq, vocab] tensor: ``z`` and ``teacher_z`` are final-normed states [batch, seq, hidden],
-    the head weights frozen. Same value and gradient as ``kd_loss(head(z), head_t(teacher_z), input_ids)``;
-    on SmolLM2's 49,152-word head and a 2 x 512 batch it takes 300 MiB at its peak against 1,635 MiB, and runs 1.18x
-    faster on a 2-core CPU, where the three head matmuls are about 70% of either (benchmarks/bench_kd_loss.py).
+    the head weights frozen. Same value and gradient as ``kd_loss(head(z), head_t(teacher_z), input_ids)``,
+    at a fraction of the peak memory with a large vocabulary, and no slower (the head matmuls dominate either).
     Under bf16 autocast the gradient's head product runs in bf16 (the logits stay float32);
     ``compiled`` runs each chunk's softmax math through torch.compile (``_chunk_kl``)."""
     if weight.requires_grad or teacher_weight.requires_grad:
         raise ValueError("head_kd_loss needs frozen head weights; use kd_loss on the logits to train a head")
     keep = None if input_ids is None else (input_ids[:, 1:].flatten() != -100).float()
-    return _HeadKD.apply(z[:, :-1].flatten(0, 1), weight, teacher_z[:, :-1].flatten(0, 1).detach(),
-                         teacher_weight, keep, softcap, temperature, chunk_rows, compiled)
+    return _HeadKD.apply(
+        z[:, :-1].flatten(0, 1),
+        weight,
+        teacher_z[:, :-1].flatten(0, 1).detach(),
+        teacher_weight,
+        keep,
+        softcap,
+        temperature,
+        chunk_rows,
+        compiled,
+    )
 
 
 def exit_weights(num_exits: int, mode: str, coef: float = 0.1) -> list[float]:
@@ -167,10 +197,19 @@ def exit_weights(num_exits: int, mode: str, coef: float = 0.1) -> list[float]:
     raise ValueError(f"unknown early-exit loss {mode!r}; use one of {', '.join(EARLY_EXIT)}")
 
 
-def objective(exit_logits: list[torch.Tensor], input_ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
-              kd: str = "fkl", kd_weight: float = 0.5, temperature: float = 1.0, early_exit: str = "none",
-              exit_coef: float = 0.1, self_distill: bool = False, self_distill_weight: float = 1.0,
-              teacher_exits: bool = False) -> tuple[torch.Tensor, dict]:
+def objective(
+    exit_logits: list[torch.Tensor],
+    input_ids: torch.Tensor,
+    teacher_logits: torch.Tensor | None = None,
+    kd: str = "fkl",
+    kd_weight: float = 0.5,
+    temperature: float = 1.0,
+    early_exit: str = "none",
+    exit_coef: float = 0.1,
+    self_distill: bool = False,
+    self_distill_weight: float = 1.0,
+    teacher_exits: bool = False,
+) -> tuple[torch.Tensor, dict]:
     """The whole training loss from the logits of every loop exit (last = final output).
 
     Per exit i: L_i = CE_i. On the final exit with a teacher: L_B = (1 - w) CE_B + w T^2 D(teacher || final).

@@ -2,12 +2,9 @@
 parameters' device.
 
 PyTorch's default AdamW on CPU runs each tensor through about ten elementwise operations, each its own
-OpenMP region; the fused kernel makes one pass per tensor. On the idle 2-core machine the fused update is
-2.3-2.5x faster, a small share of a healing step (one rank-128 shared layer: 0.014 s against 0.006 s of a
-0.96 s local step; all 92M trained parameters: 0.19 s against 0.08 s of a 10.4 s end-to-end step;
-`benchmarks/bench_optimizer.py`). Where another process keeps the cores busy, the default's many short
-parallel regions wait on each other: 0.5-1.15 s against 0.01-0.18 s fused for one layer in the same
-measurement beside a second training job. CUDA has the fused kernel too.
+OpenMP region; the fused kernel makes one pass per tensor. On an idle CPU that is a small share of a healing
+step either way; where another process keeps the cores busy, the default's many short parallel regions wait
+on each other and the fused update is many times faster. CUDA has the fused kernel too.
 """
 
 from __future__ import annotations
@@ -71,8 +68,9 @@ class WeightAverage:
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["average"]) != len(self.average):
-            raise ValueError(f"a weight average of {len(state['average'])} tensors cannot restore one of "
-                             f"{len(self.average)}")
+            raise ValueError(
+                f"a weight average of {len(state['average'])} tensors cannot restore one of {len(self.average)}"
+            )
         self.decay, self.updates = state["decay"], state["updates"]
         with torch.no_grad():
             torch._foreach_copy_(self.average, state["average"])

@@ -24,6 +24,7 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
 
 def plot_runs(runs: list[Path], out: Path | None = None) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -49,8 +50,13 @@ def plot_runs(runs: list[Path], out: Path | None = None) -> list[Path]:
             if not evals:
                 continue
             for key in sorted(k for k in evals[-1] if k.startswith("ppl_")):
-                ax.plot([r["tokens"] for r in evals], [r[key] for r in evals], marker="o", ms=3,
-                        label=f"{run.name} exit after loop {key[4:]}")
+                ax.plot(
+                    [r["tokens"] for r in evals],
+                    [r[key] for r in evals],
+                    marker="o",
+                    ms=3,
+                    label=f"{run.name} exit after loop {key[4:]}",
+                )
         ax.set_yscale("log")
         paths.append(_save(fig, ax, "held-out perplexity", "held-out perplexity per loop exit", out / "perplexity.png"))
     return paths
@@ -58,6 +64,7 @@ def plot_runs(runs: list[Path], out: Path | None = None) -> list[Path]:
 
 def _save(fig, ax, ylabel: str, title: str, path: Path) -> Path:
     import matplotlib.pyplot as plt
+
     ax.set_xlabel("training tokens")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data.corpus import PackedCorpus, sha256_file
 from ..errors import UsageError
 from ..util import write_json_atomic
-from ..data.corpus import PackedCorpus, sha256_file
 
 FORMAT = 1
 
@@ -41,16 +41,21 @@ def model_fingerprint(model) -> str:
     h = hashlib.sha256()
     cfg = model.config.to_dict()
     # keys that do not change the states at layer boundaries (exit adapters act only at intermediate exits)
-    for key in ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype",
-                "exit_adapter"):
+    for key in (
+        "conversion",
+        "transformers_version",
+        "architectures",
+        "_name_or_path",
+        "dtype",
+        "torch_dtype",
+        "exit_adapter",
+    ):
         cfg.pop(key, None)
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
 
 
 class TeacherCache:
@@ -89,7 +94,7 @@ class TeacherCache:
 
     def tokens(self, corpus: PackedCorpus, idx) -> torch.Tensor:
         rows = self.rows[np.asarray(idx)]
-        return torch.from_numpy(np.asarray(corpus.splits["train"][rows][:, :self.seq_len], dtype=np.int64))
+        return torch.from_numpy(np.asarray(corpus.splits["train"][rows][:, : self.seq_len], dtype=np.int64))
 
 
 @torch.no_grad()
@@ -103,19 +108,34 @@ def teacher_states(teacher, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def cache_key(teacher_fp: str, corpus: PackedCorpus, rows: np.ndarray, seq_len: int) -> dict:
-    return {"format": FORMAT, "teacher": teacher_fp, "corpus_train_sha256": corpus.meta["splits"]["train"]["sha256"],
-            "tokenizer": corpus.tokenizer, "rows": [int(r) for r in rows], "seq_len": int(seq_len)}
+    return {
+        "format": FORMAT,
+        "teacher": teacher_fp,
+        "corpus_train_sha256": corpus.meta["splits"]["train"]["sha256"],
+        "tokenizer": corpus.tokenizer,
+        "rows": [int(r) for r in rows],
+        "seq_len": int(seq_len),
+    }
 
 
 @torch.no_grad()
-def build_cache(teacher, corpus: PackedCorpus, directory: str | Path, rows: np.ndarray, seq_len: int,
-                batch_size: int = 4, progress: bool = True, log=print, autocast=contextlib.nullcontext) -> TeacherCache:
+def build_cache(
+    teacher,
+    corpus: PackedCorpus,
+    directory: str | Path,
+    rows: np.ndarray,
+    seq_len: int,
+    batch_size: int = 4,
+    progress: bool = True,
+    log=print,
+    autocast=contextlib.nullcontext,
+) -> TeacherCache:
     """Run ``teacher`` over training rows ``rows`` of ``corpus`` and store every layer boundary in
     ``directory``; reuse the cache already there if it was built from the same teacher, corpus and rows.
     ``autocast``: the context the teacher runs in, healing's bf16 autocast where the CPU has bf16 matmuls, as
-    the online end-to-end stage runs it. On SmolLM2 that is 2-3x faster and moves the states by 0.4-0.7% of
-    their norm (the bf16 storage alone by 0.16%), squared ~100x below the local stage's error at its end; the
-    precision is recorded in meta.json but not part of the key (a cache built either way serves either run)."""
+    the online end-to-end stage runs it: faster, and it moves the states by far less than the local stage's
+    error at its end; the precision is recorded in meta.json but not part of the key (a cache built either way serves
+    either run)."""
     from tqdm import tqdm
 
     d = Path(directory)
@@ -125,8 +145,9 @@ def build_cache(teacher, corpus: PackedCorpus, directory: str | Path, rows: np.n
         mine = {k: cache.meta.get(k) for k in key}
         if mine != key:
             what = [k for k in key if mine[k] != key[k]]
-            raise UsageError(f"{d} holds a teacher cache of another {'/'.join(what)}; delete it or give another "
-                             f"cache directory")
+            raise UsageError(
+                f"{d} holds a teacher cache of another {'/'.join(what)}; delete it or give another cache directory"
+            )
         log(f"teacher cache: reusing {d} ({cache.num_rows} rows x {cache.seq_len} tokens)")
         return cache
     c = teacher.config
@@ -141,18 +162,25 @@ def build_cache(teacher, corpus: PackedCorpus, directory: str | Path, rows: np.n
     device = next(teacher.parameters()).device
     teacher.eval()
     for start in tqdm(range(0, len(rows), batch_size), desc="teacher cache", unit="batch", disable=not progress):
-        sel = rows[start:start + batch_size]
+        sel = rows[start : start + batch_size]
         ids = torch.from_numpy(np.asarray(corpus.splits["train"][sel][:, :seq_len], dtype=np.int64)).to(device)
         with autocast():
             boundaries = teacher_states(teacher, ids)
             amp = torch.is_autocast_enabled(device.type)
             computed = str(torch.get_autocast_dtype(device.type) if amp else next(teacher.parameters()).dtype)
         for b, s in enumerate(boundaries):
-            states[b, start:start + len(sel)] = s.to(torch.bfloat16).view(torch.int16).cpu().numpy()
+            states[b, start : start + len(sel)] = s.to(torch.bfloat16).view(torch.int16).cpu().numpy()
     states.flush()
     del states
     os.replace(tmp, d / "states.bin")
-    write_json_atomic(d / "meta.json", {**key, "shape": list(shape), "dtype": "bfloat16",
-                                         "computed_in": computed.removeprefix("torch."),
-                                         "sha256": sha256_file(d / "states.bin")})
+    write_json_atomic(
+        d / "meta.json",
+        {
+            **key,
+            "shape": list(shape),
+            "dtype": "bfloat16",
+            "computed_in": computed.removeprefix("torch."),
+            "sha256": sha256_file(d / "states.bin"),
+        },
+    )
     return TeacherCache(d, verify=False)

@@ -20,8 +20,16 @@ PAPER7 = {
     "openbookqa": ("looplm_openbookqa", "acc_bytes"),
 }
 BESIDE = "acc_norm"  # lm-eval's usual length-normalised accuracy (per character), reported next to the headline
-ALIASES = {"lambada_openai": "lambada", "arc_e": "arc_easy", "arc_c": "arc_challenge", "obqa": "openbookqa",
-           "arc-e": "arc_easy", "arc-c": "arc_challenge", "hella": "hellaswag", "wino": "winogrande"}
+ALIASES = {
+    "lambada_openai": "lambada",
+    "arc_e": "arc_easy",
+    "arc_c": "arc_challenge",
+    "obqa": "openbookqa",
+    "arc-e": "arc_easy",
+    "arc-c": "arc_challenge",
+    "hella": "hellaswag",
+    "wino": "winogrande",
+}
 
 
 def include_path() -> Path:

@@ -49,7 +49,7 @@ for rank in $RANKS; do
       --batch-size 2 --seq-len 256 --max-tokens "$TOKENS" --eval-every "$EVERY" --eval-seqs 8 \
       --save-every "$EVERY" --keep 2 --no-progress $resume
   done
-  .venv/bin/python scripts/compare_runs.py "docs/aware/uptrain_b${LOOPS}_r${rank}_${TOKENS}.png" \
+  .venv/bin/python experiments/compare_runs.py "docs/aware/uptrain_b${LOOPS}_r${rank}_${TOKENS}.png" \
     "docs/aware/uptrain_b${LOOPS}_r${rank}_${TOKENS}.json" \
     "$OUT/runs/$plain-$TOKENS=plain" "$OUT/runs/$aware-$TOKENS=aware"
 done

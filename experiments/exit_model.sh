@@ -22,7 +22,7 @@ EXIT_TOKENS=${EXIT_TOKENS:-40960}
 EXIT_MORE_TOKENS=${EXIT_MORE_TOKENS:-0}
 
 # KEEP inside OUT: this script needs the trained model itself, which a committed KEEP of results does not hold.
-STUDENTS=rec-stepwise LIMIT=0 OUT="$OUT" KEEP="$OUT/kept" DATA="$DATA" bash scripts/paper_runs.sh
+STUDENTS=rec-stepwise LIMIT=0 OUT="$OUT" KEEP="$OUT/kept" DATA="$DATA" bash experiments/paper_runs.sh
 
 post_train() {  # post_train FROM RUN TOKENS: the paper's early-exit recipe (aggressive, c = 0.1, self-distillation)
   local from=$1 run=$2 tokens=$3

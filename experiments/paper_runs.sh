@@ -9,13 +9,13 @@
 #   rel-stepwise-svd64  relaxed, Stepwise + SVD rank 64  (against rel-svd64: "Average is the best init with LoRA")
 #   rel-zero64          relaxed, Average + zero rank 64
 # Then every student and the original on the seven tasks (first LIMIT documents per task, with standard
-# errors; docs/EVAL.md), held-out perplexity per exit, curves as PNG and one report (KEEP/report.md).
+# errors; docs/guides/evaluate.md), held-out perplexity per exit, curves as PNG and one report (KEEP/report.md).
 # Resumable and idempotent: rerun it to continue where a stopped run left off; finished steps are skipped.
 # Each student is trained, then evaluated, then its small results (metrics.jsonl, eval/*.json) are copied into
 # KEEP (committed): a student found there is done, so the comparison continues on a new machine whose out/ is
 # empty, and the curves and the report are built from KEEP alone.
 # Environment: TOKENS (budget per student), OUT, DATA, KEEP, STUDENTS (subset, space separated), LOOPS (B, default
-# 2; e.g. LOOPS=3 OUT=out/paper-b3-faithful KEEP=docs/paper_b3_faithful), LIMIT (documents per task, default 200;
+# 2; e.g. LOOPS=3 OUT=out/paper-b3-faithful KEEP=experiments/results/paper_b3_faithful), LIMIT (documents per task, default 200;
 # 0 skips the few-shot evaluation), PRECISION (train's --precision, default fp32 so that every student of one
 # comparison trains alike whichever machine kind it runs on).
 # Issue 19 asks for an hour of this CPU per student. TOKENS=215040 (210 steps of 2 x 512) is the hour of the
@@ -28,7 +28,7 @@ OUT=${OUT:-out/paper-b2-faithful}   # not out/paper-b2: its students were conver
 LOOPS=${LOOPS:-2}
 TOKENS=${TOKENS:-163840}           # 160 steps of 2 x 512: 24-31 min each on this idle 2-core CPU (fp32); 409600 for an hour
 LIMIT=${LIMIT:-200}
-KEEP=${KEEP:-docs/paper_b${LOOPS}_faithful}
+KEEP=${KEEP:-experiments/results/paper_b${LOOPS}_faithful}
 PRECISION=${PRECISION:-fp32}
 STUDENTS=${STUDENTS:-"rec-stepwise rec-average rec-random rel-svd64 rel-stepwise-svd64 rel-zero64"}
 

@@ -1,0 +1,1 @@
+"""Maintained benchmarks behind `looplm bench`."""

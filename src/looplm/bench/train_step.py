@@ -1,0 +1,43 @@
+"""`looplm bench train-step`: seconds of one `looplm train` step (forward, loss, backward, clip, AdamW), read from
+the metrics of a short run in a temporary directory: the steps a real run takes, bookkeeping included."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from ..train.loop import TrainConfig, train
+from .report import machine, median
+
+
+def train_step(cfg: TrainConfig, warmup: int, log=print) -> dict:
+    """Run ``cfg`` for ``cfg.max_steps`` steps without evaluations or checkpoints in between; the first
+    ``warmup`` steps are dropped from the figures."""
+    with tempfile.TemporaryDirectory(prefix="looplm-bench-train-") as tmp:
+        cfg = replace(cfg, out=str(Path(tmp) / "run"), eval_every=0, save_every=0, log_every=1, keep=1, resume=False)
+        run = train(cfg, log=lambda *a: None)
+        records = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+        config = json.loads((Path(cfg.out) / "run.json").read_text())
+    steps = [r for r in records if not r.get("eval")]
+    tokens = config["global_batch"] * config["seq_len"]
+    seconds = [tokens / r["tok_per_s"] for r in steps]
+    timed = seconds[warmup:] or seconds[-1:]
+    for i, s in enumerate(seconds):
+        log(f"step {i + 1}: {s:.3f} s" + (" (warm-up)" if i < warmup and len(seconds) > warmup else ""))
+    return {
+        "benchmark": "train-step",
+        "model": cfg.model,
+        "data": cfg.data,
+        "teacher": cfg.teacher,
+        "global_batch": config["global_batch"],
+        "seq_len": config["seq_len"],
+        "precision": config["precision"],
+        "steps": run["steps"],
+        "warmup": len(seconds) - len(timed),
+        "seconds_per_step": round(median(timed), 4),
+        "tokens_per_s": round(tokens / median(timed), 1),
+        "step_seconds": [round(s, 4) for s in seconds],
+        "machine": machine(),
+    }

