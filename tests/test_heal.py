@@ -487,6 +487,47 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
 
 
+def test_heal_fills_what_the_command_line_leaves_out_and_says_so(setup, tmp_path):
+    """Without --teacher the conversion's recorded source teaches; without --out the run goes to
+    out/<model>-healed; a time budget defaults to the recipe's hour (compiled) and a token budget stays
+    uncompiled; the choices are printed. A model that records no source, or is no converted directory, is
+    refused in one line that names the fix."""
+    tmp, models, corpus = setup
+    student = tmp_path / "student"
+    shutil.copytree(models["student"], student)
+    config = json.loads((student / "config.json").read_text())
+    config["conversion"]["source"] = str(models["teacher"])
+    (student / "config.json").write_text(json.dumps(config))
+    args = [a for a in heal_args(models, corpus, "unused", "--train-tokens", 64 * 16) if a != "--no-compile"]
+    args = args[:1] + [student] + args[4:]  # no --teacher
+    out_at = args.index("--out")
+    del args[out_at : out_at + 2]  # no --out
+    r = subprocess.run(
+        [sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert r.returncode == 0, r.stderr
+    chosen = next(line for line in r.stderr.splitlines() if line.startswith("looplm heal: teacher"))
+    assert chosen == (
+        f"looplm heal: teacher {models['teacher']} (the model it was converted from), "
+        "out out/student-healed, not compiled"
+    )
+    run = json.loads((tmp_path / "out" / "student-healed" / "run.json").read_text())["config"]
+    assert run["teacher"] == str(models["teacher"]) and run["tokens"] == 64 * 16 and run["compile"] is False
+    assert (tmp_path / "out" / "student-healed" / "final" / "config.json").exists()
+
+    r = run_cli(
+        *heal_args(models, corpus, tmp_path / "no-source", "--train-tokens", 100)[:2],
+        *heal_args(models, corpus, tmp_path / "no-source", "--train-tokens", 100)[4:],
+    )
+    assert r.returncode == 2 and "records no model it was converted from" in r.stderr, r.stderr
+    r = run_cli(
+        *heal_args(models, corpus, tmp_path / "none", "--train-tokens", 100)[:1],
+        tmp_path / "nowhere",
+        *heal_args(models, corpus, tmp_path / "none", "--train-tokens", 100)[2:],
+    )
+    assert r.returncode == 2 and "make one with `looplm convert` first" in r.stderr, r.stderr
+
+
 def replans(total: int, refix=lambda step, total: total) -> list[int]:
     """The steps ``replan_due`` fixes the count at, the count changed by ``refix`` at each fix."""
     done, s = [], 0
