@@ -151,6 +151,7 @@ def test_quantize_calibrate_command(tmp_path, capsys):
                 str(corpus),
                 "--calib-rows",
                 "4",
+                "--no-equalize",
             ]
         )
         == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -175,10 +176,11 @@ def register(sub) -> None:
     )
     a.add_argument(
         "--equalize",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="with --calib-data: before rounding, scale each linear's input channels by the AWQ-style "
         "scales that round it with the least output error, folded into the norms and the rows "
-        "that produce them (the model computes the same function)",
+        "that produce them (the model computes the same function; default: on with --calib-data)",
     )
     add_deprecated(p, "--calibrate", "--calib-data", "calib_data", metavar="DATA")
     add_deprecated(p, "--calibration-rows", "--calib-rows", "calib_rows", type=int, metavar="N")
@@ -427,6 +429,8 @@ def cmd_quantize(args) -> int:
         raise UsageError(f"{args.model} is already quantized ({stored_format(model)}); quantize its float checkpoint")
     if args.equalize and not args.calib_data:
         raise UsageError("--equalize chooses its scales on calibration rows: add --calib-data DATA")
+    if args.equalize is None:  # equalized channels, then GPTQ: the rounding that keeps the model closest
+        args.equalize = bool(args.calib_data)
     moments = calibration = None
     if args.calib_data:
         moments, calibration = _calibrate(model, tok, args)

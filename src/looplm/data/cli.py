@@ -32,7 +32,7 @@ def register(sub) -> None:
         help="comma list of source names and/or directories: of .txt files (one source per file) or from "
         "`looplm data generate`; SOURCE:N keeps at most N training rows of a source (a mix's weights)",
     )
-    b.add_argument("--seq-len", type=int, default=1024, help="tokens per packed sequence")
+    b.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence (the healing recipe reads 512)")
     b.add_argument("--refresh", action="store_true", help="fetch sources again even if cached")
     b.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     a = advanced(b)

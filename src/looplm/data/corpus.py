@@ -110,7 +110,7 @@ def build(
     out: str | Path,
     model: str = "smollm2-135m",
     sources: str = ",".join(("austen", "kjv", "shakespeare", "python-docs")),
-    seq_len: int = 1024,
+    seq_len: int = 512,
     heldout: float = 0.02,
     block_chars: int = 16000,
     refresh: bool = False,
