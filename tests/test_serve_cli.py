@@ -126,10 +126,36 @@ def test_bench_serve_bad_args(tiny_dir, capsys):
     assert "--arrivals" in capsys.readouterr().err
 
 
-def test_generate_cli(tiny_dir, capsys):
-    assert main(["generate", str(tiny_dir), "Hello", "--max-new-tokens", "3", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["results"][0]["status"] == "done" and out["results"][0]["tokens"] <= 3
+def _greedy(model, tok, prompt: str, new_tokens: int) -> str:
+    """Greedy decoding by hand: the whole sequence through the model for each token, no cache, no engine."""
+    ids = tok(prompt, add_special_tokens=bool(model.config.add_bos_token))["input_ids"]
+    out = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            nxt = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            out.append(nxt)
+            if nxt == tok.eos_token_id:
+                break
+    return tok.decode(out)
+
+
+def test_generate_cli(tiny_dir, capsys, tmp_path):
+    """`generate` with two prompts of different lengths in one batch gives each the text greedy decoding gives."""
+    from looplm.models import load_model, save_model
+
+    model, tok = load_model(tiny_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():  # larger weights than the init's: greedy text that changes token by token
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    varied = save_model(model, tok, tmp_path / "varied")
+    prompts = ["Hello", "Once upon a time, in a land far away"]
+    assert main(["generate", str(varied), *prompts, "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["results"]
+    texts = [_greedy(model.eval(), tok, prompt, 6) for prompt in prompts]
+    assert all(len(set(tok(t)["input_ids"])) > 3 for t in texts)  # not one token repeated
+    assert [r["status"] for r in out] == ["done", "done"] and [r["text"] for r in out] == texts
     assert main(["generate", str(tiny_dir), "Hello", "--max-new-tokens", "0", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["results"][0]["status"] == "error" and "max_tokens" in out["results"][0]["error"]
