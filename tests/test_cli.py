@@ -2,9 +2,22 @@
 (exit code 2, a one-line error, no half-written output)."""
 
 import json
+import math
 
 import pytest
+import torch
 from conftest import run_cli as run
+
+
+def _reference_perplexity(model, tokenizer, n_tokens: int) -> float:
+    """Perplexity of the first ``n_tokens`` next-token predictions on the shipped held-out sample, worked out
+    from one plain forward pass (no windows, batches or loop exits: not the code under test)."""
+    from looplm.data import sample_text
+
+    ids = torch.tensor([tokenizer(sample_text(), add_special_tokens=False)["input_ids"][: n_tokens + 1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].double()
+    return math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
 
 
 def test_convert_info_eval(hf_dir, tmp_path):
@@ -25,14 +38,24 @@ def test_convert_info_eval(hf_dir, tmp_path):
         ).stdout
     )
     assert result["n_emb_after"] < result["n_emb_before"]
-    assert result["ppl_before"] > 1 and result["ppl_after"] > 1 and result["ppl_tokens"] == 256
+    import transformers
+
+    from looplm.models import load_model
+
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert result["ppl_tokens"] == 256
+    assert result["ppl_before"] == pytest.approx(_reference_perplexity(original, tokenizer, 256), rel=1e-4)
+    relaxed = load_model(out)[0].eval()
+    assert result["ppl_after"] == pytest.approx(_reference_perplexity(relaxed, tokenizer, 256), rel=1e-4)
     assert (out / "config.json").exists() and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
 
     info = json.loads(run("info", str(out), "--json").stdout)
     assert info["loops"] == 2 and info["layer_map"] == [0, 1, 0, 1] and info["n_emb"] == result["n_emb_after"]
 
     ppl = json.loads(run("eval", "ppl", str(out), "--json", "--scored-tokens", "200").stdout)
-    assert ppl["tokens"] == 200 and ppl["perplexity"] > 1 and len(ppl["per_loop"]) == 2
+    assert ppl["tokens"] == 200 and len(ppl["per_loop"]) == 2
+    assert ppl["perplexity"] == pytest.approx(_reference_perplexity(relaxed, tokenizer, 200), rel=1e-4)
     exit1 = json.loads(run("eval", "ppl", str(out), "--json", "--scored-tokens", "200", "--exit-loop", "1").stdout)
     assert exit1["perplexity"] == pytest.approx(ppl["per_loop"][0]["perplexity"], rel=1e-6)
 
