@@ -74,7 +74,7 @@ def test_bench_serve_json(tiny_dir, capsys):
     for fig in out["schedulers"].values():
         for key in ("tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "peak_rss_mb"):
             assert isinstance(fig[key], float) and fig[key] > 0, key
-    assert 0.0 <= out["agreement"] <= 1.0
+    assert out["agreement"] == out["runs"]["depth"]["agreement"]  # the headline is the depth-wise run's
     # softmax:0 makes every decode token exit after loop 1
     assert out["runs"]["depth"]["exits_per_loop"][0] > 0
     hyp = out["hypothetical"]
@@ -226,3 +226,37 @@ def test_compile_flag_gives_the_eager_tokens_and_fails_cleanly_without_a_compile
     assert "C++ compiler" in capsys.readouterr().err
     assert main(["serve", str(tiny_dir), "--compile"]) == 2  # checked before the model loads
     assert "C++ compiler" in capsys.readouterr().err
+
+
+def test_agreement_counts_the_tokens_equal_to_full_depth_greedy(tiny_dir):
+    """bench serve's agreement: the share of generated tokens equal to what the full-depth model picks greedily
+    after the same prefix, checked on outputs built to agree on a known share of their tokens."""
+    import types
+
+    from looplm.models import load_model
+    from looplm.serve.bench import agreement
+
+    model, tok = load_model(tiny_dir)
+    torch.manual_seed(2)
+    with torch.no_grad():  # weights that make the greedy choice change token by token
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.eval()
+
+    def continuation(prompt: list[int], pattern: str) -> list[int]:
+        out = []
+        for keep in pattern:  # "y": the greedy token, "n": another one
+            with torch.no_grad():
+                best = int(model(torch.tensor([prompt + out])).logits[0, -1].argmax())
+            out.append(best if keep == "y" else (best + 1) % model.config.vocab_size)
+        return out
+
+    a, b = tok("Hello there")["input_ids"], tok("Once upon a time")["input_ids"]
+    reqs = [
+        types.SimpleNamespace(prompt=a, output=continuation(a, "yyyy")),
+        types.SimpleNamespace(prompt=b, output=continuation(b, "ynyn")),
+        types.SimpleNamespace(prompt=b, output=[]),  # a request that generated nothing counts for nothing
+    ]
+    assert agreement(model, reqs) == pytest.approx(6 / 8)
+    assert agreement(model, reqs[1:2]) == pytest.approx(2 / 4)
