@@ -252,13 +252,38 @@ def test_lm_eval_cli_wrapper_runs_the_looplm_model(recursive, tokenizer, tmp_pat
             "2",
             "--output_path",
             str(tmp_path / "results"),
+            "--log_samples",
         ]
     )
     assert rc == 0
     out = capsys.readouterr().out
     assert "looplm_piqa" in out and "acc_norm" in out
     results = list((tmp_path / "results").rglob("results_*.json"))
-    assert results and json.loads(results[0].read_text())["results"]["looplm_piqa"]["acc,none"] in (0.0, 0.5, 1.0)
+    acc = json.loads(results[0].read_text())["results"]["looplm_piqa"]["acc,none"]
+    # each choice's log-likelihood is the plain forward pass's at loop 1 (lm-eval's encoding: a context's trailing
+    # spaces move to the continuation, the pair is encoded whole and split), and the accuracy is the share of
+    # documents whose best choice is the gold one
+    samples = [
+        json.loads(line)
+        for f in (tmp_path / "results").rglob("samples_looplm_piqa_*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
+    assert len(samples) == 2
+    right = 0
+    for sample in samples:
+        pairs = sample["arguments"]
+        pairs = [(a["arg_0"], a["arg_1"]) for a in pairs.values()] if isinstance(pairs, dict) else pairs
+        scores = []
+        for (context, continuation), (ll, _) in zip(pairs, sample["filtered_resps"]):
+            spaces = len(context) - len(context.rstrip())
+            context, continuation = context[: len(context) - spaces], context[len(context) - spaces :] + continuation
+            whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+            ctx = tokenizer.encode(context, add_special_tokens=False)
+            want, _ = naive_loglik(recursive, ctx, whole[len(ctx) :], loop=1)
+            assert float(ll) == pytest.approx(want, abs=1e-3)
+            scores.append(want)
+        right += int(max(range(len(scores)), key=scores.__getitem__) == int(sample["target"]))
+    assert acc == right / len(samples)
 
 
 def test_task_data_is_rebuilt_once_with_the_standard_sizes(tmp_path, monkeypatch):
