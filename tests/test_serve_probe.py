@@ -58,8 +58,12 @@ def test_fit_writes_probe_and_report(fitted, capsys):
     assert report["threshold"] == probe.threshold and 0 < probe.threshold < 1
     assert report["fit_tokens"] == 12 * 32 and report["calib_tokens"] == 6 * 32
     at = report["calib_at_threshold"]
-    # the calibrated threshold meets the target on the calibration rows, unless nothing does
-    assert at["agreement"] >= 0.9 or probe.threshold == 0.99
+    # the calibrated threshold meets the target on the calibration rows, and is the lowest that does (the most
+    # exits): every lower threshold of the report's curve misses it
+    assert at["threshold"] == probe.threshold < 0.99 and at["agreement"] >= 0.9
+    lower = [p for p in report["curve"] if p["threshold"] < probe.threshold]
+    assert lower and all(p["agreement"] < 0.9 for p in lower)
+    assert at["early_exit_fraction"] >= max(p["early_exit_fraction"] for p in report["curve"] if p["agreement"] >= 0.9)
 
 
 def _serve(model, policy, prompts, n=6):
