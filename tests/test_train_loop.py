@@ -23,6 +23,15 @@ def setup(tmp_path_factory):
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
 
 
+def _free_port() -> int:
+    """A port the OS has just handed out, so that two runs of the suite never race for a fixed one."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -133,7 +142,7 @@ def test_two_gloo_processes_equal_one_process(setup):
             "--nproc_per_node",
             "2",
             "--master_port",
-            "29617",
+            str(_free_port()),
             "-m",
             "looplm.cli",
             "train",
