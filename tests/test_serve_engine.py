@@ -381,3 +381,21 @@ def test_non_cycle_sharing_rejects_mixed_loops_but_serves_sequence(models):
     assert [r.output for r in reqs] == want
     with pytest.raises(ConfigError, match="cycle"):
         run(m, ps, [5] * 4, "depth")
+
+
+def test_entropy_policy_exits_where_the_entropy_is_low_enough():
+    """The entropy rule against entropies worked by hand: a uniform row over 4 tokens has log 4 = 1.386 nats, an
+    even split of two log 2 = 0.693, a row with one logit 10 above three others 0.0014 nats."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1e9, -1e9], [10.0, 0.0, 0.0, 0.0]])
+    h = torch.zeros(3, 8)
+    decide = lambda thr: ExitPolicy("entropy", thr).decide(logits, h, h).tolist()  # noqa: E731
+    assert decide(0.001) == [False, False, False]
+    assert decide(0.002) == [False, False, True]
+    assert decide(0.69) == [False, False, True] and decide(0.70) == [False, True, True]
+    assert decide(1.38) == [False, True, True] and decide(1.39) == [True, True, True]
+
+
+def test_entropy_policy_fires_in_the_engine(models):
+    """At a threshold above any entropy the vocabulary allows (log V), every decoded token leaves after loop 1."""
+    engine, reqs = run(models["relaxed"], prompts(), [8] * 6, "depth", exit_policy=ExitPolicy("entropy", 100.0))
+    assert engine.stats["exits_per_loop"][0] == sum(len(r.output) - 1 for r in reqs) > 0
