@@ -49,9 +49,12 @@ def test_simulation_by_hand_each_model_with_its_own_batch_and_time():
 def test_memory_limited_batch_per_model(pair):
     vanilla, looped = pair
     ctx, mb = 32, 4
+    # by hand: a sequence's KV cache is 4 depths x (keys, values) x 2 KV heads x 16 dims x 32 tokens x 4 bytes;
+    # the weights are transformers' own count of the (unique) parameters x 4 bytes
+    kv = 4 * 2 * 2 * 16 * ctx * 4
     for m in pair:
-        want = int((mb * 2**20 - model_bytes(m)) // kv_bytes_per_sequence(m, ctx))
-        assert memory_max_batch(m, mb, ctx, cap=10**6) == want
+        assert kv_bytes_per_sequence(m, ctx) == kv == 32_768 and model_bytes(m) == 4 * m.num_parameters()
+        assert memory_max_batch(m, mb, ctx, cap=10**6) == (4 * 2**20 - 4 * m.num_parameters()) // kv
     assert memory_max_batch(looped, mb, ctx, 10**6) > memory_max_batch(vanilla, mb, ctx, 10**6)
     assert memory_max_batch(looped, mb, ctx, cap=3) == 3
     with pytest.raises(ValueError, match="--sim-memory-mb"):
