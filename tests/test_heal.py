@@ -78,7 +78,7 @@ def test_relative_error_is_per_token():
 
 def test_log1p_hidden_error_matches_near_and_bounds_a_far_token():
     """--hidden-loss log1p: equal to the relative error where the student is close; a token 1,000x off (the
-    massive activations of docs/FINDINGS.md) pulls with a gradient no larger than 1/||target||, where the
+    massive activations of a few tokens) pulls with a gradient no larger than 1/||target||, where the
     squared error's grows with the distance."""
     target = torch.tensor([[[3.0, 4.0], [300.0, 400.0]]])
     near = target * (1 + 1e-3)

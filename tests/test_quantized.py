@@ -131,7 +131,7 @@ def test_int8_products_are_streamed_for_one_compiled_row_and_dense_for_many(rows
 )
 def test_int8_dense_serves_the_layers_and_never_a_vocabulary_sized_head(monkeypatch):
     """Only weights whose bfloat16 temporary fits ``DENSE_MAX_BYTES`` take ``int8_dense``: on SmolLM2 every layer's
-    (gate|up: 3.5 MB), never the LM head's (56 MB, which cost a fixed 22 ms a step, docs/BENCHMARKS.md). Here the bound
+    (gate|up: 3.5 MB), never the LM head's (56 MB, which cost a fixed 22 ms a step). Here the bound
     sits between a small model's stacked layers (32 KB) and its tied head (128 KB): a 20-token forward multiplies every
     layer dense and the head through the op, with the dequantized model's logits; float32 activations never go dense."""
     monkeypatch.setattr(Q, "DENSE_MAX_BYTES", 64 * 2**10)

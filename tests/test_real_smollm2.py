@@ -27,7 +27,7 @@ def test_vanilla_matches_transformers(smollm2, heldout_text):
 
 def test_full_rank_per_depth_is_the_original(smollm2, heldout_text):
     """In float64 the relaxed model at full rank reproduces the original to rounding error; this is
-    the method's identity, free of float32 noise (float32 figures are in docs/FINDINGS.md)."""
+    the method's identity, free of float32 noise."""
     model, tok, _ = smollm2
     ids = tok(heldout_text[:600], return_tensors="pt").input_ids[:, :64]
     vanilla64 = first_layers(model, 6).to(torch.float64)  # real weights; 6 layers keep the full SVDs cheap

@@ -517,7 +517,7 @@ def test_fuzz_bodies_never_5xx(model, tok):
     with running(model, tok, max_seq_len=48, max_concurrency=2, max_queue=4) as (url, _):
         http = httpx.Client(base_url=url, timeout=30)
 
-        # LOOPLM_FUZZ_EXAMPLES=2000 for a longer run (docs/BENCHMARKS.md); the default keeps the file fast
+        # LOOPLM_FUZZ_EXAMPLES=2000 for a longer run; the default keeps the file fast
         @settings(
             max_examples=int(os.environ.get("LOOPLM_FUZZ_EXAMPLES", "120")),
             deadline=None,

@@ -168,7 +168,7 @@ def test_head_kd_loss_under_autocast_and_frozen_heads_only():
 def test_head_kd_loss_under_autocast_keeps_its_logits_float32():
     """Under bf16 autocast only the gradient's head product is bf16. Logits of a trained model's size (top ones
     near 20, where bf16's step is 0.125) rounded to bf16 would move the gradient of a student close to its
-    teacher by several percent (6% on a real healing batch, docs/FINDINGS.md); kept float32 it moves by the
+    teacher by several percent (6% on a real healing batch); kept float32 it moves by the
     gradient product's own rounding."""
     g = torch.Generator().manual_seed(0)
     z = torch.randn(2, 64, 32, generator=g)
