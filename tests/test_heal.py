@@ -575,8 +575,8 @@ def test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage(setup):
 
 
 def test_the_exit_stage_fills_its_share_of_the_budget_when_the_plan_timed_its_steps_too_slow(setup, monkeypatch):
-    """The plan times an exit-adapter step before anything is warm (after compiling, its steps ran 11x faster
-    than planned). The exit stage fixes its count again from its own first steps, as the end-to-end stage does,
+    """The plan times an exit-adapter step before anything is warm (steps after compiling run much faster).
+    The exit stage fixes its count again from its own first steps, as the end-to-end stage does,
     so it trains for the seconds the plan gave it rather than for the count of a slow guess."""
     tmp, models, corpus = setup
     timed = Healer.time_steps
