@@ -163,6 +163,36 @@ def test_top_k_restricts_support():
     assert set(toks.tolist()) == {0, 1, 2, 3, 4}
 
 
+def test_sampling_draws_what_sorting_the_whole_vocabulary_draws():
+    """The sampler sorts only the top candidates when they hold the nucleus; the draw must be the definition's:
+    sort all tokens, keep the top-k/top-p prefix, invert the CDF at the row's uniform (an unfiltered row
+    inverts it in vocabulary order: no sort at all)."""
+    from looplm.serve.sampling import sample
+
+    vocab, n = 4096, 96
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(n // 3, vocab, generator=gen) * 4  # the nucleus sits in a few dozen tokens
+    flat = torch.randn(n // 3, vocab, generator=gen) * 0.1  # the nucleus spans most of the vocabulary
+    mixed = torch.randn(n // 3, vocab, generator=gen) * 1.5
+    logits = torch.cat([peaked, flat, mixed])
+    settings = [dict(temperature=1.0, top_p=0.95), dict(temperature=0.7, top_p=1.0), dict(temperature=1.3, top_k=300)]
+    params = [SamplingParams(**settings[i % 3], seed=i) for i in range(n)]
+
+    def definition(row, p, g):
+        probs = (logits[row] / p.temperature).softmax(-1)
+        probs, order = probs.sort(descending=True) if p.top_p < 1 or p.top_k else (probs, torch.arange(vocab))
+        before = probs.cumsum(0) - probs
+        keep = (torch.arange(vocab) < (p.top_k or vocab)) & ((before < p.top_p) | (p.top_p >= 1))
+        keep[0] = True
+        cdf = (probs * keep).cumsum(0)
+        u = torch.rand((), generator=g)
+        return int(order[min(int(torch.searchsorted(cdf, u * cdf[-1])), vocab - 1)])
+
+    got = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(n)])
+    want = [definition(i, params[i], torch.Generator().manual_seed(i)) for i in range(n)]
+    assert got.tolist() == want
+
+
 @pytest.mark.parametrize("kv_mode", ["copy", "later"])
 @pytest.mark.parametrize("scheduler", ["sequence", "depth"])
 def test_early_exit_paths(models, kv_mode, scheduler):
