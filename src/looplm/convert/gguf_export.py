@@ -25,25 +25,34 @@ from .recursive import unroll
 TYPES = ("f32", "f16", "q8_0", "q4_1")
 
 
-def _check_llama(c) -> None:
-    llama_like = (
-        c.norm_type == "rms"
-        and c.mlp_type == "glu"
-        and c.hidden_act == "silu"
-        and not c.parallel_residual
-        and not c.sandwich_norms
-        and not c.qk_norm
-        and c.embedding_multiplier is None
-        and c.attn_logit_softcap is None
-        and c.final_logit_softcap is None
-        and set(c.depth_attention) == {"full"}
-        and not c.mlp_bias
-        and not c.attention_bias
+def llama_lacks(c) -> list[str]:
+    """The features of config ``c`` that llama.cpp's llama architecture cannot run (empty: exportable)."""
+    rope = c.rope["full"]
+    window_binds = "sliding" in c.depth_attention and c.sliding_window_size < c.max_position_embeddings
+    checks = (
+        (c.norm_type != "rms", f"{c.norm_type} norms"),
+        (c.mlp_type != "glu" or c.hidden_act != "silu", f"a {c.mlp_type} {c.hidden_act} MLP (llama: SwiGLU)"),
+        (c.parallel_residual, "parallel residuals"),
+        (not c.pre_norms or c.sandwich_norms, "post-norms"),
+        (c.qk_norm, "q/k norms"),
+        (c.embedding_multiplier is not None, "scaled embeddings"),
+        (c.attn_logit_softcap is not None or c.final_logit_softcap is not None, "logit soft-caps"),
+        (window_binds, f"sliding-window attention ({c.sliding_window_size} tokens)"),
+        (c.attention_bias or c.attention_out_bias, "attention biases"),
+        (c.mlp_bias, "MLP biases"),
+        (not all(c.depth_rope), "layers without rotary embeddings (NoPE)"),
+        (rope.get("partial", 1.0) != 1.0, "partial rotary embeddings"),
+        (rope.get("type", "default") != "default", f"{rope.get('type')} rope scaling"),
     )
-    if not llama_like:
+    return [feature for lacking, feature in checks if lacking]
+
+
+def _check_llama(c) -> None:
+    lacks = llama_lacks(c)
+    if lacks:
         raise UsageError(
-            f"export-gguf writes llama-architecture files; this model is a {c.family} model with "
-            f"features llama.cpp's llama architecture lacks (export Llama/SmolLM2-family models)"
+            f"export-gguf writes llama-architecture files; this {c.family} model has {', '.join(lacks)}, which "
+            "looplm's llama export cannot express (export Llama/SmolLM2/TinyLlama-family models)"
         )
 
 
@@ -125,10 +134,7 @@ def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre
     if dc.head_dim * dc.num_attention_heads != dc.hidden_size:
         w.add_key_length(dc.head_dim)
         w.add_value_length(dc.head_dim)
-    rope = dc.rope["full"]
-    if rope.get("type", "default") != "default":
-        raise UsageError(f"export-gguf writes default rotary embeddings; this model uses {rope['type']!r}")
-    w.add_rope_freq_base(float(rope["theta"]))
+    w.add_rope_freq_base(float(dc.rope["full"]["theta"]))
     w.add_layer_norm_rms_eps(float(dc.norm_eps))
     w.add_vocab_size(dc.vocab_size)
     w.add_file_type(ftypes[tensor_type])

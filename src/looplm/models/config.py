@@ -64,16 +64,20 @@ class LoopLMConfig(PretrainedConfig):
         norm_type: str = "rms",
         norm_eps: float = 1e-6,
         attention_bias: bool = False,
+        attention_out_bias: bool | None = None,
         mlp_bias: bool = False,
         parallel_residual: bool = False,
+        pre_norms: bool = True,
         sandwich_norms: bool = False,
         qk_norm: bool = False,
+        qk_norm_scope: str = "head",
         embedding_multiplier: float | None = None,
         query_pre_attn_scalar: float | None = None,
         attn_logit_softcap: float | None = None,
         final_logit_softcap: float | None = None,
         sliding_window_size: int | None = None,
         depth_attention: list[str] | None = None,
+        depth_rope: list[bool] | None = None,
         rope: dict | None = None,
         max_position_embeddings: int = 8192,
         initializer_range: float = 0.02,
@@ -100,11 +104,20 @@ class LoopLMConfig(PretrainedConfig):
         self.mlp_type = mlp_type
         self.norm_type = norm_type
         self.norm_eps = norm_eps
-        self.attention_bias = attention_bias
+        self.attention_bias = attention_bias  # q, k, v (and o unless attention_out_bias says otherwise)
+        # Qwen2 has q/k/v biases and none on o; None: o follows attention_bias.
+        self.attention_out_bias = attention_bias if attention_out_bias is None else attention_out_bias
         self.mlp_bias = mlp_bias
         self.parallel_residual = parallel_residual
+        # False (OLMo-2): no norm before attention and MLP, only after them (sandwich_norms' post-norms).
+        # The block then keeps a per-depth scale (ones) in the pre-norms' place, an exact identity that
+        # data-aware init and equalization fold their scales into as they do into a norm.
+        self.pre_norms = pre_norms
         self.sandwich_norms = sandwich_norms
         self.qk_norm = qk_norm
+        # "head": q/k RMS-normed per head over head_dim (Gemma 3, Qwen3); "all": over the whole q and k
+        # projections before the split into heads (OLMo-2).
+        self.qk_norm_scope = qk_norm_scope
         self.embedding_multiplier = embedding_multiplier
         self.query_pre_attn_scalar = query_pre_attn_scalar
         self.attn_logit_softcap = attn_logit_softcap
@@ -113,6 +126,9 @@ class LoopLMConfig(PretrainedConfig):
         # ones: we keep full caches and apply the window in the attention mask.
         self.sliding_window_size = sliding_window_size
         self.depth_attention = list(depth_attention or ["full"] * num_hidden_layers)
+        # Per depth: whether rotary embeddings apply (False at SmolLM3's NoPE layers). Like the attention
+        # kind it belongs to the depth, so a shared layer may rotate at one depth and not at another.
+        self.depth_rope = [bool(r) for r in depth_rope] if depth_rope is not None else [True] * num_hidden_layers
         # Rotary settings per attention kind: {"full": {...}, "sliding": {...}}, each with
         # theta, type (default | linear | llama3), partial (fraction of head_dim rotated) and
         # the scaling keys of its type.
@@ -171,6 +187,13 @@ class LoopLMConfig(PretrainedConfig):
                 f"depth_attention lists {len(self.depth_attention)} depths but the model has "
                 f"{self.num_hidden_layers}; give one 'full'/'sliding' entry per depth"
             )
+        if len(self.depth_rope) != self.num_hidden_layers:
+            raise ConfigError(
+                f"depth_rope lists {len(self.depth_rope)} depths but the model has {self.num_hidden_layers}; "
+                "give one true/false entry per depth"
+            )
+        if self.qk_norm_scope not in ("head", "all"):
+            raise ConfigError(f"unknown qk_norm_scope {self.qk_norm_scope!r}; use 'head' or 'all'")
         if "sliding" in self.depth_attention and not self.sliding_window_size:
             raise ConfigError("sliding attention depths need sliding_window_size")
         if self.exit_adapter is not None:

@@ -83,7 +83,7 @@ class LoopLMModel(LoopLMPreTrainedModel):
         super().__init__(config)
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_shared_layers))
+        self.layers = nn.ModuleList(Block(c, k) for k in range(c.num_shared_layers))
         self.norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps)
         self.rotary = Rotary(c)
         self.gradient_checkpointing = False

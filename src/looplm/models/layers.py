@@ -29,7 +29,8 @@ def _select(stack: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class DepthNorm(nn.Module):
-    """RMSNorm (w * x), Gemma's RMSNorm ((1 + w) * x) or LayerNorm, with one weight row per slot."""
+    """RMSNorm (w * x), Gemma's RMSNorm ((1 + w) * x), LayerNorm or a plain scale (w * x, no normalising:
+    the pre-norms' place in a block without pre-norms, OLMo-2), with one weight row per slot."""
 
     def __init__(self, dim: int, kind: str, eps: float, num_slots: int = 1):
         super().__init__()
@@ -45,6 +46,8 @@ class DepthNorm(nn.Module):
             if w.dim() == 1:
                 return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
             return F.layer_norm(x, (x.shape[-1],), None, None, self.eps) * w + b
+        if self.kind == "scale":
+            return w * x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.kind == "rms_plus1":  # Gemma: scale in float32, then cast
@@ -235,18 +238,35 @@ def prefix_columns(mask: torch.Tensor, P: int) -> torch.Tensor:
     return torch.cat((mask.new_ones(*mask.shape[:-1], P), mask), dim=-1)
 
 
+def rotary_off_slots(config: LoopLMConfig, layer: int) -> list[bool] | None:
+    """For shared layer ``layer``, per slot: True where that slot's depth takes no rotary embedding
+    (SmolLM3's NoPE layers); None when every depth rotates."""
+    if all(config.depth_rope):
+        return None
+    off = [False] * config.num_loops
+    for d, (k, s) in enumerate(zip(config.layer_map, config.slot_map)):
+        if k == layer:
+            off[s] = not config.depth_rope[d]
+    return off
+
+
 class Attention(nn.Module):
-    def __init__(self, config: LoopLMConfig):
+    def __init__(self, config: LoopLMConfig, layer: int = 0):
         super().__init__()
         c = config
         B, S, r = c.num_loops, c.num_vector_slots, c.lora_ranks
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = LoopLinear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias, B, S, r["q"])
-        self.k_proj = LoopLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias, B, S, r["kv"])
-        self.v_proj = LoopLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias, B, S, r["kv"])
-        self.o_proj = LoopLinear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias, B, S, r["out"])
-        self.q_norm = DepthNorm(c.head_dim, c.norm_type, c.norm_eps, S) if c.qk_norm else None
-        self.k_norm = DepthNorm(c.head_dim, c.norm_type, c.norm_eps, S) if c.qk_norm else None
+        H, KV, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, KV, d
+        self.q_proj = LoopLinear(c.hidden_size, H * d, c.attention_bias, B, S, r["q"])
+        self.k_proj = LoopLinear(c.hidden_size, KV * d, c.attention_bias, B, S, r["kv"])
+        self.v_proj = LoopLinear(c.hidden_size, KV * d, c.attention_bias, B, S, r["kv"])
+        self.o_proj = LoopLinear(H * d, c.hidden_size, c.attention_out_bias, B, S, r["out"])
+        # q/k norms per head (over head_dim) or over the whole projection (OLMo-2's, before the head split)
+        self.qk_norm_all = c.qk_norm and c.qk_norm_scope == "all"
+        q_dim, k_dim = (H * d, KV * d) if self.qk_norm_all else (d, d)
+        self.q_norm = DepthNorm(q_dim, c.norm_type, c.norm_eps, S) if c.qk_norm else None
+        self.k_norm = DepthNorm(k_dim, c.norm_type, c.norm_eps, S) if c.qk_norm else None
+        self.rotary_off = rotary_off_slots(c, layer)
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
         self.softcap = c.attn_logit_softcap
         # Per-depth prefix (paper appendix G): P learned vectors per depth in the attention's input space,
@@ -260,16 +280,28 @@ class Attention(nn.Module):
         if not isinstance(slot, int):
             slot_h = slot.unsqueeze(-1)  # per-token slot broadcast over heads for q/k norms
         sq, sk, sv = fused_inputs(self.qkv, x, 3, slot)
-        q = self.q_proj(x, slot, sq).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, slot, sk).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(x, slot, sq), self.k_proj(x, slot, sk)
+        if self.qk_norm_all:
+            q, k = self.q_norm(q, slot), self.k_norm(k, slot)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, slot, sv).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all:
             s = slot if isinstance(slot, int) else slot_h.expand(b, t, self.num_heads)
             q = self.q_norm(q, s)
             s = slot if isinstance(slot, int) else slot_h.expand(b, t, self.num_kv_heads)
             k = self.k_norm(k, s)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return self.rotate(q, slot, cos, sin), self.rotate(k, slot, cos, sin), v
+
+    def rotate(self, x: torch.Tensor, slot: Slot, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, heads, t, d] rotated, except at the depths that take no rotary embedding (``rotary_off``)."""
+        if self.rotary_off is None:
+            return apply_rotary(x, cos, sin)
+        if isinstance(slot, int):
+            return x if self.rotary_off[slot] else apply_rotary(x, cos, sin)
+        off = torch.tensor(self.rotary_off, device=x.device)[slot]  # one flag per token: [b, t]
+        return torch.where(off[:, None, :, None], x, apply_rotary(x, cos, sin))
 
     def prefix_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, KV, P, d] of depth ``slot``'s prefix: its P vectors through this depth's k/v
@@ -277,9 +309,12 @@ class Attention(nn.Module):
         x = self.prefix[slot][None]
         P = x.shape[1]
         _, sk, sv = fused_inputs(self.qkv, x, 3, slot)  # with a stacked q|k|v weight: one matmul, not two full ones
-        k = self.k_proj(x, slot, sk).view(1, P, self.num_kv_heads, self.head_dim)
+        k = self.k_proj(x, slot, sk)
+        if self.qk_norm_all:
+            k = self.k_norm(k, slot)
+        k = k.view(1, P, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, slot, sv).view(1, P, self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
+        if self.k_norm is not None and not self.qk_norm_all:
             k = self.k_norm(k, slot)
         return k.transpose(1, 2), v.transpose(1, 2)
 
@@ -369,17 +404,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One shared transformer layer. Residual layouts: sequential (Llama, Gemma), sandwich norms
-    (Gemma 2/3: norms before and after each sublayer), parallel (GPT-NeoX)."""
+    """Shared transformer layer ``layer``. Residual layouts: sequential (Llama, Gemma), sandwich norms
+    (Gemma 2/3: norms before and after each sublayer; OLMo-2: only after), parallel (GPT-NeoX)."""
 
-    def __init__(self, config: LoopLMConfig):
+    def __init__(self, config: LoopLMConfig, layer: int = 0):
         super().__init__()
         c, S = config, config.num_vector_slots
         self.parallel = c.parallel_residual
-        self.attn = Attention(c)
+        self.attn = Attention(c, layer)
         self.mlp = MLP(c)
-        self.attn_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S)
-        self.mlp_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S)
+        pre = c.norm_type if c.pre_norms else "scale"
+        self.attn_norm = DepthNorm(c.hidden_size, pre, c.norm_eps, S)
+        self.mlp_norm = DepthNorm(c.hidden_size, pre, c.norm_eps, S)
         self.attn_out_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S) if c.sandwich_norms else None
         self.mlp_out_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S) if c.sandwich_norms else None
 

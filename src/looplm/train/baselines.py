@@ -40,6 +40,7 @@ def _shallower(vanilla, layers: list[int], init: str):
     d.update(
         num_hidden_layers=len(layers),
         depth_attention=[c.depth_attention[i] for i in layers],
+        depth_rope=[c.depth_rope[i] for i in layers],
         conversion={**c.conversion, "init": init, "layers": layers},
     )
     return LoopLMForCausalLM(LoopLMConfig(**d)).to(next(vanilla.parameters()).dtype)
