@@ -1,4 +1,4 @@
-"""Healing (train/heal.py, train/teacher_cache.py) on a tiny converted model and a small real-text corpus:
+"""Healing (train/heal/, train/teacher_cache.py) on a tiny converted model and a small real-text corpus:
 the cache holds the original model's states at every layer boundary and refuses a corrupt or foreign
 one; an exact conversion has no local error; both local modes lower each layer's error; the whole
 run brings the student closer to the original; kill -9 resumes; bad input is refused in one line."""
@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -25,14 +24,17 @@ from looplm.errors import UsageError
 from looplm.models import load_model, save_model
 from looplm.train.heal import (
     HealConfig,
-    Healer,
     cached_rows,
     heal,
+    prepare,
     relative_error,
     relative_error_log1p,
     replan_due,
     streamed_rows,
 )
+from looplm.train.heal import plan as heal_plan
+from looplm.train.heal import steps as heal_steps
+from looplm.train.heal.inputs import step_batch
 from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
 
 
@@ -161,7 +163,7 @@ def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
         teacher.double(), loops=2, init="average", norms="per-depth", lora_ranks="full", lora_init="svd"
     ).float()
     student = save_model(exact, tok, tmp_path / "exact")
-    healer = Healer(
+    run = prepare(
         HealConfig(
             model=str(student),
             teacher=models["teacher"],
@@ -173,14 +175,15 @@ def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
             local_batch=2,
         )
     )
-    healer.prepare()
-    healer.cache = build_cache(
-        healer.teacher, healer.corpus, tmp_path / "cache", healer.rows, 32, progress=False, log=lambda *a: None
+    inputs = run.inputs
+    cache = build_cache(
+        inputs.teacher, inputs.corpus, tmp_path / "cache", inputs.rows, 32, progress=False, log=lambda *a: None
     )
-    m = healer.student
+    m = inputs.student
     for layer in range(m.config.num_shared_layers):
         opt = torch.optim.SGD(m.model.layers[layer].parameters(), lr=0.0)
-        assert healer._local_step(m, layer, np.array([0, 1]), opt, {}, lr=0.0) < 1e-4
+        idx = np.array([0, 1])
+        assert heal_steps.local_step(m, layer, cache, idx, opt, {}, 0.0, inputs.autocast, inputs.device, 1.0) < 1e-4
 
 
 def _student_gap(models, model_dir, corpus_dir):
@@ -330,10 +333,9 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
         progress=False,
         cache=str(tmp / "cache-exit-term"),
     )
-    healer = Healer(cfg, log=lambda *a: None)
-    healer.prepare()
-    model = healer.student
-    ids, boundary = healer._batch(0, "e2e")
+    inputs = prepare(cfg, log=lambda *a: None).inputs
+    model = inputs.student
+    ids, boundary = step_batch(inputs, None, cfg, 0, "e2e")  # online rows: no cache read
     K = model.config.num_shared_layers
     with torch.no_grad():
         _, states, _ = model.model(ids, output_depth_states=True)
@@ -341,18 +343,16 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
         want = (
             model.exit_logits(states[-1])
             if target == "final"
-            else healer.teacher.lm_head(healer.teacher.exit_states(boundary(healer.teacher.config.num_hidden_layers)))
+            else inputs.teacher.lm_head(inputs.teacher.exit_states(boundary(inputs.teacher.config.num_hidden_layers)))
         )
     before = [p.detach().clone() for p in model.model.layers.parameters()]
-    params = healer._trainable(model)
-    parts = healer._e2e_step(model, 0, torch.optim.SGD(params, lr=1e-2), 1e-2)
+    params = heal_steps.body_params(model, cfg.base_weights)
+    parts = heal_steps.e2e_step(inputs, None, cfg, model, 0, torch.optim.SGD(params, lr=1e-2), 1e-2)
     assert parts["kd_exit1"] == pytest.approx(float(kd_loss(exit1, want)), rel=1e-4)
     assert parts["loss"] == pytest.approx(parts["kd"] + parts["hidden"] + parts["kd_exit1"], rel=1e-5)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.model.layers.parameters()))
     with pytest.raises(UsageError, match="--exit-target"):
-        Healer(
-            HealConfig(**{**cfg.__dict__, "exit_target": "bogus", "out": str(tmp / "bogus")}), log=lambda *a: None
-        ).prepare()
+        prepare(HealConfig(**{**cfg.__dict__, "exit_target": "bogus", "out": str(tmp / "bogus")}), log=lambda *a: None)
 
 
 def test_online_rows_read_the_whole_training_split_with_the_originals_states(setup):
@@ -378,34 +378,33 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
         progress=False,
         cache=str(tmp / "cache-online"),
     )
-    healer = Healer(cfg, log=lambda *a: None)
-    healer.prepare()
-    train = healer.corpus.splits["train"]
-    stream = streamed_rows(healer.corpus, cfg.seed)
-    held = {bytes(np.asarray(r)) for r in healer.corpus.splits["heldout"]}
+    inputs = prepare(cfg, log=lambda *a: None).inputs
+    train = inputs.corpus.splits["train"]
+    stream = streamed_rows(inputs.corpus, cfg.seed)
+    held = {bytes(np.asarray(r)) for r in inputs.corpus.splits["heldout"]}
     # every training row but those that repeat a held-out row (this tiny corpus repeats its text)
     assert sorted(stream.tolist()) == [r for r in range(len(train)) if bytes(np.asarray(train[r])) not in held]
-    assert len(stream) > 4 * len(healer.rows)
+    assert len(stream) > 4 * len(inputs.rows)
     seen = []
     for step in range(3):
-        ids, boundary = healer._batch(step, "e2e")
+        ids, boundary = step_batch(inputs, None, cfg, step, "e2e")
         rows = stream[step * 2 : step * 2 + 2]
         seen += rows.tolist()
         assert torch.equal(ids, torch.from_numpy(np.asarray(train[rows][:, :32], dtype=np.int64)))
-        L = healer.teacher.config.num_hidden_layers
-        with healer.autocast():  # the stage runs the original at the training precision
-            want = teacher_states(healer.teacher, ids)
+        L = inputs.teacher.config.num_hidden_layers
+        with inputs.autocast():  # the stage runs the original at the training precision
+            want = teacher_states(inputs.teacher, ids)
         assert all(torch.equal(boundary(b), want[b].float()) for b in (0, L // 2, L))
-    assert len(set(seen)) == 6 and not set(seen) <= set(healer.rows.tolist())
-    ids, _ = healer._batch(0, "exit")
+    assert len(set(seen)) == 6 and not set(seen) <= set(inputs.rows.tolist())
+    ids, _ = step_batch(inputs, None, cfg, 0, "exit")
     half = stream[len(stream) // 2 : len(stream) // 2 + 2]
     assert torch.equal(ids, torch.from_numpy(np.asarray(train[half][:, :32], dtype=np.int64)))
     # the cache's states of a row are the states computed online (bf16 rounding apart)
     cache = build_cache(
-        healer.teacher, healer.corpus, tmp / "cache-online", healer.rows, 32, progress=False, log=lambda *a: None
+        inputs.teacher, inputs.corpus, tmp / "cache-online", inputs.rows, 32, progress=False, log=lambda *a: None
     )
-    ids = cache.tokens(healer.corpus, [0, 1])
-    online = teacher_states(healer.teacher, ids)
+    ids = cache.tokens(inputs.corpus, [0, 1])
+    online = teacher_states(inputs.teacher, ids)
     assert all(relative_error(online[b], cache.boundary(b, [0, 1])) < 1e-4 for b in (1, L))
 
     r = heal(cfg, log=lambda *a: None)
@@ -579,8 +578,8 @@ def test_the_exit_stage_fills_its_share_of_the_budget_when_the_plan_timed_its_st
     The exit stage fixes its count again from its own first steps, as the end-to-end stage does,
     so it trains for the seconds the plan gave it rather than for the count of a slow guess."""
     tmp, models, corpus = setup
-    timed = Healer.time_steps
-    monkeypatch.setattr(Healer, "time_steps", lambda self: (lambda t: (t[0], t[1], t[2] * 20))(timed(self)))
+    timed = heal_plan.time_steps
+    monkeypatch.setattr(heal_plan, "time_steps", lambda *a: (lambda t: (t[0], t[1], t[2] * 20))(timed(*a)))
     logs = []
     out = tmp / "exit-replan"
     cfg = HealConfig(
@@ -665,24 +664,17 @@ def test_freed_host_memory_is_kept_instead_of_faulted_in_again():
     assert int(out["keep"][1]) < 1_000
 
 
-def test_local_visits_are_replanned_to_end_at_the_local_share(tmp_path):
-    """The visits left share the time to the local stage's planned end, at the speed of the visit just timed."""
+def test_local_visits_are_replanned_to_end_at_the_local_share():
+    """The visits left share the time to the local stage's planned end, at the speed of the visit just timed
+    (the run stores the plan in run.json: test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage)."""
     logs = []
-    healer = types.SimpleNamespace(
-        plan={"local_steps_by_visit": [50, 50, 50, 50], "local_end_seconds": 100.0, "local_steps_per_visit": 50},
-        prev={},
-        clock=lambda: 40.0,
-        log=logs.append,
-        cfg=HealConfig(out=str(tmp_path), local_batch=2, seq_len=32),
-        student=types.SimpleNamespace(config=types.SimpleNamespace(num_shared_layers=4)),
-    )
-    Healer._replan_local(healer, 1, 2.0)  # 60 s left for 3 visits at 2 s a step: 10 steps each
-    assert healer.plan["local_steps_by_visit"] == [50, 10, 10, 10] and "10 steps a visit" in logs[0]
-    assert healer.plan["local_steps_per_layer"] == 20 and healer.plan["local_tokens_per_layer"] == 20 * 2 * 32
-    assert json.loads((tmp_path / "run.json").read_text())["plan"]["local_steps_by_visit"] == [50, 10, 10, 10]
-    healer.clock = lambda: 120.0  # past the end: one step a visit, never none
-    Healer._replan_local(healer, 3, 2.0)
-    assert healer.plan["local_steps_by_visit"] == [50, 10, 10, 1]
+    plan = {"local_steps_by_visit": [50, 50, 50, 50], "local_end_seconds": 100.0, "local_steps_per_visit": 50}
+    cfg = HealConfig(local_batch=2, seq_len=32)
+    heal_plan.replan_local(plan, 1, 2.0, 40.0, cfg, 4, logs.append)  # 60 s left for 3 visits at 2 s a step: 10 each
+    assert plan["local_steps_by_visit"] == [50, 10, 10, 10] and "10 steps a visit" in logs[0]
+    assert plan["local_steps_per_layer"] == 20 and plan["local_tokens_per_layer"] == 20 * 2 * 32
+    heal_plan.replan_local(plan, 3, 2.0, 120.0, cfg, 4, logs.append)  # past the end: one step a visit, never none
+    assert plan["local_steps_by_visit"] == [50, 10, 10, 1]
 
 
 def test_the_cache_holds_the_rows_cached_rows_draws(setup):
@@ -781,7 +773,7 @@ def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
     monkeypatch.setattr(util.shutil, "which", lambda name: None)
     cfg.out = str(tmp / "compile-no-compiler")
     with pytest.raises(UsageError, match="C\\+\\+ compiler"):
-        Healer(cfg, log=lambda *a: None).prepare()
+        prepare(cfg, log=lambda *a: None)
     assert not (tmp / "compile-no-compiler").exists()
 
 
@@ -814,19 +806,19 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
             cache=str(tmp / "cache-average"),
         )
         if stopped:
-            step = Healer._e2e_step
+            step = heal_steps.e2e_step
             calls = []
 
-            def stop_after_five(self, *a, **k):
+            def stop_after_five(*a, **k):
                 calls.append(1)
                 if len(calls) > 5:
                     raise KeyboardInterrupt
-                return step(self, *a, **k)
+                return step(*a, **k)
 
-            monkeypatch.setattr(Healer, "_e2e_step", stop_after_five)
+            monkeypatch.setattr(heal_steps, "e2e_step", stop_after_five)
             with pytest.raises(KeyboardInterrupt):
                 heal(cfg, log=lambda *a: None)
-            monkeypatch.setattr(Healer, "_e2e_step", step)
+            monkeypatch.setattr(heal_steps, "e2e_step", step)
             assert (out / "checkpoints" / (out / "latest").read_text().strip() / "average.pt").exists()
             cfg.resume = True
         r = heal(cfg, log=lambda *a: None)

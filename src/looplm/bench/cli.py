@@ -47,6 +47,67 @@ def register(sub) -> None:
     _register_llamacpp(bench)
     _register_heal_step(bench)
     _register_train_step(bench)
+    _register_speculate(bench)
+
+
+# --- speculative decoding -----------------------------------------------------------------------
+
+
+def _register_speculate(bench) -> None:
+    p = bench.add_parser(
+        "speculate",
+        help="speculative decoding (--speculate) against plain decoding at batch 1, greedy, side by side",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("models", nargs="+", metavar="MODEL", help="embedded names or model directories")
+    p.add_argument("--weights", default="fp32", help="comma list of weight formats (fp32, bf16, int8, int4)")
+    p.add_argument("--modes", default="context,loop1,both", help="comma list of speculation modes to time")
+    p.add_argument("--new-tokens", type=int, default=256, help="generated tokens per prompt (EOS ignored)")
+    p.add_argument("--rounds", type=int, default=1, help="times each run repeats, interleaved (the best is kept)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _common(p)
+    p.set_defaults(func=cmd_speculate)
+
+
+def cmd_speculate(args) -> int:
+    import functools
+    import sys
+
+    import torch
+
+    from ..util import print_json
+    from .report import finish, machine
+    from .speculate import bench_speculate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("context", "loop1", "both")]
+    if bad or not modes or args.new_tokens < 1 or args.rounds < 1:
+        raise UsageError("need --modes from context, loop1, both, --new-tokens >= 1 and --rounds >= 1")
+    say = functools.partial(print, file=sys.stderr, flush=True) if args.json else print
+    result = bench_speculate(args.models, weights, modes, args.new_tokens, args.rounds, log=say)
+    result["machine"] = machine()
+    if args.json:
+        print_json(result)
+    rows = [
+        [
+            r["model"],
+            r["weights"],
+            r["prompt"],
+            r["speculate"],
+            r["tokens_per_s"],
+            r["vs_off"],
+            r["acceptance_rate"],
+            r["mean_accepted_length"],
+            r["same_tokens_as_off"],
+        ]
+        for r in result["runs"]
+    ]
+    header = ["model", "weights", "prompt", "speculate", "tokens/s", "x off", "acceptance", "accepted length", "same"]
+    finish(result, header, rows, args.out, say)
+    return 0
 
 
 # --- serve --------------------------------------------------------------------------------------
@@ -54,7 +115,7 @@ def register(sub) -> None:
 
 def _register_serve(bench) -> None:
     from ..convert.recursive import INITS
-    from ..serve.cli import _engine_args
+    from ..serve.cli import _engine_args, add_speculate
 
     p = bench.add_parser(
         "serve",
@@ -101,6 +162,7 @@ def _register_serve(bench) -> None:
     )
     add_deprecated(p, "--exit", "--exit-policy", dest="exit", metavar="POLICY")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of the loops an exit skips")
+    add_speculate(p)
     p.add_argument(
         "--extra",
         action="store_true",

@@ -1,6 +1,6 @@
 """`looplm bench heal-step`: seconds of one layer-local, one end-to-end and one exit-adapter step of `looplm heal`,
-timed by the healer itself (``Healer.time_steps``, what a time budget is planned from) on copies of the student,
-so that nothing is trained and no run directory is left behind."""
+timed as the run times them (``time_steps``, what a time budget is planned from) on copies of the student, so that
+nothing is trained and no run directory is left behind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from ..train.heal import HealConfig, Healer
+from ..train.heal import HealConfig, prepare
+from ..train.heal.inputs import open_cache
+from ..train.heal.plan import time_steps
 from ..util import keep_freed_host_memory
 from .report import machine, median
 
@@ -20,25 +22,26 @@ def heal_step(cfg: HealConfig, rounds: int, log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="looplm-bench-heal-") as tmp:
         # a token budget: prepare() needs one, and nothing is planned from it here
         cfg = replace(cfg, out=str(Path(tmp) / "run"), tokens=1, budget_minutes=None, resume=False, ood_windows=0)
-        healer = Healer(cfg, log=lambda *a: None)
-        healer.prepare()
-        if healer.device.type == "cpu":
+        quiet = lambda *a: None  # noqa: E731
+        run = prepare(cfg, log=quiet)
+        inputs, exit_spec = run.inputs, run.exit_spec
+        if inputs.device.type == "cpu":
             keep_freed_host_memory()  # as a heal run does
-        healer.student.to(healer.device)
-        healer.teacher.to(healer.device)
-        healer.open_cache(Path(cfg.cache) if cfg.cache else Path(tmp) / "cache")
+        inputs.student.to(inputs.device)
+        inputs.teacher.to(inputs.device)
+        cache = open_cache(inputs, cfg, Path(cfg.cache) if cfg.cache else Path(tmp) / "cache", quiet)
         times: dict[str, list[float]] = {"local": [], "e2e": [], "exit": []}
         for r in range(rounds):
-            local, e2e, exit_ = healer.time_steps()
+            local, e2e, exit_ = time_steps(inputs, cache, cfg, exit_spec, quiet)
             times["local"].append(local)
             times["e2e"].append(e2e)
-            if healer.exit_spec:
+            if exit_spec:
                 times["exit"].append(exit_)
             log(
                 f"round {r + 1}: local {local:.3f} s, end-to-end {e2e:.3f} s"
-                + (f", exit adapter {exit_:.3f} s" if healer.exit_spec else "")
+                + (f", exit adapter {exit_:.3f} s" if exit_spec else "")
             )
-        sc = healer.student.config
+        sc = inputs.student.config
     steps = {
         "local": {
             "rows": cfg.local_batch * sc.num_loops,
@@ -65,7 +68,7 @@ def heal_step(cfg: HealConfig, rounds: int, log=print) -> dict:
         "seq_len": cfg.seq_len,
         "loops": sc.num_loops,
         "shared_layers": sc.num_shared_layers,
-        "precision": "bf16" if healer.bf16 else "fp32",
+        "precision": "bf16" if inputs.bf16 else "fp32",
         "compile": cfg.compile,
         "steps": steps,
         "machine": machine(),

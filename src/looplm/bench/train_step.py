@@ -3,12 +3,12 @@ the metrics of a short run in a temporary directory: the steps a real run takes,
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from ..train.loop import TrainConfig, train
+from ..train.run_dir import RunDir
 from .report import machine, median
 
 
@@ -18,8 +18,8 @@ def train_step(cfg: TrainConfig, warmup: int, log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="looplm-bench-train-") as tmp:
         cfg = replace(cfg, out=str(Path(tmp) / "run"), eval_every=0, save_every=0, log_every=1, keep=1, resume=False)
         run = train(cfg, log=lambda *a: None)
-        records = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-        config = json.loads((Path(cfg.out) / "run.json").read_text())
+        run_dir = RunDir(cfg.out)
+        records, config = run_dir.records(), run_dir.settings()
     steps = [r for r in records if not r.get("eval")]
     tokens = config["global_batch"] * config["seq_len"]
     seconds = [tokens / r["tok_per_s"] for r in steps]

@@ -1,28 +1,25 @@
-"""Checkpoints and logs of a `looplm train` run directory: a checkpoint is complete before `latest`
-names it (written to a temporary directory, then renamed), the oldest beyond --keep are removed, and a
-resumed run drops metrics written after the checkpoint it starts from."""
+"""Checkpoints of a `looplm train` run: what each holds (the model directory, Accelerate's state of every
+process, state.json), written into the shared run directory (run_dir.py) by every process together."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from ..errors import UsageError
-from ..util import write_json_atomic, write_text_atomic
+from ..util import write_json_atomic
+from .run_dir import RunDir
 
 
 class Checkpoints:
     """The Trainer's checkpoint methods (a mixin: they read the Trainer's accelerator, model and config)."""
 
     def _save(self, out: Path, step: int, tokens: int, elapsed: float) -> None:
-        acc = self.acc
+        acc, run = self.acc, RunDir(out)
         name = f"step-{step:07d}"
-        tmp = out / "checkpoints" / f".{name}.tmp"
+        tmp = run.checkpoints / f".{name}.tmp"
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            run.staging(name).mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp / "accelerate"), safe_serialization=False)
         self._export(tmp, step)
@@ -38,14 +35,7 @@ class Checkpoints:
                     "epoch": step // (len(self.corpus) // self.global_batch),
                 },
             )
-            final = out / "checkpoints" / name
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            write_text_atomic(out / "latest", name + "\n")
-            ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if p.is_dir())
-            for old in ckpts[: -self.cfg.keep] if self.cfg.keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            run.commit(tmp, name, self.cfg.keep, order=lambda p: p.name)  # step-NNNNNNN: names sort by step
         acc.wait_for_everyone()
 
     def _export(self, directory: Path, step: int) -> None:
@@ -83,34 +73,6 @@ class Checkpoints:
             )
         self.acc.load_state(str(ck / "accelerate"))
         return int(state["step"]), int(state["tokens"]), float(state["time"])
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop the records a resumed run will write again (those after the checkpoint at ``step``)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-        if rec.get("step", 0) < step or (rec.get("step", 0) == step and step > 0):
-            keep.append(line)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
-
-
-def append_metrics(path: Path, rec: dict, tb) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-    if tb is not None:
-        prefix = "eval" if rec.get("eval") else "train"
-        for k, v in rec.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "eval"):
-                tb.add_scalar(f"{prefix}/{k}", v, rec["step"])
 
 
 def tensorboard_writer(out: Path):

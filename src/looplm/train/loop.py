@@ -36,11 +36,13 @@ from ..errors import UsageError
 from ..models.exit_adapter import add_exit_adapters, parse_exit_adapter
 from ..models.loading import tokenizer_fingerprint
 from ..models.quantized import has_bf16_matmuls
-from ..util import write_json_atomic
-from .checkpoints import Checkpoints, append_metrics, tensorboard_writer, truncate_metrics
+from .budget import check_budget, steps_to_fill
+from .checkpoints import Checkpoints, tensorboard_writer
 from .data_order import batch_indices, micro_batch, rows_read
+from .evaluate import perplexity
 from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
-from .optim import adamw
+from .optim import adamw, cosine
+from .run_dir import RunDir, append_record, check_resume_settings
 
 BUDGET_TIMED = 3  # steps timed (after the first, which warms up) before a time budget becomes a step count
 BUDGET_WARMUP = 20  # warm-up steps assumed until then
@@ -117,6 +119,8 @@ class TrainConfig:
         "data_rows",
         "budget_minutes",
     )
+    # settings whose default changed: a run that did not record one ran with this value
+    FORMER_DEFAULTS = {"data_rows": "all"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,13 +163,7 @@ class TrainModule(nn.Module):
 
 
 def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
+    return lambda step: cosine(step, total, warmup, min_ratio)
 
 
 def select_trainable(model, spec: str) -> int:
@@ -299,10 +297,9 @@ class Trainer(Checkpoints):
         out = Path(c.out)
         if not c.out:
             raise UsageError("give the run directory with --out RUN")
-        if [c.max_steps, c.max_tokens, c.budget_minutes].count(None) != 2:
-            raise UsageError("give one budget: --max-steps N, --train-tokens N or --budget-minutes M")
-        if c.budget_minutes is not None and not c.budget_minutes > 0:
-            raise UsageError(f"--budget-minutes {c.budget_minutes} must be positive")
+        check_budget(
+            {"--max-steps N": c.max_steps, "--train-tokens N": c.max_tokens, "--budget-minutes M": c.budget_minutes}
+        )
         if c.kd not in KD_FUNCS:
             raise UsageError(f"unknown --kd {c.kd!r}; use one of {', '.join(KD_FUNCS)}")
         if c.early_exit not in EARLY_EXIT:
@@ -326,25 +323,16 @@ class Trainer(Checkpoints):
         if c.freeze_body and c.train != "all":
             raise UsageError("--freeze-body already chooses what trains (the exit adapter); drop --train")
 
-        prev_run = None
+        run_dir = RunDir(out)
+        prev_run = run_dir.settings()
         latest = None
-        if (out / "run.json").exists():
-            prev_run = json.loads((out / "run.json").read_text())
+        if prev_run is not None:
             if not c.resume:
                 raise UsageError(f"{out} already holds a run; add --resume to continue it or choose a new --out")
-            latest = (out / "latest").read_text().strip() if (out / "latest").exists() else None
+            latest = run_dir.latest()
             c.model = c.model or prev_run["config"]["model"]
             c.data_rows = c.data_rows or prev_run["config"].get("data_rows", "all")  # runs from before the option
-            # a setting missing from an older run.json had its default then (data_rows: all)
-            was = {
-                **{k: TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.FIXED},
-                "data_rows": "all",
-                **prev_run["config"],
-            }
-            changed = [k for k in TrainConfig.FIXED if was.get(k) != getattr(c, k)]
-            if changed:
-                what = ", ".join(f"{k}: {was.get(k)!r} -> {getattr(c, k)!r}" for k in changed)
-                raise UsageError(f"--resume with different settings ({what}); use the run's settings or a new --out")
+            check_resume_settings(prev_run["config"], c, TrainConfig.FIXED, TrainConfig.FORMER_DEFAULTS)
         elif c.resume and out.exists() and any(out.iterdir()):
             raise UsageError(
                 f"{out} is not a looplm run (no run.json); resume needs a run directory written by "
@@ -508,7 +496,7 @@ class Trainer(Checkpoints):
         """Turn --budget-minutes into a step count from the steps just timed; every process takes the main
         process's count, and run.json keeps it for --resume."""
         left = self.cfg.budget_minutes * 60 - elapsed
-        total = torch.tensor([max(step, step + int(left / seconds_per_step))], device=self.acc.device)
+        total = torch.tensor([steps_to_fill(step, left, seconds_per_step)], device=self.acc.device)
         from accelerate.utils import broadcast
 
         self.max_steps = int(broadcast(total, from_process=0).item())
@@ -517,9 +505,8 @@ class Trainer(Checkpoints):
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
         if self.acc.is_main_process:
-            run = json.loads((Path(self.cfg.out) / "run.json").read_text())
-            run.update(max_steps=self.max_steps, budget_fixed=True)
-            write_json_atomic(Path(self.cfg.out) / "run.json", run)
+            run_dir = RunDir(self.cfg.out)
+            run_dir.write_settings({**run_dir.settings(), "max_steps": self.max_steps, "budget_fixed": True})
             self.log(
                 f"budget: {seconds_per_step:.2f} s per step, {self.max_steps} steps fill "
                 f"{self.cfg.budget_minutes:g} minutes"
@@ -552,15 +539,14 @@ class Trainer(Checkpoints):
         if self.latest:
             step, tokens, elapsed = self._load(out / "checkpoints" / self.latest)
             self.log(f"resumed {out} at step {step} ({tokens:,} tokens)")
+        run_dir = RunDir(out)
         if acc.is_main_process:
             created = not out.exists()
-            (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-            for stale in (out / "checkpoints").glob(".*tmp*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            truncate_metrics(out / "metrics.jsonl", step)
+            run_dir.open()
+            # the records up to the checkpoint: a resumed run writes those after it again
+            run_dir.truncate(lambda r: r.get("step", 0) < step or (r.get("step", 0) == step and step > 0))
             if self.prev_run is None:
-                write_json_atomic(
-                    out / "run.json",
+                run_dir.write_settings(
                     {
                         "config": {f.name: getattr(c, f.name) for f in fields(c)},
                         "arch": arch_fingerprint(self.model.config),
@@ -646,7 +632,7 @@ class Trainer(Checkpoints):
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tok_per_s']:.0f}")
                 if acc.is_main_process and (step % c.log_every == 0 or step == self.max_steps):
-                    append_metrics(out / "metrics.jsonl", rec, tb)
+                    run_dir.append(rec, tb)
                 if c.eval_every and (step % c.eval_every == 0 or step == self.max_steps):
                     self._log_eval(out, tb, step, tokens)
                 if (c.save_every and step % c.save_every == 0) or step == self.max_steps:
@@ -709,7 +695,7 @@ class Trainer(Checkpoints):
         out = {"eval_tokens": int(count)}
         for i, l in enumerate(losses, start=1):
             out[f"eval_loss_{i}"] = l
-            out[f"ppl_{i}"] = math.exp(min(l, 50))
+            out[f"ppl_{i}"] = perplexity(l)
         return out
 
     def _log_eval(self, out, tb, step, tokens):
@@ -717,7 +703,7 @@ class Trainer(Checkpoints):
         if ev is None:
             return
         if self.acc.is_main_process:
-            append_metrics(out / "metrics.jsonl", {"step": step, "tokens": tokens, "eval": True, **ev}, tb)
+            append_record(out / "metrics.jsonl", {"step": step, "tokens": tokens, "eval": True, **ev}, tb)
             self.log(
                 f"held-out perplexity at step {step}: "
                 + ", ".join(f"loop {k.split('_')[1]} {v:.2f}" for k, v in ev.items() if k.startswith("ppl_"))

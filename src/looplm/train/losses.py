@@ -1,5 +1,6 @@
-"""Training objectives as small standalone functions (torchtune style): each takes logits and
-returns a scalar mean over the predicted positions. All math is done in float32.
+"""Training objectives as small standalone functions (torchtune style): each takes logits (or, for the
+hidden-state terms of healing, hidden states) and returns a scalar mean over the predicted positions. All math is
+done in float32.
 
 Shapes: ``logits`` [batch, seq, vocab] are the model's outputs at every position; position t
 predicts token t + 1, so losses use logits[:, :-1] against labels[:, 1:] (as the model's own
@@ -241,3 +242,29 @@ def objective(
         total = total + alpha * loss_i
     parts["loss"] = total
     return total, {k: v.detach() for k, v in parts.items()}
+
+
+# ----- hidden-state terms (healing): the student's states against the original's at the same depth
+
+
+def token_errors(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """||pred - target||^2 / ||target||^2 per token (float32)."""
+    err = (pred.float() - target).pow(2).sum(-1)
+    return err / target.pow(2).sum(-1).clamp_min(1e-6)
+
+
+def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of ||pred - target||^2 / ||target||^2: per token, because the next layer's norm removes
+    each token's scale, so this is the error the rest of the network sees."""
+    return token_errors(pred, target).mean()
+
+
+def relative_error_log1p(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of log(1 + relative error): the same as ``relative_error`` where a token is close
+    (error << 1), but a token far off pulls with a bounded gradient (at most 1/||target|| in its state). In the
+    end-to-end stage the student sometimes puts a massive activation on one token, a relative error in the
+    thousands at a few depths; squared, that one token sets the direction of the whole clipped step."""
+    return torch.log1p(token_errors(pred, target)).mean()
+
+
+HIDDEN_LOSSES = {"relative": relative_error, "log1p": relative_error_log1p}

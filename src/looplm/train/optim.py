@@ -1,5 +1,5 @@
-"""The optimizer every training stage uses: AdamW, fused where PyTorch has a fused kernel for the
-parameters' device.
+"""The optimizer and learning-rate schedule every training stage uses: AdamW, fused where PyTorch has a fused
+kernel for the parameters' device, and linear warm-up into a cosine decay.
 
 PyTorch's default AdamW on CPU runs each tensor through about ten elementwise operations, each its own
 OpenMP region; the fused kernel makes one pass per tensor. On an idle CPU that is a small share of a healing
@@ -10,6 +10,7 @@ on each other and the fused update is many times faster. CUDA has the fused kern
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -23,6 +24,20 @@ def adamw(params, **kwargs) -> torch.optim.AdamW:
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     fused = bool(tensors) and all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in tensors)
     return torch.optim.AdamW(params, fused=fused, **kwargs)
+
+
+def cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
+    """The learning rate's factor at ``step`` (0-based) of ``total``: linear warm-up over ``warmup`` steps, then a
+    cosine decay to ``floor``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
 
 
 class WeightAverage:

@@ -1,0 +1,138 @@
+"""`looplm heal` from top to bottom: check everything, open the run directory (or resume it), cache the original's
+states, plan the budget, then the stages in order, each skipped when a resumed run is past it; save the healed
+model, its plot and a summary."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ...errors import UsageError
+from ...util import keep_freed_host_memory, write_json_atomic
+from ..plot import plot_heal
+from ..run_dir import RunDir, check_resume_settings
+from . import plan, stages
+from .config import HealConfig, check_config
+from .inputs import load_inputs, open_cache
+from .run import HealRun, logged_by
+
+
+def prepare(cfg: HealConfig, log=print) -> HealRun:
+    """A run whose every input was read and checked; nothing written yet. Anything wrong is refused here, before
+    the run directory is touched."""
+    c = cfg
+    exit_spec = check_config(c)
+    out = Path(c.out)
+    settings = RunDir(out).settings()
+    if settings is not None:
+        if not c.resume:
+            raise UsageError(f"{out} already holds a healing run; add --resume to continue it or choose a new --out")
+        check_resume_settings(settings["config"], c, HealConfig.FIXED, HealConfig.FORMER_DEFAULTS)
+        c.model = c.model or settings["config"]["model"]
+    elif c.resume and out.exists() and any(out.iterdir()):
+        raise UsageError(f"{out} is not a healing run (no run.json); drop --resume and choose an empty --out")
+    inputs = load_inputs(c)
+    if inputs.student.config.num_loops < 2 or not c.exit_share:
+        exit_spec = None  # no intermediate exit to train (or no budget for it)
+    return HealRun(c, inputs, exit_spec, settings, log)
+
+
+def start(run: HealRun) -> None:
+    """Open the run directory and put the models on the device; a resumed run continues from its latest checkpoint
+    (or, killed before the first one, from the end of its plan)."""
+    c, inputs, progress = run.cfg, run.inputs, run.progress
+    run.run_dir.open()
+    torch.manual_seed(c.seed)
+    if inputs.device.type == "cpu":
+        keep_freed_host_memory()  # far fewer page faults an end-to-end step
+    inputs.student.to(inputs.device)
+    inputs.teacher.to(inputs.device)
+    out = run.run_dir.out
+    if run.run_dir.latest():
+        run.load(run.run_dir.latest_dir())
+        run.log(f"resumed {out} at stage {run.progress.stage} ({run.progress.time / 60:.1f} min done)")
+    elif run.settings is not None and "plan_clock" in run.settings:
+        # killed before the first checkpoint: the cache and the plan it kept were paid from the budget
+        progress.time = run.settings["plan_clock"]
+        run.log(f"resumed {out} after its plan ({progress.time / 60:.1f} min done)")
+    # the records up to the checkpoint (by their time, rounded as they hold it): a resumed run writes those after
+    # it again
+    run.run_dir.truncate(lambda r: logged_by(r, run.progress.time))
+
+
+def heal(cfg: HealConfig, log=print) -> dict:
+    run = prepare(cfg, log)
+    c, inputs, out = run.cfg, run.inputs, Path(cfg.out)
+    start(run)
+    resumed = run.run_dir.latest() is not None
+    cache_dir = Path(c.cache) if c.cache else out / "cache"
+    if run.settings is None:  # written first, so that a run killed while caching resumes with --resume
+        run.settings = {
+            "config": {f.name: getattr(c, f.name) for f in fields(c)},
+            "cache": str(cache_dir),
+            "rows": len(inputs.rows),
+        }
+        run.write_settings()
+    run.start_clock()
+    run.cache = open_cache(inputs, c, cache_dir, run.log)
+    if run.progress.stage == "cache":
+        run.progress.time = run.clock()
+    if "plan" not in run.settings:
+        seconds_left = None if c.tokens is not None else c.budget_minutes * 60 - run.clock()
+        timed = partial(plan.time_steps, inputs, run.cache, c, run.exit_spec, run.log)
+        run.settings.update(
+            plan=plan.plan_steps(c, inputs.student.config, run.exit_spec, seconds_left, timed, run.log),
+            teacher_eval=run.evaluate(inputs.teacher),
+        )
+        run.settings["plan_clock"] = round(run.clock(), 2)  # what a run killed before its first checkpoint resumes at
+        run.write_settings()
+    if c.base_weights != "float" and not resumed:
+        stages.round_base(run)  # a resumed run's checkpoint holds the rounded weights already
+    if not run.evals("converted"):
+        run.log_eval(tag="converted")
+    progress, steps_planned = run.progress, run.plan
+    if progress.stage == "cache":
+        progress.stage = "local"
+    if progress.stage == "local":
+        stages.local_stage(run)
+        progress.stage, progress.step = "e2e", 0
+        run.save()
+        run.keep_local_end()
+        if steps_planned["local_steps_per_layer"]:
+            run.log_eval(tag="local")
+    if progress.stage == "e2e":
+        if progress.step == 0 and not (out / "local-end").exists():
+            run.keep_local_end()  # killed between the save above and the copy, or started at a local end
+        stages.e2e_stage(run)
+        progress.stage, progress.step = "exit", 0
+        run.save()
+        if steps_planned["e2e_steps"] and steps_planned.get("exit_steps") and not c.e2e_average:
+            run.log_eval(tag="e2e")  # the body's final state, before the exit adapters (logged by the stage
+            # itself when it ends on a weight average)
+    if progress.stage == "exit":
+        stages.exit_stage(run)
+        progress.stage = "done"
+        run.save()
+    after_local = run.evals("local")
+    trained_after_local = steps_planned["e2e_steps"] or steps_planned.get("exit_steps")
+    final = after_local[-1] if after_local and not trained_after_local else run.log_eval(tag="final")
+    from ...models import save_model
+
+    save_model(inputs.student.cpu(), inputs.tok, out / "final")
+    plot_heal(out)
+    summary = {
+        "out": str(out),
+        "final": str(out / "final"),
+        "minutes": round(progress.time / 60, 2),
+        "tokens": progress.tokens,
+        "local_tokens": progress.local_tokens,
+        "teacher": run.settings["teacher_eval"],
+        "healed": final,
+        "exit_adapter": run.exit_spec,
+        "converted": (run.evals("converted") or [None])[0],
+    }
+    write_json_atomic(out / "heal.json", summary)
+    return summary

@@ -1,0 +1,188 @@
+"""A healing run in progress: where it is (``Progress``), its clock, and what it writes into its run directory
+(run_dir.py): metrics records, checkpoints, held-out evaluations.
+
+The run clock counts the budget: wall time since the run started (a resumed run goes on from its checkpoint's),
+evaluations not counted. Checkpoints are named stage-visit-step; besides them the local stage's end is kept as
+OUT/local-end, from which experiments start later stages again."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from ...data.ood import geometric_ratio
+from ...errors import UsageError
+from ...models.exit_adapter import add_exit_adapters
+from ...util import write_json_atomic
+from ..evaluate import heldout_rows, perplexity, score_rows
+from ..optim import WeightAverage
+from ..run_dir import RunDir
+from .config import HealConfig
+from .inputs import HealInputs
+from .steps import eager
+
+CHECKPOINTS_KEPT = 2
+
+
+@dataclass
+class Progress:
+    """Where a run is; a checkpoint's state.json."""
+
+    stage: str = "cache"  # cache, local, e2e, exit, done
+    visit: int = 0  # local visits done
+    step: int = 0  # steps done in the stage (end to end or exit)
+    time: float = 0.0  # run clock, seconds
+    tokens: int = 0  # end-to-end tokens trained on
+    local_tokens: int = 0  # tokens of the local stage's steps
+
+    @classmethod
+    def read(cls, path: Path) -> Progress:
+        saved = json.loads(path.read_text())
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+
+
+def logged_by(record: dict, seconds: float) -> bool:
+    """Whether a metrics record was written by run time ``seconds`` (a checkpoint's): records hold their time
+    rounded to 10 ms, so it is compared rounded too, or the records written at the checkpoint would be dropped."""
+    return record.get("time", 0.0) <= round(seconds, 2) + 1e-6
+
+
+class HealRun:
+    def __init__(self, cfg: HealConfig, inputs: HealInputs, exit_spec: dict | None, settings: dict | None, log):
+        self.cfg, self.inputs, self.exit_spec, self.log = cfg, inputs, exit_spec, log
+        self.run_dir = RunDir(cfg.out)
+        self.settings = settings  # run.json: None until the run writes it
+        self.progress = Progress()
+        self.cache = None  # the teacher cache, once open
+        self.eval_seconds = 0.0  # wall time of evaluations, which the budget does not count
+        self._started = time.perf_counter()
+        self._last_eval = 0.0
+
+    @property
+    def plan(self) -> dict:
+        return self.settings["plan"]
+
+    def start_clock(self) -> None:
+        """The run clock goes on from the progress's time."""
+        self._started = time.perf_counter() - self.progress.time
+        self.eval_seconds = 0.0
+
+    def clock(self) -> float:
+        return time.perf_counter() - self._started - self.eval_seconds
+
+    def write_settings(self) -> None:
+        self.run_dir.write_settings(self.settings)
+
+    # ----- records
+    def append(self, record: dict) -> None:
+        self.run_dir.append(record)
+
+    def evals(self, tag: str) -> list[dict]:
+        return [r for r in self.run_dir.records() if r.get("eval") and r.get("tag") == tag]
+
+    # ----- evaluation: held-out perplexity at every loop exit
+    @torch.no_grad()
+    @eager()
+    def evaluate(self, model) -> dict:
+        c, inputs = self.cfg, self.inputs
+        t0 = time.perf_counter()
+        rows = heldout_rows(inputs.corpus, c.eval_rows, c.seq_len)
+        if not rows:
+            raise UsageError(f"the corpus {c.data} has no held-out rows to evaluate on")
+        model.eval()
+        nll, agree, count = score_rows(model, rows, inputs.device)
+        ood = {}
+        for name, windows in inputs.ood.items():  # the final exit on text the run never heals on
+            domain_nll, _, domain_count = score_rows(model, windows, inputs.device, final_only=True)
+            ood[name] = perplexity(float(domain_nll[-1]) / domain_count)
+        self.eval_seconds += time.perf_counter() - t0
+        self._last_eval = time.perf_counter()
+        ppl = [perplexity(float(x) / count) for x in nll]
+        # top-1 agreement of each loop's exit with the final one (teacher-forced): what an oracle exit rule gets
+        return {
+            "ppl": ppl[-1],
+            "ppl_per_loop": ppl,
+            "agree_per_loop": [round(float(a) / count, 4) for a in agree],
+            "eval_tokens": count,
+            **({"ood": ood} if ood else {}),
+        }
+
+    def eval_due(self) -> bool:
+        return time.perf_counter() - self._last_eval > self.cfg.eval_every_seconds
+
+    def log_eval(self, tag: str) -> dict:
+        """Evaluate the student, append the record and say it."""
+        ev = self.evaluate(self.inputs.student)
+        teacher = self.settings["teacher_eval"]
+        if "ood" in ev and "ood" in teacher:
+            ev["ood_ratio"] = round(geometric_ratio(ev["ood"], teacher["ood"]), 4)
+        p = self.progress
+        self.append(
+            {
+                "eval": True,
+                "tag": tag,
+                **ev,
+                "time": round(p.time, 2),
+                "tokens": p.tokens,
+                "local_tokens": p.local_tokens,
+            }
+        )
+        self.log(
+            f"held-out perplexity ({tag}, {p.time / 60:.1f} min): "
+            + ", ".join(f"loop {i + 1} {x:,.2f}" for i, x in enumerate(ev["ppl_per_loop"]))
+            + f" (original {teacher['ppl']:.2f})"
+            + (f"; out of domain {ev['ood_ratio']:.3f}x the original" if "ood_ratio" in ev else "")
+        )
+        return ev
+
+    # ----- checkpoints
+    def save(self, opt=None, average: WeightAverage | None = None) -> None:
+        from ...models.checkpoint import save_checkpoint
+
+        p = self.progress
+        name = f"{p.stage}-{p.visit:03d}-{p.step:06d}"
+        tmp = self.run_dir.staging(name)
+        save_checkpoint(self.inputs.student, tmp)
+        self.inputs.tok.save_pretrained(str(tmp))
+        if opt is not None:
+            torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        if average is not None:
+            torch.save(average.state_dict(), tmp / "average.pt")
+        write_json_atomic(tmp / "state.json", asdict(p))
+        # the names (stage-visit-step) do not sort in the order written: the newest by time stay
+        self.run_dir.commit(tmp, name, keep=CHECKPOINTS_KEPT, order=lambda path: path.stat().st_mtime)
+
+    def load(self, ck: Path) -> None:
+        """The student's weights and the progress of checkpoint ``ck``."""
+        from ...models.checkpoint import load_checkpoint
+
+        if not (ck / "state.json").exists():
+            raise UsageError(f"checkpoint {ck} is incomplete; delete {self.run_dir.out / 'latest'} to start over")
+        loaded = load_checkpoint(ck)
+        student = self.inputs.student
+        if loaded.config.exit_adapter and student.exit_adapter is None:  # saved in the exit stage
+            add_exit_adapters(student, loaded.config.exit_adapter["kind"], loaded.config.exit_adapter.get("rank"))
+        student.load_state_dict(loaded.state_dict())
+        self.progress = Progress.read(ck / "state.json")
+
+    def load_optimizer(self, opt, average: WeightAverage | None) -> None:
+        """The optimizer's (and weight average's) state of the latest checkpoint, saved by a stage in progress."""
+        device = self.inputs.device
+        opt.load_state_dict(torch.load(self.run_dir.latest_dir() / "optimizer.pt", map_location=device))
+        if average is not None:
+            average.load_state_dict(torch.load(self.run_dir.latest_dir() / "average.pt", map_location=device))
+
+    def keep_local_end(self) -> None:
+        """A copy of the checkpoint at the end of the local stage, kept as OUT/local-end (the rotation deletes
+        the checkpoint itself): experiments/heal_same_local.py --from-local-end starts later stages from it."""
+        out = self.run_dir.out
+        tmp = out / ".local-end.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self.run_dir.latest_dir(), tmp)
+        shutil.rmtree(out / "local-end", ignore_errors=True)
+        tmp.rename(out / "local-end")

@@ -1,0 +1,260 @@
+"""The stages of a healing run, each resumable from its checkpoints: the rounding of the shared weights
+(``--base-weights``), the layer-local stage, and the end-to-end and exit-adapter stages, which share one step loop
+(``train_steps``)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ...models.gptq import gptq_portable, input_moments, output_error
+from ...models.quantized import dequantize, linears
+from ..optim import WeightAverage, adamw, cosine
+from . import steps
+from .plan import replan_due, replan_local, replan_stage
+from .run import HealRun
+
+BASE_CALIBRATION_ROWS = 16  # cached rows whose inputs calibrate the rounding of --base-weights
+
+
+def warmup_steps(total: int) -> int:
+    """Warm-up steps of a stage's cosine schedule: a twentieth of its steps."""
+    return max(1, total // 20)
+
+
+@torch.no_grad()
+def round_base(run: HealRun) -> None:
+    """Round every shared weight to ``--base-weights`` by GPTQ (models/gptq.py), calibrated on the first
+    cached training rows, as `looplm quantize --calib-data` would round it: serving the healed model with
+    those weights then rounds nothing new (a weight on its grid rounds to itself), and the training after
+    this learns around the rounding."""
+    c, inputs = run.cfg, run.inputs
+    model = inputs.student
+    n = min(BASE_CALIBRATION_ROWS, len(inputs.rows))
+    t0 = time.perf_counter()
+    moments = input_moments(model, run.cache.tokens(inputs.corpus, np.arange(n)).to(inputs.device))
+    errors = []
+    for name, lin in linears(model):
+        h = sum(moments[name].values())
+        t = gptq_portable(lin.weight, h, c.base_weights)
+        errors.append(output_error(lin.weight, t, h))
+        lin.weight.copy_(dequantize(t).to(lin.weight))
+    run.log(
+        f"shared weights rounded to {c.base_weights} (GPTQ on {n} cached rows, mean relative output error "
+        f"{sum(errors) / len(errors):.4f}) in {time.perf_counter() - t0:.0f} s; they stay frozen"
+    )
+
+
+def local_stage(run: HealRun) -> None:
+    """Each shared layer alone (``--local-mode parallel``), or each depth in order on the student's own inputs
+    (``sequential``), for the planned steps of each visit; a checkpoint after every visit."""
+    from tqdm import tqdm
+
+    c, p, inputs, progress = run.cfg, run.plan, run.inputs, run.progress
+    model, cache, n_rows = inputs.student, run.cache, len(inputs.rows)
+    cfg = model.config
+    K, L = cfg.num_shared_layers, cfg.num_hidden_layers
+    per_visit = p["local_steps_per_visit"]
+    if per_visit == 0:
+        return
+    sequential = c.local_mode == "sequential"
+    order = list(range(L)) if sequential else list(range(K))
+    states: dict[int, torch.Tensor] = {}  # sequential: the student's inputs of the depths reached
+    if sequential and progress.visit > 0:
+        # resume: recompute the student's inputs of the depths already reached
+        h = steps.first_inputs(cache, n_rows)
+        for d in range(progress.visit):
+            states[d] = h
+            h = steps.propagate(model, d, h, inputs.autocast, inputs.device)
+        states[progress.visit] = h
+    if c.compile:
+        steps.compile_layers(model)
+    model.requires_grad_(False)
+    counts = p.setdefault("local_steps_by_visit", [per_visit] * len(order))  # replan_local changes the rest
+    bar = tqdm(
+        total=sum(counts),
+        initial=sum(counts[: progress.visit]),
+        desc="heal: local",
+        unit="step",
+        disable=not c.progress,
+    )
+    rng = np.random.default_rng(c.seed + 1)
+    try:
+        for v in range(progress.visit, len(order)):
+            started, d = run.clock(), order[v]
+            layer = cfg.layer_map[d] if sequential else d
+            if sequential:
+                if d == 0:
+                    states[0] = steps.first_inputs(cache, n_rows)
+                elif d not in states:
+                    states[d] = steps.propagate(model, d - 1, states[d - 1], inputs.autocast, inputs.device)
+            block = model.model.layers[layer]
+            opt = adamw(steps.unfreeze(block, c.base_weights), lr=c.local_lr, weight_decay=0.0)
+            first = last = None
+            for s in range(counts[v]):
+                idx = rng.choice(n_rows, size=c.local_batch, replace=False)
+                lr = c.local_lr * cosine(s, counts[v], warmup_steps(counts[v]))
+                loss = steps.local_step(
+                    model, layer, cache, idx, opt, states, lr, inputs.autocast, inputs.device, c.grad_clip
+                )
+                first = loss if first is None else first
+                last = loss
+                progress.local_tokens += c.local_batch * c.seq_len
+                bar.update(1)
+                bar.set_postfix(depth=d, layer=layer, err=f"{loss:.4f}")
+            block.requires_grad_(False)
+            progress.visit = v + 1
+            progress.time = run.clock()
+            if "local_end_seconds" in p and v + 1 < len(order) and counts[v]:
+                seconds_per_step = (progress.time - started) / counts[v]
+                replan_local(p, v + 1, seconds_per_step, run.clock(), c, K, run.log)
+                run.write_settings()
+                bar.total = sum(counts)
+            run.append(
+                {
+                    "stage": "local",
+                    "visit": v + 1,
+                    "depth": d,
+                    "layer": layer,
+                    "err_first": first,
+                    "err_last": last,
+                    "time": round(progress.time, 2),
+                    "local_tokens": progress.local_tokens,
+                    "tokens": progress.tokens,
+                }
+            )
+            run.save()
+            if run.eval_due() and v + 1 < len(order):  # the stage's end is evaluated by the recipe
+                run.log_eval(tag="local")
+    finally:
+        bar.close()
+    model.requires_grad_(False)
+
+
+def e2e_stage(run: HealRun) -> None:
+    c, inputs = run.cfg, run.inputs
+    total = run.plan["e2e_steps"]
+    if total == 0:
+        return
+    if c.compile:
+        steps.compile_layers(inputs.student, inputs.teacher)
+    inputs.student.train()
+    train_steps(
+        run,
+        "e2e",
+        "heal: end to end",
+        steps.body_params(inputs.student, c.base_weights),
+        c.e2e_lr,
+        lambda *a: steps.e2e_step(inputs, run.cache, c, *a),
+        total,
+        tokens_per_step=c.e2e_batch * c.seq_len,
+        evaluate=True,
+        average=c.e2e_average,
+    )
+    inputs.student.eval()
+
+
+def exit_stage(run: HealRun) -> None:
+    c, inputs = run.cfg, run.inputs
+    total = run.plan.get("exit_steps", 0)
+    if not total:
+        return
+    with steps.eager():
+        params = steps.exit_params(inputs.student, run.exit_spec)
+        train_steps(
+            run,
+            "exit",
+            "heal: exit adapters",
+            params,
+            c.exit_lr,
+            lambda *a: steps.exit_step(inputs, run.cache, c, *a),
+            total,
+        )
+    inputs.student.requires_grad_(False)
+
+
+def train_steps(
+    run: HealRun,
+    stage: str,
+    desc: str,
+    params,
+    base_lr: float,
+    step_fn,
+    total: int,
+    tokens_per_step: int = 0,
+    evaluate: bool = False,
+    average: float = 0.0,
+) -> None:
+    """The step loop of the end-to-end and exit stages: AdamW on ``params`` (its state restored on resume), a
+    cosine schedule over ``total`` steps, ``step_fn(model, step, opt, lr) -> record`` each step, a JSONL record
+    per step, a checkpoint every ``save_every_seconds`` and, with ``evaluate``, held-out evaluations on their
+    schedule. Under a time budget the step count is fixed again at the ``replan_due`` steps. With ``average`` (a
+    decay), an exponential moving average of ``params`` is kept beside them (``WeightAverage``), evaluated beside
+    them (tag ``<stage>-average``), and copied into them when the stage ends."""
+    from tqdm import tqdm
+
+    c, model, progress = run.cfg, run.inputs.student, run.progress
+    replan = bool(c.budget_minutes)
+    opt = adamw(params, lr=base_lr, weight_decay=0.0)
+    avg = WeightAverage(params, average) if average else None
+    if progress.step > 0:
+        run.load_optimizer(opt, avg)
+    first = progress.step
+    bar = tqdm(total=total, initial=progress.step, desc=desc, unit="step", disable=not c.progress)
+    last_save = time.perf_counter()
+    mark = (progress.step, run.clock())  # the steps since the last fix time the next one
+    warming_up = True
+    replanned_at = run.plan.setdefault(f"{stage}_replanned_at", [])  # replan_stage appends to it
+    try:
+        while progress.step < total:
+            s = progress.step
+            if replan and replan_due(s, total, replanned_at) and s > mark[0]:
+                total = replan_stage(
+                    run.plan, stage, s, (run.clock() - mark[1]) / (s - mark[0]), run.clock(), c, run.log
+                )
+                run.write_settings()
+                mark = (s, run.clock())
+                bar.total = total
+            lr = base_lr * cosine(s, total, warmup_steps(total))
+            rec = step_fn(model, s, opt, lr)
+            if avg is not None:
+                avg.update()
+            if warming_up:  # this process's first step (compiling, first allocations) is not timed
+                mark, warming_up = (s + 1, run.clock()), False
+            progress.step = s + 1
+            progress.tokens += tokens_per_step
+            progress.time = run.clock()
+            bar.update(1)
+            bar.set_postfix(kd=f"{rec.get('kd', rec['loss']):.3f}")
+            run.append(
+                {
+                    "stage": stage,
+                    "step": s + 1,
+                    "lr": lr,
+                    **rec,
+                    "time": round(progress.time, 2),
+                    "tokens": progress.tokens,
+                    "local_tokens": progress.local_tokens,
+                }
+            )
+            if time.perf_counter() - last_save > c.save_every_seconds and progress.step < total:
+                run.save(opt, avg)
+                last_save = time.perf_counter()
+            if evaluate and run.eval_due() and progress.step < total:
+                model.eval()
+                run.log_eval(tag=stage)
+                if avg is not None:
+                    with avg.swapped_in():
+                        run.log_eval(tag=f"{stage}-average")
+                model.train()
+    finally:
+        bar.close()
+    if avg is not None and progress.step > first:  # the weights' own end, then the average the stage
+        # ends on (a run resumed from the stage's last checkpoint has both logged and the average in place)
+        model.eval()
+        run.log_eval(tag=stage)
+        avg.copy_in()
+        run.log_eval(tag=f"{stage}-average")
+    run.save(opt, avg)

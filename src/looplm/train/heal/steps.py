@@ -1,0 +1,220 @@
+"""The step math of healing, as plain functions: what each stage trains, its loss on one batch, and the update.
+
+- ``local_loss``: one shared layer, at every depth tied to it, maps the original's (or, sequential, the
+  student's own) input at that depth onto the original's output there; the mean per-token relative error.
+- ``e2e_loss``: forward KL of the final output from the original's, plus ``hidden_weight`` x the mean per-depth
+  hidden-state error, plus ``exit_weight`` x forward KL of every intermediate loop exit against its target.
+- ``exit_loss``: every intermediate exit learns the model's own final output, the body frozen.
+
+Every step is ``update(opt, loss, params, lr, clip)`` after its loss.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...convert.recursive import tied_depths
+from ...models.decoder import attention_masks
+from ...models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter
+from ...models.quantized import linears
+from ..losses import HIDDEN_LOSSES, head_kd_loss, kd_loss, relative_error
+from ..optim import set_lr
+from ..teacher_cache import TeacherCache
+from .config import HealConfig
+from .inputs import step_batch
+
+
+def eager():
+    """Layers compiled by ``--compile`` run eagerly within this context (or a function it decorates): the
+    evaluations and the exit stage, whose graphs (no autograd, float32) would each cost a compile."""
+    return torch.compiler.set_stance("force_eager")
+
+
+def compile_layers(*models) -> None:
+    """``--compile``: each layer of ``models`` through torch.compile (regional: the layers are one class, so one
+    compiled code serves every layer and depth, its parameters graph inputs). Inductor fuses the elementwise
+    work around the matmuls (norms, rotary, LoRA sums, residuals, casts) in the forward and backward passes;
+    the distillation loss's softmax math is compiled too (``head_kd_loss(compiled=True)``, in ``exit_kd``).
+    The plan compiles a copy's layers first (``time_steps``); the code is shared, so the stages find it
+    ready. The local stage's batch (4 rows) and the end-to-end stage's (2) differ: dynamo makes the batch
+    dimension dynamic at the second, which runs no slower. Evaluations, the exit stage and sequential
+    propagation stay eager (``eager``)."""
+    for model in models:
+        for layer in model.model.layers:
+            if getattr(layer, "_compiled_call_impl", None) is None:
+                layer.compile()
+
+
+# ----- what trains
+
+
+def unfreeze(module, base_weights: str) -> list[torch.nn.Parameter]:
+    """``module``'s parameters made trainable and returned, except the shared weights when they were rounded
+    (``--base-weights``): those stay frozen on their grid, and the LoRA, norms and biases learn around them."""
+    module.requires_grad_(True)
+    if base_weights != "float":
+        for _, lin in linears(module):
+            lin.weight.requires_grad_(False)
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def body_params(model, base_weights: str) -> list[torch.nn.Parameter]:
+    """What the end-to-end stage trains: the layers (embeddings, final norm and head stay the original's)."""
+    model.requires_grad_(False)
+    return unfreeze(model.model.layers, base_weights)
+
+
+def exit_params(model, exit_spec: dict) -> list[torch.nn.Parameter]:
+    """What the exit stage trains: an adapter per intermediate exit, added, everything else frozen."""
+    add_exit_adapters(model, exit_spec["kind"], exit_spec.get("rank"))
+    return freeze_all_but_exit_adapter(model)
+
+
+def update(opt, loss: torch.Tensor, params, lr: float, clip: float) -> None:
+    """One optimizer step on ``loss`` at ``lr``, the gradient of ``params`` clipped to norm ``clip``."""
+    set_lr(opt, lr)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+
+
+# ----- layer-local
+
+
+def run_depth(model, d: int, h: torch.Tensor) -> torch.Tensor:
+    """Depth ``d`` of ``model`` alone on states ``h`` [rows, seq, hidden]."""
+    cfg = model.config
+    rows, seq = h.shape[0], h.shape[1]
+    pos = torch.arange(seq, device=h.device)[None].expand(rows, -1)
+    tables = model.model.rotary(pos, torch.float32)
+    masks = attention_masks(set(cfg.depth_attention), rows, seq, 0, None, cfg.sliding_window_size, h.device)
+    kind = cfg.depth_attention[d]
+    cos, sin = tables[kind]
+    return model.model.layers[cfg.layer_map[d]](h, cfg.slot_map[d], cos, sin, masks[kind], None, d)
+
+
+def local_loss(model, layer: int, cache: TeacherCache, idx, inputs: dict, autocast, device) -> torch.Tensor:
+    """The mean over the depths tied to shared layer ``layer`` of its relative error on cache rows ``idx``.
+    ``inputs[d]`` holds the student's inputs of a depth already reached (sequential mode)."""
+    depths = tied_depths(model.config)[layer]
+    loss = 0.0
+    for d in depths:
+        x = inputs[d][idx].float() if d in inputs else cache.inputs(d, idx)
+        y = cache.outputs(d, idx).to(device)
+        with autocast():
+            pred = run_depth(model, d, x.to(device))
+        loss = loss + relative_error(pred, y) / len(depths)
+    return loss
+
+
+def local_step(model, layer: int, cache, idx, opt, inputs: dict, lr: float, autocast, device, clip: float) -> float:
+    loss = local_loss(model, layer, cache, idx, inputs, autocast, device)
+    update(opt, loss, model.model.layers[layer].parameters(), lr, clip)
+    return float(loss.detach())
+
+
+@torch.no_grad()
+@eager()
+def propagate(model, d: int, h: torch.Tensor, autocast, device) -> torch.Tensor:
+    """The student's states after depth d for every cached row (in chunks), bfloat16 on the host."""
+    out = torch.empty_like(h)
+    for s in range(0, h.shape[0], 8):
+        with autocast():
+            out[s : s + 8] = run_depth(model, d, h[s : s + 8].float().to(device)).to(torch.bfloat16).cpu()
+    return out
+
+
+def first_inputs(cache: TeacherCache, rows: int) -> torch.Tensor:
+    """Every cached row's input of depth 0 (the embeddings), bfloat16 on the host: where propagation starts."""
+    return cache.boundary(0, np.arange(rows)).to(torch.bfloat16)
+
+
+# ----- end to end and exits
+
+
+def exit_kd(model, h: torch.Tensor, loop: int | None, target_z, target_model, autocast, compiled: bool):
+    """Forward KL of ``model``'s exit after ``loop`` (None: the final output) from state ``h`` against
+    ``target_model``'s plain head on its final-normed states ``target_z``. The head is fused into the
+    loss (head_kd_loss: no [rows, vocab] logits kept for the backward pass) unless an adapter changes
+    the exit's logits themselves."""
+    softcap = model.config.final_logit_softcap
+    with autocast():
+        if model.exit_logits_are_head(loop):
+            return head_kd_loss(
+                model.exit_states(h, loop),
+                model.lm_head.weight,
+                target_z,
+                target_model.lm_head.weight,
+                softcap=softcap,
+                compiled=compiled,
+            )
+        logits = model.exit_logits(h, loop)
+    target = target_z @ target_model.lm_head.weight.t()
+    target = target if softcap is None else torch.tanh(target / softcap) * softcap
+    return kd_loss(logits, target)
+
+
+def e2e_loss(model, teacher, ids, boundary, c: HealConfig, autocast) -> tuple[torch.Tensor, dict]:
+    """The end-to-end loss on rows ``ids`` (``boundary(b)``: the original's states at layer boundary b) and its
+    parts."""
+    cfg = model.config
+    L, K = cfg.num_hidden_layers, cfg.num_shared_layers
+    with torch.no_grad():
+        teacher_z = teacher.exit_states(boundary(L))
+    with autocast():
+        _, depth_states, _ = model.model(ids, output_depth_states=True)
+    parts = {"kd": exit_kd(model, depth_states[-1], None, teacher_z, teacher, autocast, c.compile)}
+    loss = parts["kd"]
+    if c.hidden_weight:
+        # The state after an intermediate loop is an exit too: with an exit term it is left free to
+        # become predictive instead of copying the original's mid-network state.
+        matched = [d for d in range(L) if not (c.exit_weight and (d + 1) % K == 0 and d < L - 1)]
+        error = HIDDEN_LOSSES[c.hidden_loss]
+        hid = sum(error(depth_states[d], boundary(d + 1)) for d in matched) / len(matched)
+        parts["hidden"] = hid
+        loss = loss + c.hidden_weight * hid
+    if c.exit_weight and cfg.num_loops > 1:
+        # "final": each exit learns the student's own full-depth output, the one its tokens must agree with
+        target_z, target = (
+            (teacher_z, teacher)
+            if c.exit_target == "teacher"
+            else (model.exit_states(depth_states[-1]).detach(), model)
+        )
+        for i in range(1, cfg.num_loops):
+            parts[f"kd_exit{i}"] = exit_kd(model, depth_states[i * K - 1], i - 1, target_z, target, autocast, c.compile)
+            loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
+    return loss, parts
+
+
+def exit_loss(model, ids, autocast, compiled: bool) -> tuple[torch.Tensor, dict]:
+    """Every intermediate exit's forward KL from the model's own final output, the body run without gradients."""
+    with torch.no_grad(), autocast():
+        _, states, _ = model.model(ids, output_loop_states=True)
+        target = model.exit_states(states[-1])
+    parts = {
+        f"exit{i + 1}": exit_kd(model, states[i], i, target, model, autocast, compiled) for i in range(len(states) - 1)
+    }
+    return sum(parts.values()) / len(parts), parts
+
+
+def logged(loss: torch.Tensor, parts: dict) -> dict:
+    """A step's record: the loss and its parts as floats."""
+    return {"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in parts.items()}}
+
+
+def e2e_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> dict:
+    """End-to-end step ``step`` (its rows: ``step_batch``) of ``model`` with ``opt`` at ``lr``."""
+    ids, boundary = step_batch(inputs, cache, c, step, "e2e")
+    loss, parts = e2e_loss(model, inputs.teacher, ids, boundary, c, inputs.autocast)
+    update(opt, loss, [p for p in model.parameters() if p.requires_grad], lr, c.grad_clip)
+    return logged(loss, parts)
+
+
+def exit_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> dict:
+    """Exit-adapter step ``step``: only the adapters learn (``exit_params``)."""
+    ids, _ = step_batch(inputs, cache, c, step, "exit")
+    loss, parts = exit_loss(model, ids, inputs.autocast, c.compile)
+    update(opt, loss, model.exit_adapter.parameters(), lr, c.grad_clip)
+    return logged(loss, parts)
