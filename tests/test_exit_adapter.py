@@ -286,6 +286,7 @@ def test_perplexity_per_loop_uses_the_adapter():
     assert adapted["per_loop"][0]["perplexity"] == pytest.approx(float(torch.exp(nll / (11 * 5))), rel=1e-5)
 
 
+@pytest.mark.real
 def test_lm_eval_static_exits_and_exit_rules_use_the_adapter(smollm2_tokenizer):
     """The lm-eval model scores loop 1 with loop 1's adapter (= forward(num_loops=1), which applies it),
     through the static exit, the exit rule and greedy generation; without the adapter the scores differ."""

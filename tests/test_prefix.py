@@ -330,6 +330,7 @@ def test_engine_early_exits_with_prefixes(kv_mode):
 # --- the command ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.real
 def test_cli_convert_prefix_info_and_generate(hf_dir, tmp_path):
     out = tmp_path / "prefix"
     result = json.loads(
@@ -381,6 +382,7 @@ def test_cli_convert_prefix_info_and_generate(hf_dir, tmp_path):
         (["--prefix-length", "8"], "--prefix-length needs --relax prefix"),
     ],
 )
+@pytest.mark.real
 def test_cli_bad_prefix_input(hf_dir, tmp_path, args, message):
     out = tmp_path / "never"
     proc = run_cli("convert", hf_dir, "--out", out, "--scored-tokens", "0", *args, check=False)

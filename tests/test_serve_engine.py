@@ -429,3 +429,110 @@ def test_entropy_policy_fires_in_the_engine(models):
     """At a threshold above any entropy the vocabulary allows (log V), every decoded token leaves after loop 1."""
     engine, reqs = run(models["relaxed"], prompts(), [8] * 6, "depth", exit_policy=ExitPolicy("entropy", 100.0))
     assert engine.stats["exits_per_loop"][0] == sum(len(r.output) - 1 for r in reqs) > 0
+
+
+class _RecordKV:
+    """A cache for the model's own forward (transformers' ``update(k, v, layer)`` interface) that keeps the keys and
+    values each depth wrote: the reference of what a depth caches, computed without the engine."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def update(self, k, v, depth):
+        self.kv[depth] = (k[0], v[0])  # [KV, t, d]
+        return k, v
+
+    def get_seq_length(self):
+        return 0
+
+
+@pytest.mark.parametrize("name", ["relaxed", "relaxed4", "gemma_relaxed"])
+def test_kv_copy_fills_skipped_depths_with_the_loop_1_state_projected(models, name):
+    """kv mode ``copy`` by its definition (engine.py): a token that leaves after loop 1 gets, at every depth it
+    skipped, the keys and values that depth computes from the token's loop-1 output. The reference is the model's
+    own forward, not the engine: loop 1 run over the same tokens gives the loop-1 states (exact in the engine too,
+    since every token runs loop 1), and each skipped depth's block, run on those states with a recording cache,
+    gives the keys and values it would store. Prompt positions (full depth) and loop-1 depths hold the full
+    forward's own keys and values; the copied entries are not those (the full depth's) at the deeper depths."""
+    model = models[name]
+    c = model.config
+    K, L = c.num_shared_layers, c.num_hidden_layers
+    prompt, n = prompts()[1], 8
+    engine = Engine(model, max_batch=1, max_seq_len=64, exit_policy=ExitPolicy("softmax", 0.0), kv_mode="copy")
+    req = Request(prompt, n)
+    replay(make_scheduler("depth", engine), [req])
+    assert req.status == "done" and req.exit_loops == [c.num_loops] + [1] * (n - 1)
+    assert engine.stats["kv_copy_tokens"] == n - 1
+    P = len(prompt)
+    ids = torch.tensor([prompt + req.output[:-1]])  # every position the engine ran (the last token never is)
+    T = ids.shape[1]
+    full = _RecordKV()
+    with torch.no_grad():
+        _, states, _ = model.model(ids, past_key_values=full, output_loop_states=True)
+        h1 = states[0]  # loop 1's output at every position
+        tables = model.model.rotary(torch.arange(T)[None], h1.dtype)
+        copied = _RecordKV()
+        for d in range(K, L):
+            cos, sin = tables[c.depth_attention[d]]
+            model.model.layers[c.layer_map[d]](h1, c.slot_map[d], cos, sin, None, copied, d)
+    R = engine.cache.num_rows
+    got = lambda d: (engine.cache.k[d * R, :, :T], engine.cache.v[d * R, :, :T])  # noqa: E731 (row 0: the only one)
+    close = dict(rtol=1e-4, atol=1e-4)
+    for d in range(L):
+        (k, v), (fk, fv) = got(d), full.kv[d]
+        torch.testing.assert_close(k[:, :P], fk[:, :P], **close)  # the prompt ran every depth
+        torch.testing.assert_close(v[:, :P], fv[:, :P], **close)
+        if d < K:  # loop 1 is exact for every token
+            torch.testing.assert_close(k, fk, **close)
+            torch.testing.assert_close(v, fv, **close)
+        else:  # the decoded tokens left after loop 1: their entries are the loop-1 state projected
+            ck, cv = copied.kv[d]
+            torch.testing.assert_close(k[:, P:], ck[:, P:], **close)
+            torch.testing.assert_close(v[:, P:], cv[:, P:], **close)
+    # the first skipped depth reads loop 1's output in the full forward too; the last (a depth further on) does
+    # not, so there the copy differs from the full depth's entries (which kv mode ``later`` would hold)
+    torch.testing.assert_close(got(K)[0][:, P:], full.kv[K][0][:, P:], **close)
+    assert (got(L - 1)[1][:, P:] - full.kv[L - 1][1][:, P:]).abs().max() > 1e-2
+
+
+def test_entropy_policy_splits_tokens_at_the_threshold_by_entropies_worked_by_hand(models):
+    """An entropy threshold between the loop-1 entropies of a run: some tokens leave after loop 1 and some do not,
+    each exactly where its loop-1 distribution's entropy -sum p ln p (computed here in float64 from the model's own
+    forward, not by the policy) is <= the threshold. kv mode ``later`` keeps every cache entry exact, so a token
+    that stays is the full forward's argmax and one that leaves is loop 1's."""
+    model, ps = models["relaxed"], prompts()
+    n = 10
+
+    def loop_logits(p, out):
+        with torch.no_grad():
+            ids = torch.tensor([p + out[:-1]])
+            _, states, _ = model.model(ids, output_loop_states=True)
+            first = model.exit_logits(states[0], 0)[0, len(p) - 1 :].double()
+            last = model(ids).logits[0, len(p) - 1 :].double()
+        return first, last
+
+    def entropy(logits):
+        logp = logits.log_softmax(-1)
+        return -(logp.exp() * logp).sum(-1)
+
+    # the threshold: in the middle half of the decoded tokens' loop-1 entropies of a full-depth run, the middle of
+    # the widest gap between two of them (tokens the exits do not change keep their entropies)
+    full = [full_depth_greedy(model, p, n) for p in ps]
+    ents = torch.cat([entropy(loop_logits(p, o)[0])[1:] for p, o in zip(ps, full)]).sort().values
+    mid = ents[len(ents) // 4 : 3 * len(ents) // 4]
+    gap = int((mid[1:] - mid[:-1]).argmax())
+    thr = float(mid[gap] + mid[gap + 1]) / 2
+    engine, reqs = run(model, ps, [n] * len(ps), "depth", exit_policy=ExitPolicy("entropy", thr), kv_mode="later")
+    left = stayed = 0
+    for p, r in zip(ps, reqs):
+        assert r.status == "done" and len(r.output) == n and r.exit_loops[0] == 2  # prompts never exit
+        first, last = loop_logits(p, r.output)
+        ent = entropy(first)[1:]  # token j >= 1 was decided after loop 1 of the token before it
+        assert (ent - thr).abs().min() > 1e-4  # no token so close to the threshold that rounding could decide it
+        want_exit = (ent <= thr).tolist()
+        assert [e == 1 for e in r.exit_loops[1:]] == want_exit
+        for j, leaves in enumerate(want_exit, start=1):
+            assert r.output[j] == int((first if leaves else last)[j].argmax())
+        left, stayed = left + sum(want_exit), stayed + len(want_exit) - sum(want_exit)
+    assert left >= 5 and stayed >= 5
+    assert engine.stats["exits_per_loop"][0] == left

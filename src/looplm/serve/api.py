@@ -8,6 +8,7 @@ from typing import Literal
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # --- errors in OpenAI's shape ----------------------------------------------------------------------
 
@@ -32,6 +33,28 @@ class APIError(Exception):
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+# A request body larger than this gets 413 (`looplm serve --max-body-bytes`). 1 MiB holds a prompt of any context the
+# server allows (a 32k-token prompt is about 150 KB of text, or about 250 KB as a list of token ids).
+MAX_BODY_BYTES = 1 << 20
+
+
+def body_too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is {size} bytes; this server accepts at most {limit} bytes: send a shorter prompt "
+        "(or fewer messages), or start the server with a larger --max-body-bytes",
+        code="request_too_large",
+    )
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while a request body is read once it passes the limit; the app answers with ``error``."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.message)
+        self.error = error
 
 
 # Union-typed fields give one pydantic error per alternative; say what is accepted instead.

@@ -72,9 +72,16 @@ def run_trace(
     policy: ExitPolicy | None = None,
     kv_mode: str = "copy",
     compile: bool = False,
+    speculate: str = "off",
 ) -> tuple[dict, list[Request], Engine]:
     engine = Engine(
-        model, max_batch=max_batch, max_seq_len=max_seq_len, exit_policy=policy, kv_mode=kv_mode, compile=compile
+        model,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        exit_policy=policy,
+        kv_mode=kv_mode,
+        compile=compile,
+        speculate=speculate,
     )
     compile_s = warm_up(engine)  # compiled graphs are built before the clock starts
     reqs = [Request(r["prompt"], r["max_tokens"], arrival=r["arrival"]) for r in trace]
@@ -108,6 +115,11 @@ def run_trace(
         "kv_later_items": stats["kv_later_items"],
         "failed": sum(r.status == "error" for r in reqs),
     }
+    if speculate != "off":
+        s = stats
+        fig["speculate"] = speculate
+        fig["acceptance_rate"] = round(s["spec_accepted"] / s["spec_drafted"], 4) if s["spec_drafted"] else None
+        fig["mean_accepted_length"] = round(s["spec_tokens"] / s["spec_rounds"], 3) if s["spec_rounds"] else None
     if compile:
         fig["compile_seconds"] = round(compile_s, 1)
     return fig, reqs, engine
@@ -340,6 +352,14 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
             ("sequence", vanilla, "sequence", None, "copy"),
             ("depth", looped, "depth", policy, args.kv_mode),
         ]
+        spec = getattr(args, "speculate", "off")
+        if spec != "off":  # the same trace, the same tokens as full depth, in speculative rounds
+            plan.append(
+                ("sequence_speculative", vanilla, "sequence", None, "copy", "context" if spec != "loop1" else "off")
+            )
+            plan.append(("looped_speculative", looped, "sequence", None, "copy", spec))
+            plan.append(("looped_sequence_full_depth", looped, "sequence", None, "copy"))
+            plan = [pl for pl in plan if pl[-1] != "off"]
         if arrival == "all":
             plan.append(("depth_oracle", looped, "depth", parse_policy("oracle"), "copy"))
             if args.extra:
@@ -348,9 +368,18 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                     ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
                     ("looped_depth_full_depth", looped, "depth", None, "copy"),
                 ]
-        for name, model, sched, pol, kv in plan:
+        plan = list({pl[0]: pl for pl in plan}.values())  # a run named twice runs once
+        for name, model, sched, pol, kv, *sp in plan:
             fig, reqs, _ = run_trace(
-                model, trace, sched, args.max_batch, max_seq_len, pol, kv, getattr(args, "compile", False)
+                model,
+                trace,
+                sched,
+                args.max_batch,
+                max_seq_len,
+                pol,
+                kv,
+                getattr(args, "compile", False),
+                sp[0] if sp else "off",
             )
             if model is looped:
                 fig["agreement"] = round(agreement(looped, reqs), 4)
@@ -363,6 +392,11 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
                 f"rss {fig['peak_rss_mb']:.0f} MB  weights {fig['weights_mb']:.0f} MB  "
                 f"exits/loop {fig['exits_per_loop']}"
                 + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else "")
+                + (
+                    f"  acceptance {fig['acceptance_rate']}, {fig['mean_accepted_length']} tokens/verification"
+                    if "speculate" in fig
+                    else ""
+                )
             )
         block = {
             "schedulers": {

@@ -91,3 +91,13 @@ class KVCache:
         """k, v [1, KV, P + length, d] of one flat row (a view, no copy)."""
         n = self.prefix_len + length
         return self.k[flat_row : flat_row + 1, :, :n], self.v[flat_row : flat_row + 1, :, :n]
+
+    def truncate(self, row: int, start: int, end: int | None = None) -> None:
+        """Roll row ``row`` back to ``start`` tokens: zero token positions [start, end) (default: to the end) at
+        every depth. Speculative decoding calls it for drafted positions the verifier rejected. Attention never
+        reads a position beyond its reader's own, so this keeps an invariant (the row holds exactly the tokens
+        committed so far) rather than the tokens themselves."""
+        P = self.prefix_len
+        stop = P + (self.max_len if end is None else end)
+        self.k[row :: self.num_rows, :, P + start : stop] = 0
+        self.v[row :: self.num_rows, :, P + start : stop] = 0

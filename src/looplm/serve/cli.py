@@ -146,6 +146,29 @@ def _engine_args(p, converts_at_load: bool = True) -> None:
         add_allow_unhealed(p)
 
 
+SPECULATE_HELP = (
+    "speculative decoding, the same tokens as full depth only faster: drafts from the context (prompt lookup: "
+    "the tokens that followed the last occurrence of the final n-gram; any model), from the model's own loop 1 "
+    "(looped models), or both (the context's where it has one), verified at full depth; off by default; refuses "
+    "an exit policy"
+)
+
+
+def add_speculate(p) -> None:
+    """--speculate, spelled the same by generate, serve and bench serve."""
+    p.add_argument("--speculate", default="off", choices=["off", "context", "loop1", "both"], help=SPECULATE_HELP)
+
+
+def check_speculate_args(args) -> None:
+    """Before the model loads: speculation and an exit policy together are a usage error."""
+    policy = getattr(args, "exit_policy", "none")
+    if getattr(args, "speculate", "off") != "off" and policy not in ("none", None):
+        raise UsageError(
+            f"--speculate {args.speculate} gives the full model's tokens and --exit-policy {policy} changes them; "
+            "use one or the other"
+        )
+
+
 def check_engine_args(args, device: str = "cpu") -> None:
     """Before the model loads: a weight format this device cannot run, merging a LoRA into float weights, or
     compiling without a compiler is a one-line usage error."""
@@ -206,8 +229,14 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=None, help="seed of sampling (default: a random one)")
     p.add_argument("--exit-policy", default="none", help=EXIT_POLICY_HELP)
+    add_speculate(p)
     _engine_args(p, converts_at_load=False)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead of text: per prompt the token ids and the loop each left at; tokens/s; "
+        "with --speculate the acceptance rate and mean accepted length",
+    )
     a = advanced(p)
     a.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"], help=SCHEDULER_HELP)
     a.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help=KV_MODE_HELP)
@@ -228,6 +257,7 @@ def register(sub) -> None:
         "--exit-policy", default="none", help=EXIT_POLICY_HELP + "; for every request unless it asks for full depth"
     )
     p.add_argument("--device", default=None, help="torch device (default: where the model loads)")
+    add_speculate(p)
     _engine_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = advanced(p)
@@ -250,6 +280,12 @@ def register(sub) -> None:
         type=float,
         default=10.0,
         help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are failed",
+    )
+    a.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted, in bytes (default: 1 MiB); a larger one gets 413 (request_too_large)",
     )
     a.add_argument(
         "--log-level",
@@ -283,14 +319,18 @@ def add_allow_unhealed(p) -> None:
 def cmd_serve(args) -> int:
     from .exits import parse_policy
 
-    if args.max_concurrency < 1 or args.max_queue < 0 or args.max_seq_len < 2:
-        raise UsageError("need --max-concurrency >= 1, --max-queue >= 0 and --max-seq-len >= 2")
+    body_ok = args.max_body_bytes is None or args.max_body_bytes >= 1
+    if args.max_concurrency < 1 or args.max_queue < 0 or args.max_seq_len < 2 or not body_ok:
+        raise UsageError("need --max-concurrency >= 1, --max-queue >= 0, --max-seq-len >= 2 and --max-body-bytes >= 1")
     policy = parse_policy(args.exit_policy)  # a bad policy is a usage error before the model loads
     if policy.kind == "oracle":
         raise UsageError(
             "the oracle policy is for analysis (it never exits); use softmax, margin, entropy, cosine, probe or none"
         )
     check_engine_args(args, args.device or "cpu")
+    check_speculate_args(args)
+    if args.speculate != "off":  # speculative rounds are the serving schedule (schedulers.SpeculativeScheduler)
+        args.scheduler = f"speculative:{args.speculate}"
     from .on_the_fly import check_unhealed
 
     check_unhealed(args.model, args.loops, args.allow_unhealed)
@@ -360,6 +400,20 @@ def cmd_fit_exit_probe(args) -> int:
     return 0
 
 
+def speculation_figures(counts) -> dict:
+    """Acceptance rate (accepted / drafted tokens) and mean accepted length (tokens committed per verification,
+    the verifier's own token included) from an engine's stats or a request's speculation state."""
+    get = counts.get if isinstance(counts, dict) else lambda k: getattr(counts, k.removeprefix("spec_"))
+    drafted, accepted, rounds, tokens = (get(f"spec_{k}") for k in ("drafted", "accepted", "rounds", "tokens"))
+    return {
+        "drafted": drafted,
+        "accepted": accepted,
+        "verifications": rounds,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "mean_accepted_length": round(tokens / rounds, 3) if rounds else None,
+    }
+
+
 def cmd_generate(args) -> int:
     from ..models import load_model
     from ..models.quantized import load_dtype, prepare
@@ -369,6 +423,7 @@ def cmd_generate(args) -> int:
     from .schedulers import make_scheduler, replay, warm_up
 
     check_engine_args(args)
+    check_speculate_args(args)
     model, tok = load_model(args.model, dtype=load_dtype(args.weights))
     model = prepare(model, args.weights, lora=args.lora)
     sp = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
@@ -389,6 +444,7 @@ def cmd_generate(args) -> int:
         exit_policy=parse_policy(args.exit_policy),
         kv_mode=args.kv_mode,
         compile=args.compile,
+        speculate=args.speculate,
     )
     warm_up(engine)
     res = replay(make_scheduler(args.scheduler, engine), reqs)
@@ -399,12 +455,19 @@ def cmd_generate(args) -> int:
             "error": r.error,
             "text": tok.decode(r.output),
             "tokens": len(r.output),
+            "token_ids": r.output,
             "exit_loops": r.exit_loops,
+            **({"speculation": speculation_figures(r.spec)} if r.spec is not None else {}),
         }
         for p, r in zip(args.prompt, reqs)
     ]
     if args.json:
-        print_json({"results": out, "seconds": round(res["seconds"], 3)})
+        total = sum(len(r.output) for r in reqs)
+        summary = {"results": out, "seconds": round(res["seconds"], 3)}
+        summary["tokens_per_second"] = round(total / res["seconds"], 2) if res["seconds"] > 0 else None
+        if args.speculate != "off":
+            summary["speculation"] = {"mode": args.speculate, **speculation_figures(engine.stats)}
+        print_json(summary)
     else:
         for o in out:
             print(o["prompt"] + (o["text"] if o["status"] == "done" else f"  [error: {o['error']}]"))

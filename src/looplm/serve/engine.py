@@ -35,7 +35,19 @@ from .exits import ContextGuess, ExitPolicy
 from .sampling import RequestError, SamplingParams, sample
 
 KV_MODES = ("copy", "later")
+SPECULATE_MODES = ("off", "context", "loop1", "both")  # speculative decoding's draft sources (serve/speculative.py)
 _ids = itertools.count()
+
+
+def check_speculate(mode: str, num_loops: int) -> None:
+    """A usage error (ValueError) for a speculation mode this model cannot run."""
+    if mode not in SPECULATE_MODES:
+        raise ValueError(f"unknown speculation mode {mode!r}; use one of {', '.join(SPECULATE_MODES)}")
+    if mode == "loop1" and num_loops < 2:
+        raise ValueError(
+            "--speculate loop1 drafts with the model's first loop, and this model has one loop (B = 1): "
+            "its loop 1 is the whole model; use --speculate context"
+        )
 
 
 class Request:
@@ -70,6 +82,7 @@ class Request:
         self.generator: torch.Generator | None = None
         self.finish_time: float | None = None
         self._context: ContextGuess | None = None  # +copy exit policies: built on first use
+        self.spec = None  # speculative decoding: its state (speculative.SpecState), built on first use
 
     def copy_guess(self) -> int:
         """What copying this sequence's context predicts next (exits.ContextGuess), or -1."""
@@ -96,11 +109,28 @@ class Request:
 
 
 class Item:
-    __slots__ = ("req", "pos", "length", "loop", "h", "ids", "kind", "argmaxes")
+    __slots__ = ("req", "pos", "length", "loop", "h", "ids", "kind")
 
     def __init__(self, req, pos, length, loop, kind, ids=None, h=None):
         self.req, self.pos, self.length, self.loop, self.kind = req, pos, length, loop, kind
-        self.ids, self.h, self.argmaxes = ids, h, []
+        self.ids, self.h = ids, h
+
+
+class Decision:
+    """What ``Engine.decide`` found after a loop: items that continue to their next loop, and the (item, row)
+    pairs that emit a token now with their logits (one row each, in order)."""
+
+    __slots__ = ("cont", "emitters", "logits")
+
+    def __init__(self, cont: list[Item], emitters: list, logits: torch.Tensor | None):
+        self.cont, self.emitters, self.logits = cont, emitters, logits
+
+
+class _Loop:  # an (item, row) pair's item, as far as the exit head reads it: its 0-based loop
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: int):
+        self.loop = loop
 
 
 class Engine:
@@ -114,6 +144,7 @@ class Engine:
         clock=None,
         pack_weights: bool = True,
         compile: bool = False,
+        speculate: str = "off",
     ):
         if kv_mode not in KV_MODES:
             raise ValueError(f"unknown kv mode {kv_mode!r}; use one of {KV_MODES}")
@@ -157,6 +188,15 @@ class Engine:
         self.has_sliding = "sliding" in self.kinds
         self.mixable = self.B == 1 or c.sharing == "cycle"  # loops share layer k at every step
         self.policy = (exit_policy or ExitPolicy()).bind(model)
+        # speculative decoding (serve/speculative.py): off, context, loop1 or both; schedulers.make_scheduler then
+        # serves in speculative rounds
+        check_speculate(speculate, self.B)
+        if speculate != "off" and self.policy.active:
+            raise ValueError(
+                "speculative decoding gives the full model's tokens and an exit policy changes them: "
+                "use one or the other"
+            )
+        self.speculate = speculate
         self.kv_mode = kv_mode
         self.clock = clock or time.perf_counter
         self._arange = torch.arange(max_seq_len, device=self.device)
@@ -173,6 +213,10 @@ class Engine:
             "kv_copy_tokens": 0,
             "kv_later_items": 0,
             "stage_times": [],
+            "spec_rounds": 0,  # speculative decoding: verifications, drafted, accepted and committed tokens
+            "spec_drafted": 0,
+            "spec_accepted": 0,
+            "spec_tokens": 0,
         }
 
     # --- request life ---------------------------------------------------------------------------
@@ -217,34 +261,55 @@ class Engine:
         self.finish(req, "cancelled")
 
     # --- one loop over a batch of items ----------------------------------------------------------
+    # A step is four plain parts, in the spirit of vLLM's schedule / execute / update_from_output:
+    #   execute(items)        -> h_out: the K shared layers once over every item (writes their KV)
+    #   decide(items, h_out)  -> Decision: which items continue to their next loop, which emit a token
+    #                            now (their last loop, or an early exit) and the logits they are drawn from
+    #   sample_tokens(dec)    -> one token per emitter (serve/sampling.py)
+    #   commit(dec, tokens)   -> each token appended to its request (callbacks, finishing), and the next
+    #                            token's item of every request still running
+    # Speculative decoding (serve/speculative.py) uses execute, exit_logits and commit_token directly.
     @torch.no_grad()
     def step(self, items: list[Item]) -> tuple[list[Item], list[Item]]:
         """Run one loop over ``items``. Returns (items continuing to their next loop, new items:
         the next token of each request that emitted one and is not finished)."""
-        items = [it for it in items if it.req.status == "running"]
+        items = self.schedule(items)
         if not items:
             return [], []
-        # single tokens first, in cache-row order (a full batch then reads the cache in place, unscattered),
-        # then prompt segments
-        items.sort(key=lambda it: (it.length > 1, it.req.row if it.length == 1 else 0))
-        t0 = time.perf_counter()
-        mixed = len({it.loop for it in items}) > 1
+        t0, mixed = time.perf_counter(), len({it.loop for it in items}) > 1  # before decide moves items on
         try:
-            h_out = self._forward(items)
+            h_out = self.execute(items)
         except Exception as e:  # a fault in the batch fails the requests in it, not the engine
-            for req in {id(it.req): it.req for it in items}.values():
-                self.finish(req, "error", f"engine fault: {type(e).__name__}: {e}")
+            self.fail(items, e)
             return [], []
-        result = self._after_loop(items, h_out)
-        dt = time.perf_counter() - t0
+        dec = self.decide(items, h_out)
+        produced = self.commit(dec, self.sample_tokens(dec)) if dec.emitters else []
+        self.record_step(len(items), mixed, h_out.shape[0], time.perf_counter() - t0)
+        return dec.cont, produced
+
+    @staticmethod
+    def schedule(items: list[Item]) -> list[Item]:
+        """The running items in execution order: single tokens first, in cache-row order (a full batch then
+        reads the cache in place, unscattered), then prompt segments."""
+        items = [it for it in items if it.req.status == "running"]
+        items.sort(key=lambda it: (it.length > 1, it.req.row if it.length == 1 else 0))
+        return items
+
+    def fail(self, items: list[Item], e: Exception) -> None:
+        """Fail every request with an item in a batch that raised (the engine itself goes on)."""
+        for req in {id(it.req): it.req for it in items}.values():
+            self.finish(req, "error", f"engine fault: {type(e).__name__}: {e}")
+
+    def record_step(self, items: int, mixed: bool, tokens: int, seconds: float) -> None:
+        """Count one executed loop over ``items`` items (of several loops: ``mixed``) in ``stats`` (benchmarks and
+        the server's metrics read them)."""
         s = self.stats
         s["stages"] += 1
         s["mixed_stages"] += mixed
-        s["stage_items"] += len(items)
-        s["stage_tokens"] += h_out.shape[0]
-        s["stage_seconds"] += dt
-        s["stage_times"].append((len(items), h_out.shape[0], dt))
-        return result
+        s["stage_items"] += items
+        s["stage_tokens"] += tokens
+        s["stage_seconds"] += seconds
+        s["stage_times"].append((items, tokens, seconds))
 
     def _embed_missing(self, items):
         todo = [it for it in items if it.h is None]
@@ -253,7 +318,10 @@ class Engine:
             for it, part in zip(todo, h.split([it.length for it in todo])):
                 it.h = part
 
-    def _forward(self, items: list[Item]) -> torch.Tensor:
+    def execute(self, items: list[Item]) -> torch.Tensor:
+        """One loop (the K shared layers) over ``items`` in ``schedule`` order: their hidden states after it,
+        [tokens, hidden], the items' tokens in order; every token's keys and values at the loop's depths are
+        written to its cache row. An item without ``h`` starts from its tokens' embeddings."""
         self._embed_missing(items)
         dev, R, K = self.device, self.cache.num_rows, self.K
         n_dec = sum(1 for it in items if it.length == 1)
@@ -296,16 +364,8 @@ class Engine:
         win_mask = ((pos_dec[:, None] - ar[None]) < self.window) if (n_dec and self.has_sliding) else None
         in_place = self._in_place_groups(items[:n_dec], base_mask, win_mask) if n_dec else None
         seg_starts = list(itertools.accumulate([n_dec] + [it.length for it in segs]))[:-1]
-        if (
-            self.compiled is not None
-            and uniform
-            and in_place is not None
-            and in_place[0][1] is None
-            and not segs
-            and self.P + t_dec > 1
-        ):
-            # batch 1, or every row busy at one loop: the whole loop is one compiled call (dynamic in the
-            # cache length read; a lone first token, which reads one entry, stays regional)
+        route = self._route(uniform, in_place, bool(segs), t_dec)
+        if route == "compiled-loop":
             ds = [next(iter(loops)) * K + k for k in range(K)]
             return self.compiled.decode_loop(
                 [self.layers[self.layer_map[d]] for d in ds],
@@ -367,11 +427,22 @@ class Engine:
                     outs.append(attn.attend(q[:, :, s : s + t], ks, vs, mask))
                 return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-            if self.compiled is not None and uniform:
+            if route == "compiled-regions":
                 h = self.compiled.forward_attend(layer, h, slot, cos, sin, attend)
             else:
                 h = layer.forward_attend(h, slot, cos, sin, attend)
         return h[0]
+
+    def _route(self, uniform: bool, in_place, segments: bool, t_dec: int) -> str:
+        """How a step runs, chosen once per step: ``compiled-loop`` (batch 1, or every row busy at one loop:
+        the whole loop is one compiled call, dynamic in the cache length read; a lone first token, which reads
+        one entry, stays regional), ``compiled-regions`` (each layer's work around attention compiled, one
+        loop over all items), or ``eager`` (no compiling, or loops mixed in one batch)."""
+        if self.compiled is None or not uniform:
+            return "eager"
+        if in_place is not None and in_place[0][1] is None and not segments and self.P + t_dec > 1:
+            return "compiled-loop"
+        return "compiled-regions"
 
     # --- decode attention read in place -----------------------------------------------------------
     # Gathering each decode token's cache row copies every row's keys and values once per layer, which
@@ -426,7 +497,10 @@ class Engine:
         return out
 
     # --- after the loop: exits, tokens, KV of skipped loops --------------------------------------
-    def _after_loop(self, items: list[Item], h_out: torch.Tensor):
+    def decide(self, items: list[Item], h_out: torch.Tensor) -> Decision:
+        """Which items continue to their next loop and which emit a token now (at their last loop, or leaving
+        early under the exit policy), with the logits each emitter draws from. The KV entries of the loops an
+        early-exited token skips are filled here (``kv_mode``)."""
         B, policy = self.B, self.policy
         starts = list(itertools.accumulate([0] + [it.length for it in items]))
         cont, emit, exited = [], [], []  # emit: (item, row index into h_out)
@@ -471,9 +545,8 @@ class Engine:
             if policy.copy_bonus:  # the exiting tokens are drawn from these logits too
                 inter_logits = logits[n_emit:] = policy.exit_logits(inter_logits, guesses)
             exit_mask = policy.decide(inter_logits, h_out.index_select(0, rows_t), h_prev, loops, self.model, guesses)
-            if policy.kind == "oracle":
-                for (it, _), a in zip(inter, inter_logits.argmax(-1).tolist()):
-                    it.argmaxes.append(a)
+            if policy.kind == "oracle":  # analysis state lives in the policy
+                policy.record_loop_argmax([(it.req, it.pos) for it, _ in inter], inter_logits.argmax(-1).tolist())
             keep = [n_emit + i for i, e in enumerate(exit_mask.tolist()) if e]
             logits = logits[list(range(n_emit)) + keep]
         if inter:
@@ -484,41 +557,56 @@ class Engine:
                     s, n = spans[id(it)]
                     it.h, it.loop = h_out[s : s + n], it.loop + 1
                     cont.append(it)
-        emitters = emit + exited
-        if not emitters:
-            return cont, []
-        tokens = sample(logits, [it.req.sampling for it, _ in emitters], [it.req.generator for it, _ in emitters])
-        final_argmax = logits[:n_emit].argmax(-1).tolist() if policy.kind == "oracle" else None
-        tokens = tokens.tolist()
+        if policy.kind == "oracle" and emit:
+            finals = logits[:n_emit].argmax(-1).tolist()
+            for (it, _), fa in zip(emit, finals):
+                it.req.oracle_loops.append(policy.oracle_loop((it.req, it.pos), fa, B))
         if exited:
-            self._fill_skipped([(it, r) for it, r in exited], h_out, cont)
-        now = self.clock()
-        produced = []
-        for i, ((it, _), tok) in enumerate(zip(emitters, tokens)):
-            req = it.req
-            if req.status != "running":
-                continue
-            req.output.append(tok)
-            req.token_times.append(now)
-            req.exit_loops.append(it.loop + 1)
-            self.stats["exits_per_loop"][it.loop] += 1
-            if final_argmax is not None and i < n_emit:
-                fa = final_argmax[i]
-                req.oracle_loops.append(next((l + 1 for l, a in enumerate(it.argmaxes) if a == fa), B))
-            if req.on_token is not None:
-                try:
-                    req.on_token(req, tok)
-                except Exception as e:
-                    self.finish(req, "error", f"on_token callback failed: {type(e).__name__}: {e}")
-                    continue
-            if req.status != "running":  # the callback may cancel requests
-                continue
-            if len(req.output) >= req.max_tokens or (req.eos_token_id is not None and tok == req.eos_token_id):
-                self.finish(req, "done")
-                continue
-            pos = len(req.prompt) + len(req.output) - 1
-            produced.append(Item(req, pos, 1, 0, "token", ids=torch.tensor([tok], device=self.device)))
-        return cont, produced
+            self._fill_skipped(exited, h_out, cont)
+        return Decision(cont, emit + exited, logits)
+
+    def sample_tokens(self, dec: Decision) -> list[int]:
+        """One token per emitter, drawn from its logits with its request's sampling parameters and generator."""
+        reqs = [it.req for it, _ in dec.emitters]
+        return sample(dec.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+
+    def commit(self, dec: Decision, tokens: list[int]) -> list[Item]:
+        """Append each emitted token to its request; returns the next token's item of each request still
+        running."""
+        now, produced = self.clock(), []
+        for (it, _), tok in zip(dec.emitters, tokens):
+            if self.commit_token(it.req, tok, it.loop + 1, now):
+                pos = len(it.req.prompt) + len(it.req.output) - 1
+                produced.append(Item(it.req, pos, 1, 0, "token", ids=torch.tensor([tok], device=self.device)))
+        return produced
+
+    def commit_token(self, req: Request, tok: int, exit_loop: int, now: float | None = None) -> bool:
+        """Append one token to a running request (its time, the 1-based loop it left at, the ``on_token``
+        callback) and finish the request at max_tokens or its EOS. Returns whether the request still runs."""
+        if req.status != "running":
+            return False
+        req.output.append(tok)
+        req.token_times.append(self.clock() if now is None else now)
+        req.exit_loops.append(exit_loop)
+        self.stats["exits_per_loop"][exit_loop - 1] += 1
+        if req.on_token is not None:
+            try:
+                req.on_token(req, tok)
+            except Exception as e:
+                self.finish(req, "error", f"on_token callback failed: {type(e).__name__}: {e}")
+                return False
+        if req.status != "running":  # the callback may cancel requests
+            return False
+        if len(req.output) >= req.max_tokens or (req.eos_token_id is not None and tok == req.eos_token_id):
+            self.finish(req, "done")
+            return False
+        return True
+
+    def exit_logits(self, h: torch.Tensor, loops: list[int]) -> torch.Tensor:
+        """Exit logits [n, V] of hidden states h [n, hidden], row i leaving after 0-based loop ``loops[i]``
+        (its exit adapter applies); public for warm-up, benchmarks and speculative decoding."""
+        pairs = [(_Loop(l), i) for i, l in enumerate(loops)]
+        return self._exit_logits(h, pairs)
 
     def _exit_logits(self, h_out: torch.Tensor, pairs: list) -> torch.Tensor:
         """Exit logits of the rows of (item, row) pairs. With an exit adapter every row uses its own loop's

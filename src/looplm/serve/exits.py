@@ -100,6 +100,8 @@ class ExitPolicy:
     probe: object | None = field(default=None, repr=False)  # probe.ExitProbe, bound by the engine
     copy: bool = False  # also exit where the loop's argmax is the context's copy guess (ContextGuess)
     copy_bonus: float = 0.0  # +copy:BONUS: added to the guess's exit logit (exit_logits)
+    # oracle (analysis): each token's argmax after every loop so far, keyed by (request, position)
+    _trail: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -151,6 +153,16 @@ class ExitPolicy:
         if not self.copy_bonus:
             return logits
         return with_copy_bonus(logits, guesses.to(logits.device), self.copy_bonus)
+
+    def record_loop_argmax(self, keys: list, argmaxes: list[int]) -> None:
+        """Oracle analysis: note each token's argmax after the loop it just finished (key: (request, position))."""
+        for key, a in zip(keys, argmaxes):
+            self._trail.setdefault(key, []).append(a)
+
+    def oracle_loop(self, key, final: int, num_loops: int) -> int:
+        """Oracle analysis: the first loop (1-based) whose argmax was the final token ``final``; forgets the key."""
+        trail = self._trail.pop(key, [])
+        return next((l + 1 for l, a in enumerate(trail) if a == final), num_loops)
 
     def decide(
         self,

@@ -25,6 +25,7 @@ class Metrics:
         self.occupancy = [0] * num_loops  # items at each loop in the last step
         self.exits = [0] * num_loops  # tokens emitted after each loop (from the engine)
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
+        self.spec = {"drafted": 0, "accepted": 0, "rounds": 0, "tokens": 0}  # speculative decoding (engine stats)
 
     def observe_step(self, items) -> None:
         counts = [0] * self.num_loops
@@ -45,6 +46,11 @@ class Metrics:
                 self.recent.append((now, tokens))
             while self.recent and self.recent[0][0] < now - self.window:
                 self.recent.popleft()
+
+    def speculation(self, stats: dict) -> None:
+        """Speculative decoding's counts, from the engine's stats (``spec_*``) after a step."""
+        with self.lock:
+            self.spec = {k: stats.get(f"spec_{k}", 0) for k in self.spec}
 
     def set_load(self, queued: int, running: int) -> None:
         with self.lock:
@@ -92,6 +98,32 @@ class Metrics:
                 "gauge",
                 f"Tokens generated per second over the last {self.window:g} s.",
                 [({}, round(recent / self.window, 3))],
+            )
+            sp = self.spec
+            metric(
+                "speculative_drafted_tokens_total",
+                "counter",
+                "Tokens drafted by speculative decoding (--speculate).",
+                [({}, sp["drafted"])],
+            )
+            metric(
+                "speculative_accepted_tokens_total",
+                "counter",
+                "Drafted tokens the full model accepted.",
+                [({}, sp["accepted"])],
+            )
+            metric(
+                "speculative_verifications_total",
+                "counter",
+                "Speculative verifications (one per request per round); generated tokens over these is the mean "
+                "accepted length.",
+                [({}, sp["rounds"])],
+            )
+            metric(
+                "speculative_acceptance_rate",
+                "gauge",
+                "Accepted over drafted tokens since the start (0 when nothing was drafted).",
+                [({}, round(sp["accepted"] / sp["drafted"], 4) if sp["drafted"] else 0)],
             )
             metric("engine_steps_total", "counter", "Engine steps (one loop over a batch).", [({}, self.steps_total)])
             metric(

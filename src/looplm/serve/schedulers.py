@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import types
 from collections import deque
 
 import torch
@@ -116,12 +115,44 @@ class DepthScheduler(Scheduler):
         self.cont, self.ready = self.engine.step(items)
 
 
+class SpeculativeScheduler(Scheduler):
+    """Continuous batching in speculative rounds (serve/speculative.py): free slots take queued requests, whose
+    prompts run first (every loop, emitting their first token); then one round drafts for every decoding request
+    and verifies all the drafts together, one step per loop, committing one to k + 1 tokens per request."""
+
+    name = "speculative"
+
+    def __init__(self, engine: Engine, mode: str | None = None, max_draft: int = 8):
+        from .speculative import Speculator
+
+        super().__init__(engine)
+        self.speculator = Speculator(
+            engine, mode or (engine.speculate if engine.speculate != "off" else "both"), max_draft
+        )
+
+    def step(self):
+        self._prune()
+        self._admit()
+        prefills = [it for it in self.ready if it.kind == "prefill"]
+        decoding = [it for it in self.ready if it.kind != "prefill"]
+        produced = []
+        while prefills:
+            prefills, new = self.engine.step(prefills)
+            produced += new
+        self.ready = self.speculator.round(decoding) + produced
+
+
 SCHEDULERS = {"static": StaticScheduler, "sequence": SequenceScheduler, "depth": DepthScheduler}
 
 
 def make_scheduler(name: str, engine: Engine) -> Scheduler:
+    """The scheduler ``name`` on ``engine``. ``speculative:MODE`` (or an engine built with ``speculate`` other
+    than off, whatever the name) serves in speculative rounds, which are their own batching."""
+    kind, _, mode = name.partition(":")
+    if kind == "speculative" or engine.speculate != "off":
+        return SpeculativeScheduler(engine, mode or None)
     if name not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {name!r}; use one of {', '.join(SCHEDULERS)}")
+        raise ValueError(f"unknown scheduler {name!r}; use one of {', '.join(SCHEDULERS)} or speculative:MODE")
     return SCHEDULERS[name](engine)
 
 
@@ -227,7 +258,7 @@ def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens
         h = torch.zeros(1, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
         with torch.no_grad():
             for loop in range(engine.B - 1):
-                engine._exit_logits(h, [(types.SimpleNamespace(loop=loop), 0)])
+                engine.exit_logits(h, [loop])
     engine.clock = clock
     engine.reset_stats()
     return time.perf_counter() - t0

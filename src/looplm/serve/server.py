@@ -8,7 +8,8 @@ the scheduler is only ever called from its own thread.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streamed over SSE or not),
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text format).
-Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}. A request body over
+``max_body_bytes`` (``--max-body-bytes``) gets 413 before any of it is parsed (``BodyLimit``).
 
 Parts: api.py (request bodies, errors), worker.py (the thread that owns the engine), metrics.py
 (/metrics), this file (requests in, text out, the FastAPI app and `main`).
@@ -30,7 +31,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api import APIError, ChatBody, CompletionBody, check_unsupported, error_response, validation_error
+from .api import (
+    MAX_BODY_BYTES,
+    APIError,
+    BodyTooLarge,
+    ChatBody,
+    CompletionBody,
+    body_too_large,
+    check_unsupported,
+    error_response,
+    validation_error,
+)
 from .engine import Engine, Request
 from .exits import ExitPolicy
 from .metrics import Metrics
@@ -85,6 +96,7 @@ class ServerOptions:
     scheduler: str = "depth"
     shutdown_timeout: float = 10.0
     compile: bool = False  # torch.compile regions (serve/compiled.py), compiled before the server listens
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body gets 413 (BodyLimit)
 
 
 class LoopServer:
@@ -336,6 +348,7 @@ class LoopServer:
             description="OpenAI-compatible server for looplm models (depth-wise batching)",
             lifespan=lifespan,
         )
+        app.add_middleware(BodyLimit, max_bytes=server.opts.max_body_bytes, on_reject=server.metrics.rejected)
 
         @app.exception_handler(APIError)
         async def _api_error(request, exc: APIError):
@@ -350,6 +363,8 @@ class LoopServer:
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request, exc: StarletteHTTPException):
             server.metrics.rejected(exc.status_code)
+            if isinstance(exc, BodyTooLarge):  # a body without Content-Length that grew past the limit
+                return error_response(exc.error)
             code = "not_found" if exc.status_code == 404 else None
             return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
@@ -402,6 +417,52 @@ class LoopServer:
             return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
         return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 with an error naming the limit and the fix. A
+    declared Content-Length over it is refused before the app runs; a body sent without one (chunked) is counted as
+    the app reads it, and the read fails once it passes the limit. Either way the rest of the body is read and
+    dropped (never held), so the client receives the answer rather than a reset connection."""
+
+    def __init__(self, app, max_bytes: int, on_reject=None):
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await _drain(receive)
+            if self.on_reject:
+                self.on_reject(413)
+            return await error_response(body_too_large(int(declared), self.max_bytes))(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    if message.get("more_body", False):
+                        seen += await _drain(receive)
+                    raise BodyTooLarge(body_too_large(seen, self.max_bytes))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _drain(receive) -> int:
+    """Read and drop the rest of a request body; returns its bytes."""
+    n = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return n
+        n += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return n
 
 
 def _sse(obj) -> str:
@@ -472,6 +533,7 @@ def main(args) -> int:
         scheduler=args.scheduler,
         shutdown_timeout=args.shutdown_timeout,
         compile=getattr(args, "compile", False),
+        max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES,
     )
     server = LoopServer(model, tok, opts)
     print(

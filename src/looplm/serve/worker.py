@@ -98,6 +98,7 @@ class Worker:
                 self.metrics.after_step(
                     sum(stats["exits_per_loop"]) - before, time.perf_counter() - t0, stats["exits_per_loop"]
                 )
+                self.metrics.speculation(stats)
         self._notify_finished()
         self.metrics.set_load(
             sum(r.status == "queued" for r in self.scheduler.waiting),

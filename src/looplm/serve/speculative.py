@@ -1,0 +1,277 @@
+"""Speculative decoding: lossless speed from the context and from the loop itself.
+
+A round, for every request decoding (batched over requests; ``schedulers.SpeculativeScheduler`` runs rounds):
+
+1. **Draft** k tokens after the request's pending token (the last one committed, not yet run):
+   - ``context``: prompt lookup. The longest final n-gram (n = 3, 2, 1) that occurred before; the tokens that
+     followed its last occurrence are copied, and the copy may run on into itself (a period repeats). No model
+     call; any model, vanilla included.
+   - ``loop1``: the model's own loop 1. Loop 1 runs the same shared weights as the full model's first loop, so
+     its hidden states and keys/values for a drafted token are exactly the full model's; it runs k single-token
+     steps (the pending token, then each draft), each draft read at loop 1's exit (its exit adapter, if any).
+   - ``both``: the context's draft where it has one, else loop 1's.
+2. **Verify** all drafted positions at once: the remaining loops over the request's drafted tokens as one
+   segment (a ``verify`` item; context drafts run every loop, loop-1 drafts start at loop 2 from the hidden
+   states drafting computed, so loop 1 never runs twice). One engine step per loop for all requests.
+3. **Accept** the longest prefix the full model agrees with, plus the full model's own next token where it has
+   one (greedy: the argmax; sampling: the speculative-sampling rule of Leviathan et al. / Chen et al., so the
+   output distribution is the model's). Tokens are committed through ``Engine.commit_token``.
+4. **Roll back** the KV cache of rejected positions (``KVCache.truncate``).
+
+k is per request and per source, adapted to the recent acceptance rate: an exponential average a of the fraction
+of drafted tokens accepted sets k to about the run of accepted drafts it predicts, a / (1 - a), plus one,
+between 1 and ``max_draft``.
+
+Greedy output is the full-depth greedy output (to floating-point ties). Sampled output has the model's
+distribution, but not the same tokens as plain decoding with the same seed (the generator is read differently).
+Exit policies are refused: speculation is the lossless alternative to early exits.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .engine import SPECULATE_MODES as MODES  # noqa: F401  (the modes, for callers of this module)
+from .engine import Engine, Item, Request, check_speculate
+from .sampling import draw, filtered_probs
+
+
+class ContextDrafter:
+    """Prompt lookup over a request's committed tokens (prompt + output): the tokens that followed the last
+    earlier occurrence of the longest final n-gram, n = ``max_n`` .. 1. Kept up to date a token at a time."""
+
+    def __init__(self, tokens=(), max_n: int = 3):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self._last: dict[tuple, int] = {}  # n-gram -> end position of its last occurrence
+        self.match = -1  # end position of the last earlier occurrence of the longest final n-gram, or -1
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            p = len(self.tokens) - 1
+            self.match = -1
+            for n in range(min(self.max_n, p + 1), 0, -1):
+                gram = tuple(self.tokens[p - n + 1 :])
+                j = self._last.get(gram)
+                if self.match < 0 and j is not None:
+                    self.match = j
+                self._last[gram] = p
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that continue the last occurrence of the final n-gram (none when it never occurred);
+        a copy that reaches the end continues into its own drafted tokens."""
+        if self.match < 0 or k <= 0:
+            return []
+        ext, j = self.tokens, self.match
+        out: list[int] = []
+        for i in range(k):
+            src = j + 1 + i
+            out.append(ext[src] if src < len(ext) else out[src - len(ext)])
+        return out
+
+
+class SpecState:
+    """One request's speculation: its context drafter, draft lengths per source and counts."""
+
+    def __init__(self, req: Request, max_draft: int):
+        self.context = ContextDrafter(req.prompt)
+        self.max_draft = max_draft
+        self.rate = {"context": 0.5, "loop1": 0.5}  # recent fraction of drafted tokens accepted, per source
+        self.drafted = self.accepted = self.rounds = self.tokens = 0
+
+    def k(self, source: str) -> int:
+        a = min(self.rate[source], 0.95)
+        return max(1, min(self.max_draft, round(a / (1 - a)) + 1))
+
+    def update(self, source: str | None, drafted: int, accepted: int, committed: int) -> None:
+        if drafted:
+            self.rate[source] = 0.7 * self.rate[source] + 0.3 * accepted / drafted
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rounds += 1
+        self.tokens += committed
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
+    """Tokens a greedy round commits: the drafts up to the first one that differs from the full model's argmax
+    at its position, then the full model's own token there (when it has a row for it)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return drafts[:a] + targets[a : a + 1]
+
+
+def accept_sampled(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generator) -> list[int]:
+    """Speculative sampling: draft i, drawn from q[i] [V], is accepted with probability min(1, p[i][d] / q[i][d]);
+    the first rejected one is replaced by a draw from the normalised max(p[i] - q[i], 0), and when every draft is
+    accepted and p has a row after them, a token is drawn from it. Each committed token then has the target
+    distribution p given the tokens before it. p [m, V] with m = len(drafts) or len(drafts) + 1."""
+    out = []
+    for i, d in enumerate(drafts):
+        pd, qd = float(p[i, d]), float(q[i, d])
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        if qd > 0 and u * qd < pd:  # u < p/q, without dividing
+            out.append(d)
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        out.append(draw(residual if float(residual.sum()) > 0 else p[i], generator))
+        return out
+    if p.shape[0] > len(drafts):
+        out.append(draw(p[len(drafts)], generator))
+    return out
+
+
+class Speculator:
+    """Speculative rounds on an engine. ``round(items)`` takes the pending-token items of decoding requests and
+    returns the next ones (requests that finished drop out)."""
+
+    def __init__(self, engine: Engine, mode: str, max_draft: int = 8):
+        check_speculate(mode, engine.B)
+        if mode == "off":
+            raise ValueError("a Speculator needs a speculation mode other than off")
+        if engine.policy.active:
+            raise ValueError(
+                "speculative decoding gives the full model's tokens; an exit policy changes them: use one or the other"
+            )
+        self.engine, self.mode, self.max_draft = engine, mode, max_draft
+        self.use_loop1 = mode in ("loop1", "both") and engine.B > 1
+        self.use_context = mode in ("context", "both")
+
+    def state(self, req: Request) -> SpecState:
+        if req.spec is None:
+            req.spec = SpecState(req, self.max_draft)
+        st = req.spec
+        st.context.extend(req.output[len(st.context.tokens) - len(req.prompt) :])
+        return st
+
+    @torch.no_grad()
+    def round(self, items: list[Item]) -> list[Item]:
+        eng = self.engine
+        items = [it for it in items if it.req.status == "running"]
+        if not items:
+            return []
+        try:
+            plans = self._draft(items)
+            self._verify(plans)
+        except Exception as e:  # a fault fails the requests of this round, not the engine
+            eng.fail(items, e)
+            return []
+        return [nxt for plan in plans if (nxt := self._accept(plan)) is not None]
+
+    # --- 1. draft ------------------------------------------------------------------------------------
+    def _draft(self, items: list[Item]) -> list[dict]:
+        eng, plans, by_loop1 = self.engine, [], []
+        for it in items:
+            req, st = it.req, self.state(it.req)
+            room = req.max_tokens - len(req.output) - 1  # the drafts and the verifier's token fit max_tokens
+            plan = {"item": it, "state": st, "drafts": [], "source": None, "q": None, "h": None}
+            if room > 0 and self.use_context:
+                drafts = st.context.draft(min(room, st.k("context")))
+                if drafts:
+                    plan.update(drafts=drafts, source="context")
+            if room > 0 and not plan["drafts"] and self.use_loop1:
+                plan.update(source="loop1", k=min(room, st.k("loop1")), h=[], q=[])
+                by_loop1.append(plan)
+            plans.append(plan)
+        # loop 1, one single-token step per draft for all drafting requests at once: the pending token, then
+        # each draft; every draft is read at loop 1's exit
+        step = 0
+        while True:
+            active = [pl for pl in by_loop1 if step < pl["k"]]
+            if not active:
+                break
+            owner, work = {}, []  # id(work item) -> its plan
+            for pl in active:
+                it = pl["item"]
+                tok = it.ids if step == 0 else torch.tensor([pl["drafts"][-1]], device=eng.device)
+                w = Item(it.req, it.pos + step, 1, 0, "token", ids=tok)
+                owner[id(w)] = pl
+                work.append(w)
+            order = eng.schedule(work)
+            h = self._run(order)
+            logits = eng.exit_logits(h, [0] * len(order))
+            params = [w.req.sampling for w in order]
+            greedy = all(p.greedy for p in params)
+            q = None if greedy else filtered_probs(logits, params)
+            for i, w in enumerate(order):
+                pl = owner[id(w)]
+                pl["h"].append(h[i : i + 1])
+                if greedy or w.req.sampling.greedy:
+                    pl["drafts"].append(int(logits[i].argmax()))
+                    pl["q"].append(None)
+                else:
+                    pl["drafts"].append(draw(q[i], w.req.generator))
+                    pl["q"].append(q[i])
+            step += 1
+        return plans
+
+    # --- 2. verify -----------------------------------------------------------------------------------
+    def _verify(self, plans: list[dict]) -> None:
+        eng = self.engine
+        for pl in plans:
+            it = pl["item"]
+            if pl["source"] == "loop1":  # the pending token and k - 1 drafts, from their loop-1 states
+                pl["verify"] = Item(it.req, it.pos, pl["k"], 1, "verify", h=torch.cat(pl["h"]))
+            else:  # the pending token and the context's drafts (or none), from their embeddings
+                ids = torch.tensor([int(it.ids[0])] + pl["drafts"], device=eng.device)
+                pl["verify"] = Item(it.req, it.pos, len(ids), 0, "verify", ids=ids)
+        todo = [pl["verify"] for pl in plans]
+        for loop in range(min(v.loop for v in todo), eng.B):  # every step runs one loop: uniform batches
+            order = eng.schedule([v for v in todo if v.loop == loop])
+            if not order:
+                continue
+            h = self._run(order)
+            for v, part in zip(order, h.split([v.length for v in order])):
+                v.h, v.loop = part, loop + 1
+        rows = torch.cat([pl["verify"].h for pl in plans])
+        logits = eng.exit_logits(rows, [eng.B - 1] * rows.shape[0])
+        for pl, part in zip(plans, logits.split([pl["verify"].length for pl in plans])):
+            pl["logits"] = part
+
+    def _run(self, order: list[Item]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        h = self.engine.execute(order)
+        self.engine.record_step(len(order), len({it.loop for it in order}) > 1, h.shape[0], time.perf_counter() - t0)
+        return h
+
+    # --- 3. accept, commit, roll back ----------------------------------------------------------------
+    def _accept(self, plan: dict) -> Item | None:
+        eng, it, st = self.engine, plan["item"], plan["state"]
+        req, drafts, logits = it.req, plan["drafts"], plan["logits"]
+        if req.status != "running":
+            return None
+        if req.sampling.greedy:
+            tokens = accept_greedy(drafts, logits.argmax(-1).tolist())
+        else:
+            p = filtered_probs(logits, [req.sampling] * logits.shape[0])
+            if plan["source"] == "loop1":
+                q = torch.stack(plan["q"])
+            else:  # a context draft is certain: q is one-hot at it
+                q = torch.zeros(len(drafts), p.shape[1], device=p.device)
+                if drafts:
+                    q[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+            tokens = accept_sampled(drafts, q, p, req.generator)
+        accepted = next((i for i, (a, b) in enumerate(zip(tokens, drafts)) if a != b), min(len(tokens), len(drafts)))
+        now, committed, alive = eng.clock(), 0, True
+        for tok in tokens:
+            committed += 1
+            if not eng.commit_token(req, tok, eng.B, now):
+                alive = False
+                break
+        st.update(plan["source"], len(drafts), accepted, committed)
+        s = eng.stats
+        s["spec_rounds"] += 1
+        s["spec_drafted"] += len(drafts)
+        s["spec_accepted"] += accepted
+        s["spec_tokens"] += committed
+        if not alive:
+            return None
+        new_pos = it.pos + len(tokens)  # the new pending token's position; the KV beyond it is rejected drafts
+        written = it.pos + plan["verify"].length
+        if written > new_pos:
+            eng.cache.truncate(req.row, new_pos, written)
+        return Item(req, new_pos, 1, 0, "token", ids=torch.tensor([tokens[-1]], device=eng.device))
