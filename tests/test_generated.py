@@ -67,6 +67,25 @@ def test_a_resumed_corpus_equals_an_uninterrupted_one(setup):
     assert not list((tmp / "early" / "shards").glob(".*tmp*"))
 
 
+def test_a_sample_holding_line_separators_reads_back_whole(setup):
+    """The model writes any character; a shard line holds U+2028 and \\x1e verbatim (JSON without ASCII escapes)."""
+    import hashlib
+
+    tmp, models, corpus = setup
+    out = tmp / "separators"
+    generate_corpus(config(models, corpus, out, tokens=10), log=quiet)
+    manifest = json.loads((out / "manifest.json").read_text())
+    shard = out / manifest["shards"][0]["file"]
+    first, *rest = shard.read_text(encoding="utf-8").split("\n")
+    sample = json.loads(first)
+    sample["text"] = "one\u2028two\x1ethree\x0bfour"
+    body = "\n".join([json.dumps(sample, ensure_ascii=False), *rest])
+    shard.write_text(body, encoding="utf-8")
+    manifest["shards"][0]["sha256"] = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert read_samples(out)[0]["text"] == "one\u2028two\x1ethree\x0bfour"
+
+
 def test_duplicates_and_loops_are_dropped_and_counted(setup):
     tmp, models, corpus = setup
     # greedy from a bare document start: every sample is the same text

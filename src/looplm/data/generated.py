@@ -76,7 +76,10 @@ def read_samples(directory: str | Path) -> list[dict]:
             raise UsageError(f"{path} is missing; re-run `looplm data generate --out {d}` to write it again")
         if hashlib.sha256(path.read_bytes()).hexdigest() != shard["sha256"]:
             raise UsageError(f"{path} fails its checksum; delete it and re-run `looplm data generate --out {d}`")
-        samples += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # split on newlines only: str.splitlines() also breaks at U+2028, \x1e and others, which the model's text
+        # holds verbatim inside its JSON strings
+        lines = path.read_text(encoding="utf-8").split("\n")
+        samples += [json.loads(line) for line in lines if line.strip()]
     return samples
 
 
