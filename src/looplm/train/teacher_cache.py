@@ -1,5 +1,5 @@
 """The original model's hidden states at every layer boundary, over a fixed slice of training rows,
-cached on disk for healing (train/heal.py).
+cached on disk for healing (train/heal/).
 
 Layer-local distillation trains each shared layer to map the input of a depth onto the original
 model's output at that depth. Both come from one forward pass of the original model, run once and
