@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import test_serve_engine as engine_tests
 import torch
 from conftest import FAMILIES, arrive_one_per_step, full_depth_greedy, make_hf_model
 from scipy.stats import chisquare
@@ -16,42 +17,8 @@ from looplm.models import LoopLMConfig, LoopLMForCausalLM, from_hf_model
 from looplm.serve import Engine, ExitPolicy, Request, SamplingParams, make_scheduler, replay
 from looplm.serve.speculative import ContextDrafter, accept_greedy, accept_sampled
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.2,
-)
-
-
-def _model(**kw):
-    torch.manual_seed(0)
-    return LoopLMForCausalLM(LoopLMConfig(**{**SMALL, **kw})).eval()
-
-
-@pytest.fixture(scope="module")
-def models():
-    vanilla = _model()
-    gemma_like = _model(
-        family="gemma3",
-        norm_type="rms_plus1",
-        sandwich_norms=True,
-        qk_norm=True,
-        hidden_act="gelu_pytorch_tanh",
-        sliding_window_size=4,
-        depth_attention=["sliding", "full", "sliding", "full"],
-        rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
-    )
-    return {
-        "vanilla": vanilla,
-        "recursive": convert(vanilla, loops=2, init="average", lora_ranks=0),
-        "relaxed": convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth"),
-        "relaxed4": convert(vanilla, loops=4, init="average", lora_ranks=4, norms="per-depth"),
-        "gemma_relaxed": convert(gemma_like, loops=2, init="average", lora_ranks=8, norms="per-depth"),
-    }
+SMALL = engine_tests.SMALL
+models = engine_tests.models  # the engine tests' fixture: vanilla, recursive, relaxed, relaxed4, gemma_relaxed
 
 
 def prompts():
