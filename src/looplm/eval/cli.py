@@ -1,9 +1,10 @@
-"""`looplm eval ...` subcommands (ppl, fewshot) and the top-level `looplm report`."""
+"""`looplm eval ...` subcommands (ppl, fewshot, suite, claims) and the top-level `looplm report`."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def register(sub) -> None:
     s.add_argument(
         "models",
         nargs="+",
-        help="the reference (the original, e.g. smollm2-135m) first, then the models to compare with it",
+        help="the reference (the original, e.g. smollm2-135m) first, then the models to compare with it; "
+        "NAME=MODEL names a model in the table, --compare and `looplm eval claims`",
     )
     s.add_argument("--domains", default="all", help="all, or a comma list of fiction,science,encyclopedia,qa,tech-docs")
     s.add_argument("--windows", type=int, default=16, help="windows scored per domain (and in-domain rows)")
@@ -102,10 +104,47 @@ def register(sub) -> None:
     s.add_argument("--limit", type=int, default=500, help="documents per task (0: all)")
     s.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
     s.add_argument(
-        "--out", default=None, help="write the table to OUT.md and the figures to OUT.json (default: print only)"
+        "--out",
+        default=None,
+        help="write the tables to OUT.md, every figure (each window's loss and each document's score included) to "
+        "OUT.json and quality against N-emb to OUT.png (default: print only)",
+    )
+    s.add_argument(
+        "--compare",
+        action="append",
+        default=None,
+        metavar="A,B",
+        help="a pair of models (names or specs) to compare on every metric, beyond two paired standard errors "
+        "(repeatable; default: the first model after the reference against every later one)",
+    )
+    s.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the windows")
+    s.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+    s.add_argument(
+        "--reproduce",
+        default=None,
+        help="the command that rebuilds this result from nothing (e.g. the experiment script), kept in the JSON for "
+        "`looplm eval claims` (default: this command)",
+    )
+    s.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the models OUT.json already holds (saved after each model, with the same settings) and score "
+        "the rest",
     )
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_eval_suite)
+
+    c = ev.add_parser(
+        "claims",
+        help="the paper's claims decided from saved suite results (held / not held beyond two standard errors)",
+        formatter_class=HelpFormatter,
+    )
+    c.add_argument("results", nargs="+", help="the .json files `looplm eval suite --out` wrote")
+    c.add_argument("--out", required=True, help="the markdown table to write (e.g. docs/results/claims-smollm2.md)")
+    c.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the windows")
+    c.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+    c.add_argument("--json", action="store_true", help="print the decisions as JSON")
+    c.set_defaults(func=cmd_eval_claims)
 
     r = sub.add_parser(
         "report", help="markdown table and Pareto plot from saved eval results", formatter_class=HelpFormatter
@@ -297,14 +336,30 @@ def cmd_eval_fewshot(args) -> int:
 
 
 def cmd_eval_suite(args) -> int:
-    from .suite import markdown, run_suite, save
+    from ..data.ood import parse_domains
+    from ..util import write_json_atomic
+    from .suite import earlier_rows, markdown, run_suite, save, settings
     from .tasks import resolve_tasks
 
     if args.windows < 1 or args.seq_len < 2 or args.limit < 0:
         raise UsageError("--windows must be >= 1, --seq-len >= 2 and --limit >= 0")
+    if args.resamples < 2:
+        raise UsageError("--resamples must be at least 2 (a standard error needs two resamples)")
+    pairs = None if args.compare is None else [_pair(text) for text in args.compare]
+    if args.resume and not args.out:
+        raise UsageError("--resume continues the result in --out: give --out too")
     tasks = None if args.tasks in ("none", "") else resolve_tasks(args.tasks)
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    js = Path(args.out).with_suffix(".json") if args.out else None
+    expected = settings(parse_domains(args.domains), args.windows, args.seq_len, args.data, tasks, args.limit or None)
+    scored = earlier_rows(js, expected) if args.resume else None
+
+    def save_partial(rows):  # each scored model is kept at once: --resume goes on from it
+        write_json_atomic(js, {**expected, "partial": True, "rows": rows})
+
+    if js is not None:
+        js.parent.mkdir(parents=True, exist_ok=True)
     with quiet:
         result = run_suite(
             args.models,
@@ -315,8 +370,16 @@ def cmd_eval_suite(args) -> int:
             tasks=tasks,
             limit=args.limit or None,
             batch_size=args.batch_size,
+            compare=pairs,
+            resamples=args.resamples,
+            seed=args.seed,
+            scored=scored,
+            on_row=save_partial if js is not None else None,
             log=log,
         )
+    result["command"] = _suite_command(args)
+    if args.reproduce:
+        result["reproduce"] = args.reproduce
     if args.out:
         js, md = save(result, args.out)
         result["saved"] = [str(js), str(md)]
@@ -326,6 +389,38 @@ def cmd_eval_suite(args) -> int:
     print(markdown(result))
     if args.out:
         print(f"wrote {result['saved'][0]} and {result['saved'][1]}")
+    return 0
+
+
+def _suite_command(args) -> str:
+    """The `looplm eval suite` command with every setting that shapes its figures spelled out."""
+    words = ["looplm", "eval", "suite", *args.models, "--domains", args.domains, "--windows", args.windows]
+    words += ["--seq-len", args.seq_len] + (["--data", args.data] if args.data else [])
+    words += ["--tasks", args.tasks, "--limit", args.limit]
+    for pair in args.compare or []:
+        words += ["--compare", pair]
+    words += ["--resamples", args.resamples, "--seed", args.seed]
+    return shlex.join(map(str, words))
+
+
+def _pair(text: str) -> tuple[str, str]:
+    a, sep, b = text.partition(",")
+    if not sep or not a.strip() or not b.strip() or "," in b:
+        raise UsageError(f"--compare {text!r}: give two model names as A,B")
+    return a.strip(), b.strip()
+
+
+def cmd_eval_claims(args) -> int:
+    from .claims import write_claims
+
+    if args.resamples < 2:
+        raise UsageError("--resamples must be at least 2 (a standard error needs two resamples)")
+    entries = write_claims(args.results, args.out, args.resamples, args.seed)
+    if args.json:
+        print_json(entries)
+        return 0
+    print(Path(args.out).read_text())
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -47,7 +47,8 @@ def score_windows(
     max_tokens: int | None = None,
     progress: bool = False,
 ) -> dict:
-    """``perplexity`` on token windows given directly (e.g. the rows of a packed corpus's held-out split)."""
+    """``perplexity`` on token windows given directly (e.g. the rows of a packed corpus's held-out split), plus the
+    final exit's mean token loss and scored tokens of each window (``window_losses``, ``window_tokens``)."""
     if not windows:
         raise ValueError("nothing to score: no window holds two or more tokens")
     if max_tokens:
@@ -62,6 +63,7 @@ def score_windows(
     device = next(model.parameters()).device
     nll = torch.zeros(loops, dtype=torch.float64)
     count = 0
+    window_nll, window_tokens = [], []  # the final exit's, per window: paired comparisons resample windows
     scored_text = []
     for start in tqdm(range(0, len(windows), batch_size), desc="perplexity", disable=not progress):
         batch = windows[start : start + batch_size]
@@ -81,7 +83,11 @@ def score_windows(
             # One window at a time: a [batch, seq, vocab] float32 block is GBs for Gemma's 262k vocabulary.
             for j in range(h.shape[0]):
                 logits = model.exit_logits(h[j, :-1], loop=i).float()
-                nll[i] += F.cross_entropy(logits, targets[j], ignore_index=-100, reduction="sum").double().cpu()
+                w_nll = F.cross_entropy(logits, targets[j], ignore_index=-100, reduction="sum").double().cpu()
+                nll[i] += w_nll
+                if i == loops - 1:
+                    window_nll.append(float(w_nll))
+                    window_tokens.append(int((targets[j] != -100).sum()))
         count += int((targets != -100).sum())
         scored_text.extend(w[1:] for w in batch)
     # Bytes of the scored tokens (the text they decode to), for a tokenizer-independent measure.
@@ -101,4 +107,6 @@ def score_windows(
         "bytes": n_bytes,
         "exit_loop": loops,
         "per_loop": per_loop,
+        "window_losses": [n / max(t, 1) for n, t in zip(window_nll, window_tokens)],
+        "window_tokens": window_tokens,
     }

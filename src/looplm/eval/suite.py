@@ -4,16 +4,26 @@ For each model: perplexity on every out-of-domain domain (data/ood.py), their ge
 first model's (the reference, normally the original), optionally the held-out split of a training corpus
 (in-domain), and few-shot accuracy (LAMBADA and the paper's seven-task average) through lm-evaluation-harness.
 Every figure is the final exit's.
+
+Every model is scored on the same windows and task documents, and the result keeps each window's mean token loss
+and each document's score: the ratios carry a paired-bootstrap standard error and 95% interval, and pairs of
+models are compared beyond two standard errors (looplm.eval.stats), now or later from the JSON alone
+(`looplm eval claims`).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from pathlib import Path
 
 from ..data.ood import domain_windows, geometric_ratio, parse_domains
 from ..errors import UsageError
 from ..util import write_json_atomic, write_text_atomic
+from . import stats
+
+LABEL = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.+-]*)=(.+)$")
 
 
 def score_model(
@@ -28,28 +38,72 @@ def score_model(
     batch_size: int = 4,
     progress: bool = False,
 ) -> dict:
-    """One model's row: {"ood": {domain: perplexity}, "in_domain": perplexity or None, "tasks": {...}, "average"}."""
+    """One model's row: {"ood": {domain: perplexity}, "ood_windows": {domain: {"loss", "tokens"}}, "in_domain" and
+    "in_domain_windows" (with a corpus), "tasks": {task: {value, stderr, n, docs: {ids, correct}}}, "average"}."""
     from .perplexity import score_windows
 
     add_bos = bool(getattr(model.config, "add_bos_token", False))
-    row: dict = {"ood": {}, "ood_tokens": 0}
+    row: dict = {"ood": {}, "ood_tokens": 0, "ood_windows": {}}
     for name, wins in domain_windows(tok, domains, windows, seq_len, add_bos).items():
         r = score_windows(model, tok, wins, batch_size=batch_size, progress=False)
         row["ood"][name] = r["perplexity"]
         row["ood_tokens"] += r["tokens"]
+        row["ood_windows"][name] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if corpus is not None:
         held = corpus.splits["heldout"][:windows, :seq_len]
         r = score_windows(model, tok, [list(map(int, w)) for w in held], batch_size=batch_size, progress=False)
         row["in_domain"], row["in_domain_tokens"] = r["perplexity"], r["tokens"]
+        row["in_domain_windows"] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if tasks:
         from .fewshot import run_fewshot
+        from .tasks import PAPER7
 
-        res = run_fewshot(model, tok, tasks, limit=limit, batch_size=16, progress=progress)
+        res = run_fewshot(model, tok, tasks, limit=limit, batch_size=16, log_samples=True, progress=progress)
         row["tasks"] = {
-            name: {"value": r["value"], "stderr": r["stderr"], "n": r["n"]} for name, r in res["tasks"].items()
+            name: {
+                "value": r["value"],
+                "stderr": r["stderr"],
+                "n": r["n"],
+                "docs": document_scores(res["samples"][name], PAPER7[name][1]),
+            }
+            for name, r in res["tasks"].items()
         }
         row["average"] = res["average"] if len(tasks) > 1 else None
+        errors = [r["stderr"] for r in row["tasks"].values()]
+        # the tasks' documents are independent: the average's variance is the mean of the tasks' variances / tasks
+        row["average_stderr"] = (
+            (sum(e * e for e in errors) ** 0.5 / len(errors)) if len(tasks) > 1 and None not in errors else None
+        )
     return row
+
+
+def document_scores(samples: list[dict], metric: str) -> dict:
+    """{"ids": [document id], "correct": [the headline metric's per-document score]} of one task."""
+    return {"ids": [int(s["doc_id"]) for s in samples], "correct": [float(s[metric]) for s in samples]}
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``NAME=MODEL`` -> (NAME, MODEL); a bare MODEL is its own name."""
+    m = LABEL.match(spec)
+    if m and not Path(spec).exists():
+        return m.group(1), m.group(2)
+    return spec, spec
+
+
+def run_budget(spec: str) -> str | None:
+    """What training the model had, from the run directory it is the ``final/`` of: `looplm heal`'s heal.json or
+    `looplm train`'s metrics.jsonl; None for a model that is no run's output (e.g. the original)."""
+    run = Path(spec).parent
+    heal = run / "heal.json"
+    if Path(spec).is_dir() and heal.exists():
+        h = json.loads(heal.read_text())
+        return f"heal: {h['tokens']:,} end-to-end + {h['local_tokens']:,} local tokens, {h['minutes']} min"
+    metrics = run / "metrics.jsonl"
+    if Path(spec).is_dir() and (run / "run.json").exists() and metrics.exists():
+        tokens = [json.loads(line).get("tokens") for line in metrics.read_text().splitlines() if line.strip()]
+        tokens = [t for t in tokens if t is not None]
+        return f"uptrain: {tokens[-1]:,} tokens" if tokens else None
+    return None
 
 
 def run_suite(
@@ -61,8 +115,20 @@ def run_suite(
     tasks: list[str] | None = None,
     limit: int | None = None,
     batch_size: int = 4,
+    compare: list[tuple[str, str]] | None = None,
+    resamples: int = stats.RESAMPLES,
+    seed: int = stats.SEED,
+    scored: list[dict] | None = None,
+    on_row=None,
     log=print,
 ) -> dict:
+    """Score every model (``specs``: MODEL or NAME=MODEL, the reference first) and compare them: each ratio with
+    its standard error and interval, and ``compare``'s pairs of names (default: the first non-reference model
+    against every later one) on every metric scored.
+
+    ``scored``: rows of an earlier run with the same settings (``settings``); a row of the same name and model is
+    kept instead of scored again. ``on_row(rows)`` is called after each model, e.g. to save a partial result."""
+    from ..convert.recursive import count_parameters
     from ..models import load_model
     from ..models.loading import tokenizer_fingerprint
 
@@ -74,9 +140,26 @@ def run_suite(
         corpus = PackedCorpus(data)
         if len(corpus.splits["heldout"]) == 0:
             raise UsageError(f"the corpus {data} has no held-out split to score in-domain text on")
+    labelled = [parse_spec(s) for s in specs]
+    seen = [n for n, _ in labelled]
+    if len(set(seen)) != len(seen):
+        raise UsageError(f"two models share a name in {', '.join(seen)}; give each its own NAME=MODEL")
+    specs = [s for _, s in labelled]
+    unknown = [n for pair in compare or [] for n in pair if n not in seen and n not in specs]
+    if unknown:
+        raise UsageError(f"--compare names {', '.join(unknown)}, not a model of this suite ({', '.join(seen)})")
+    earlier = {(r["name"], r["model"]): r for r in scored or [] if r.get("tokenizer")}
     rows, reference_fp = [], None
-    for spec in specs:
+    for label, spec in labelled:
         t0 = time.perf_counter()
+        if (label, spec) in earlier:
+            row = earlier[(label, spec)]
+            reference_fp = reference_fp or row["tokenizer"]
+            if row["tokenizer"] != reference_fp:
+                raise UsageError(f"{spec} uses another tokenizer than {specs[0]}: evaluate one family in one table")
+            rows.append(row)
+            log(f"{label}: scored before, kept")
+            continue
         model, tok = load_model(spec)
         if tok is None:
             raise UsageError(f"{spec} has no tokenizer files; save the model with its tokenizer")
@@ -93,14 +176,20 @@ def run_suite(
                 f"the corpus {data} was tokenised for another model; build one with `looplm data build {specs[0]}`"
             )
         row = {
+            "name": label,
             "model": spec,
             "loops": model.config.num_loops,
+            "n_emb": count_parameters(model)["n_emb"],
+            "budget": run_budget(spec),
+            "tokenizer": fp,
             **score_model(model.eval(), tok, names, windows, seq_len, corpus, tasks, limit, batch_size),
         }
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         log(
-            f"{spec}: out-of-domain "
+            f"{label}: out-of-domain "
             + ", ".join(f"{n} {p:.2f}" for n, p in row["ood"].items())
             + (f"; in-domain {row['in_domain']:.2f}" if "in_domain" in row else "")
             + f" ({row['seconds']} s)"
@@ -111,51 +200,172 @@ def run_suite(
         row["ood_ratio"] = geometric_ratio(row["ood"], ref["ood"])
         if "in_domain" in row:
             row["in_domain_ratio"] = row["in_domain"] / ref["in_domain"]
-    return {
-        "reference": ref["model"],
-        "domains": names,
-        "windows": windows,
-        "seq_len": seq_len,
-        "data": data,
-        "tasks": tasks,
-        "limit": limit,
+    result = {
+        "reference": ref["name"],
+        **settings(names, windows, seq_len, data, tasks, limit),
         "rows": rows,
+        "resamples": resamples,
+        "seed": seed,
     }
+    stats.add_perplexity_intervals(result, resamples, seed)
+    pairs = stats.default_pairs(result) if compare is None else compare
+    result["comparisons"] = stats.comparisons(result, pairs, resamples, seed)
+    return result
+
+
+def settings(domains: list[str], windows: int, seq_len: int, data, tasks, limit) -> dict:
+    """What decides a suite's figures besides the models: rows scored under other settings do not compare."""
+    return {"domains": domains, "windows": windows, "seq_len": seq_len, "data": data, "tasks": tasks, "limit": limit}
+
+
+def earlier_rows(path: str | Path, expected: dict) -> list[dict]:
+    """The rows of an earlier (possibly partial) result at ``path`` scored with ``expected`` settings; none when
+    there is no such file."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return []  # a file cut short: score everything again
+    differ = [k for k, v in expected.items() if old.get(k) != v]
+    if differ:
+        raise UsageError(
+            f"{path} was scored with other settings ({', '.join(f'{k} {old.get(k)!r}' for k in differ)}); give "
+            f"the same settings to resume it, or another --out"
+        )
+    return old.get("rows", [])
+
+
+def _ratio(row: dict, key: str) -> str:
+    """A ratio with its bootstrap interval, e.g. 1.234x [1.10, 1.38]."""
+    st = row.get(f"{key}_ratio_stats")
+    text = f"{row[f'{key}_ratio']:.3f}x"
+    return text + (f" [{st['ratio_low']:.3f}, {st['ratio_high']:.3f}]" if st else "")
+
+
+def _difference(c: dict) -> str:
+    if c["metric"] in ("ood", "in_domain"):
+        return f"{c['difference']:+.4f} ± {c['se']:.4f} log-ppl"
+    return f"{100 * c['difference']:+.1f} ± {100 * c['se']:.1f} points"
 
 
 def markdown(result: dict) -> str:
-    """The suite as a markdown table: one row per model, ratios against the first."""
+    """The suite as a markdown table: one row per model, ratios against the first with their 95% intervals; then
+    the paired comparisons."""
     names = result["domains"]
     has_in = any("in_domain" in r for r in result["rows"])
     tasks = result.get("tasks") or []
-    head = ["model"] + names + ["out-of-domain (x ref)"] + (["in-domain (x ref)"] if has_in else [])
+    head = ["model", "N-emb"] + names + ["out-of-domain (x ref)"] + (["in-domain (x ref)"] if has_in else [])
     head += [f"{t} acc" for t in tasks if t == "lambada"] + (["7-task avg"] if len(tasks) > 1 else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        cells = [f"`{r['model']}`"] + [f"{r['ood'][n]:.2f}" for n in names] + [f"{r['ood_ratio']:.3f}x"]
+        n_emb = f"{r['n_emb'] / 1e6:.1f}M" if r.get("n_emb") else "-"
+        name = r.get("name", r["model"])
+        cells = [f"`{name}`", n_emb] + [f"{r['ood'][n]:.2f}" for n in names] + [_ratio(r, "ood")]
         if has_in:
-            cells.append(f"{r['in_domain']:.2f} ({r['in_domain_ratio']:.3f}x)" if "in_domain" in r else "")
+            cells.append(f"{r['in_domain']:.2f} ({_ratio(r, 'in_domain')})" if "in_domain" in r else "")
         if "lambada" in tasks:
             t = r["tasks"]["lambada"]
             cells.append(f"{100 * t['value']:.1f}" + (f" ± {100 * t['stderr']:.1f}" if t["stderr"] else ""))
         if len(tasks) > 1:
-            cells.append(f"{100 * r['average']:.1f}")
+            se = r.get("average_stderr")
+            cells.append(f"{100 * r['average']:.1f}" + (f" ± {100 * se:.1f}" if se else ""))
         lines.append("| " + " | ".join(cells) + " |")
-    ref = result["rows"][0]["model"]
-    return "\n".join(lines) + (
-        f"\n\nPerplexity of the final exit on the first {result['windows']} windows of "
+    ref = result["rows"][0].get("name", result["rows"][0]["model"])
+    lines.append(
+        f"\nPerplexity of the final exit on the first {result['windows']} windows of "
         f"{result['seq_len']} tokens of each domain; ratios are geometric means against `{ref}`"
         + (f"; in-domain: the held-out split of {result['data']}" if has_in else "")
         + (f"; tasks: first {result['limit']} documents each" if tasks and result["limit"] else "")
-        + ".\n"
+        + (
+            f". Brackets: 95% paired-bootstrap interval over windows ({result['resamples']} resamples, seed "
+            f"{result['seed']})."
+            if "resamples" in result
+            else "."
+        )
     )
+    if len(tasks) > 1:
+        lines += ["", *task_table(result)]
+    if result.get("comparisons"):
+        lines += [
+            "",
+            "| A | B | metric | A - B | verdict |",
+            "|---|---|---|---|---|",
+        ]
+        for c in result["comparisons"]:
+            lines.append(f"| `{c['a']}` | `{c['b']}` | {c['metric']} | {_difference(c)} | {c['verdict']} |")
+        lines.append(
+            "\nA - B: the difference in log-perplexity (lower is better; out-of-domain: the mean over domains) or in "
+            "accuracy, ± its paired standard error; a verdict names the better model only beyond two standard errors."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def task_table(result: dict) -> list[str]:
+    """Each task's headline accuracy ± its standard error, one row per model."""
+    from .report import TASK_HEAD
+
+    tasks = result["tasks"]
+    lines = [
+        "| model | " + " | ".join(TASK_HEAD.get(t, t) for t in tasks) + " | avg |",
+        "|" + "---|" * (len(tasks) + 2),
+    ]
+    for r in result["rows"]:
+        cells = []
+        for t in (r["tasks"][t] for t in tasks):
+            cells.append(f"{100 * t['value']:.1f}" + (f" ± {100 * t['stderr']:.1f}" if t["stderr"] else ""))
+        se = r.get("average_stderr")
+        cells.append(f"{100 * r['average']:.1f}" + (f" ± {100 * se:.1f}" if se else ""))
+        lines.append(f"| `{r.get('name', r['model'])}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    """Quality against N-emb (the shape of the paper's Figure 1): the out-of-domain ratio to the reference with
+    its 95% interval, and the tasks' average accuracy ± one standard error when the suite scored several."""
+    rows = [r for r in result["rows"] if r.get("n_emb")]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = len(result.get("tasks") or []) > 1
+    fig, axes = plt.subplots(1, 2 if tasks else 1, figsize=(11 if tasks else 6, 4.5), squeeze=False)
+    x = [r["n_emb"] / 1e6 for r in rows]
+    ax = axes[0][0]
+    for xi, r in zip(x, rows):
+        st = r.get("ood_ratio_stats") or {"ratio_low": r["ood_ratio"], "ratio_high": r["ood_ratio"]}
+        err = [[r["ood_ratio"] - st["ratio_low"]], [st["ratio_high"] - r["ood_ratio"]]]
+        ax.errorbar([xi], [r["ood_ratio"]], yerr=err, fmt="o", capsize=3)
+        ax.annotate(r.get("name", r["model"]), (xi, r["ood_ratio"]), textcoords="offset points", xytext=(4, 4))
+    ax.set_yscale("log")
+    ax.set_ylabel("out-of-domain perplexity (x the reference)")
+    if tasks:
+        ax2 = axes[0][1]
+        for xi, r in zip(x, rows):
+            ax2.errorbar([xi], [100 * r["average"]], yerr=[100 * (r.get("average_stderr") or 0)], fmt="o", capsize=3)
+            ax2.annotate(r.get("name", r["model"]), (xi, 100 * r["average"]), textcoords="offset points", xytext=(4, 4))
+        ax2.set_ylabel("average task accuracy (%)")
+    for a in axes[0]:
+        a.set_xlabel("non-embedding parameters (M)")
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def save(result: dict, out: str | Path) -> tuple[Path, Path]:
+    """OUT.json (every figure, the per-window losses and per-document scores included), OUT.md (the tables) and
+    OUT.png (quality against N-emb)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     js = out.with_suffix(".json")
     md = out.with_suffix(".md")
     write_json_atomic(js, result)
     write_text_atomic(md, markdown(result))
+    plot(result, out.with_suffix(".png"))
     return js, md
