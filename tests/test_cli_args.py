@@ -66,11 +66,11 @@ def test_old_names_still_parse_and_say_so(capsys):
     args = _parse(["generate", "m", "Hello", "--max-new-tokens", "5"])
     assert (args.model, args.prompt, args.max_new_tokens) == ("m", ["Hello"], 5) and capsys.readouterr().err == ""
     args = _parse(["heal", "d", "--tokens", "100", "--base-weights", "float"])
-    assert args.tokens == 100 and args.base_weights == "fp32"
+    assert args.train_tokens == 100 and args.base_weights == "fp32"
     args = _parse(["quantize", "m", "--out", "o", "--calibrate", "c", "--calibration-rows", "4", "--dtype", "float32"])
     assert (args.calib_data, args.calib_rows, args.dtype) == ("c", 4, "fp32")
     args = _parse(["train", "--model", "m", "--data", "d", "--out", "o", "--max-tokens", "9", "--eval-seqs", "3"])
-    assert (args.model, args.max_tokens, args.eval_seqs) == ("m", 9, 3)
+    assert (args.model, args.train_tokens, args.eval_rows) == ("m", 9, 3)
     args = _parse(["data", "build", "--out", "o"])
     assert args.model == "smollm2-135m"
 

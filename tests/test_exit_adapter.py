@@ -412,7 +412,7 @@ def test_frozen_run_resumes_and_older_run_files_still_resume(setup):
         early_exit="aggressive",
         exit_adapter="affine",
         freeze_body=True,
-        save_every=1,
+        save_every_steps=1,
         precision="fp32",
         progress=False,
     )

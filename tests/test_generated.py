@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from test_train_fixtures import build_corpus, make_models, run_cli, tiny_vanilla, write_texts
 
-from looplm.data.corpus import PackedCorpus, build
-from looplm.data.generated import degenerate, read_samples, text_key
+from looplm.data.corpus import PackedCorpus, build, teacher_mix_sources
+from looplm.data.generated import degenerate, read_manifest, read_samples, text_key
 from looplm.errors import UsageError
 from looplm.serve.teacher_text import GenerateConfig, PromptSource, generate_corpus
 
@@ -132,6 +132,13 @@ def test_other_settings_another_teacher_and_bad_input_are_refused(setup):
         "data", "generate", models["teacher"], "--out", tmp / "cli", "--generated-tokens", 1, "--prompt-mix", "corpus:1"
     )
     assert r.returncode == 2 and "needs --corpus" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # without --corpus the default prompts are bare document starts (half are corpus snippets with one)
+    r = run_cli(
+        "data", "generate", models["teacher"], "--out", tmp / "starts", "--generated-tokens", 1, "--no-progress"
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp / "starts" / "manifest.json").read_text())["settings"]["prompt_mix"] == "start:1"
+    assert {s["prompt_kind"] for s in read_samples(tmp / "starts")} == {"start"}
 
 
 def test_prompts_are_a_function_of_the_seed_and_index(setup):
@@ -204,3 +211,50 @@ def test_a_generated_corpus_is_a_build_source_and_caps_weigh_a_mix(setup):
     assert json.loads((tmp / "capped" / "meta.json").read_text())["sources"][name]["max_train_rows"] == 4
     with pytest.raises(UsageError, match="at least 1"):
         build(tmp / "bad", model=str(models["teacher"]), sources=f"{texts}:0", seq_len=32, log=quiet, progress=False)
+
+
+def test_the_recipe_mix_holds_as_many_real_tokens_as_generated_ones(setup):
+    tmp, models, corpus = setup
+    gen = tmp / "whole"
+    if not (gen / "manifest.json").exists():
+        generate_corpus(config(models, corpus, gen, tokens=60), log=quiet)
+    tokens = read_manifest(gen)["tokens"]
+    real = ("one", "two", "three")
+    spec = teacher_mix_sources(gen, 8, real=real)
+    assert spec.split(",")[-1] == str(gen)  # the real sources first
+    caps = [int(item.rpartition(":")[2]) for item in spec.split(",")[:-1]]
+    assert len(caps) == len(real) and len(set(caps)) == 1
+    assert tokens / 8 <= sum(caps) < tokens / 8 + len(real)  # rows of real text: as many as of generated text
+
+
+def test_heal_makes_its_corpus_once_from_the_teachers_text_and_real_text(setup, tmp_path, monkeypatch):
+    """`looplm heal` without --data: the teacher writes its text, the corpus mixes it with real text, and a
+    second run reuses both; several processes are refused before any of them starts making it."""
+    from dataclasses import replace
+
+    import looplm.data.corpus as corpus_module
+    import looplm.serve.teacher_text as teacher_text
+    from looplm.train import cli as train_cli
+
+    tmp, models, _ = setup
+    texts = write_texts(tmp_path / "real")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_cli, "TEACHER_TOKENS", 20)
+    small = dict(max_new_tokens=8, shard_size=4, max_batch=4, weights="fp32")
+    generate = teacher_text.generate_corpus
+    monkeypatch.setattr(teacher_text, "generate_corpus", lambda cfg, **kw: generate(replace(cfg, **small), **kw))
+    monkeypatch.setattr(corpus_module, "teacher_mix_sources", lambda gen, seq_len: f"{texts}:2,{gen}")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="run `looplm heal` on one process first"):
+        train_cli._recipe_corpus(str(models["teacher"]), 16, progress=False)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    made = train_cli._recipe_corpus(str(models["teacher"]), 16, progress=False)
+    assert made == f"out/corpus-{models['teacher'].name}-mix-16"
+    generated = tmp_path / "out" / f"gen-{models['teacher'].name}"
+    assert read_manifest(generated)["tokens"] >= 20
+    meta = json.loads((tmp_path / made / "meta.json").read_text())
+    assert set(meta["sources"]) == {"src0", "src1", generated.name}
+    assert all(meta["sources"][f"src{i}"]["train"]["seqs"] == 2 for i in (0, 1))
+    monkeypatch.setattr(teacher_text, "generate_corpus", None)  # a second run makes nothing
+    assert train_cli._recipe_corpus(str(models["teacher"]), 16, progress=False) == made

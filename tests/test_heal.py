@@ -169,7 +169,7 @@ def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
             teacher=models["teacher"],
             data=str(corpus),
             out=str(tmp_path / "run"),
-            tokens=64,
+            train_tokens=64,
             seq_len=32,
             cache_rows=4,
             local_batch=2,
@@ -206,7 +206,7 @@ def test_local_stage_lowers_every_layers_error(setup, mode):
         teacher=str(models["teacher"]),
         data=str(corpus),
         out=str(out),
-        tokens=64 * 40,
+        train_tokens=64 * 40,
         local_share=1.0,
         local_mode=mode,
         seq_len=32,
@@ -283,7 +283,7 @@ def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
         teacher=str(models["teacher"]),
         data=str(corpus),
         out=str(out),
-        tokens=64 * 40,
+        train_tokens=64 * 40,
         local_share=0.0,
         exit_share=0.5,
         exit_lr=1e-2,
@@ -319,7 +319,7 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
         teacher=str(models["teacher"]),
         data=str(corpus),
         out=str(tmp / f"exit-term-{target}"),
-        tokens=64 * 4,
+        train_tokens=64 * 4,
         local_share=0.0,
         exit_share=0.0,
         exit_weight=1.0,
@@ -367,7 +367,7 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
         teacher=str(models["teacher"]),
         data=str(corpus),
         out=str(out),
-        tokens=64 * 40,
+        train_tokens=64 * 40,
         local_share=0.0,
         e2e_rows="online",
         e2e_lr=1e-3,
@@ -432,7 +432,7 @@ def test_rounded_base_weights_stay_on_their_grid_while_the_rest_learns(setup):
         teacher=str(models["teacher"]),
         data=str(corpus),
         out=str(out),
-        tokens=64 * 40,
+        train_tokens=64 * 40,
         local_lr=3e-3,
         e2e_lr=1e-3,
         exit_adapter="none",
@@ -511,7 +511,7 @@ def test_heal_fills_what_the_command_line_leaves_out_and_says_so(setup, tmp_path
         "out out/student-healed, not compiled"
     )
     run = json.loads((tmp_path / "out" / "student-healed" / "run.json").read_text())["config"]
-    assert run["teacher"] == str(models["teacher"]) and run["tokens"] == 64 * 16 and run["compile"] is False
+    assert run["teacher"] == str(models["teacher"]) and run["train_tokens"] == 64 * 16 and run["compile"] is False
     assert (tmp_path / "out" / "student-healed" / "final" / "config.json").exists()
 
     r = run_cli(
@@ -688,7 +688,7 @@ def test_the_cache_holds_the_rows_cached_rows_draws(setup):
             teacher=str(models["teacher"]),
             data=str(corpus),
             out=str(out),
-            tokens=64 * 4,
+            train_tokens=64 * 4,
             seq_len=32,
             cache_rows=16,
             local_batch=2,
@@ -741,7 +741,7 @@ def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
             teacher=str(models["teacher"]),
             data=str(corpus),
             out=str(out),
-            tokens=64 * 6,
+            train_tokens=64 * 6,
             local_share=0.5,
             e2e_rows="online",
             e2e_lr=1e-3,
@@ -790,7 +790,7 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
             teacher=str(models["teacher"]),
             data=str(corpus),
             out=str(out),
-            tokens=64 * 16,
+            train_tokens=64 * 16,
             local_share=0.25,
             e2e_lr=1e-3,
             e2e_average=0.8,

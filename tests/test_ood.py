@@ -119,7 +119,7 @@ def test_heal_logs_the_suite_mean_at_every_evaluation(setup):
             teacher=str(models["teacher"]),
             data=str(corpus),
             out=str(out),
-            tokens=64 * 24,
+            train_tokens=64 * 24,
             seq_len=32,
             cache_rows=16,
             local_batch=2,

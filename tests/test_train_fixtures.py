@@ -128,3 +128,12 @@ def test_byte_tokenizer_round_trips():
     text = "Relaxed recursive — transformers\n\tü"
     ids = tok(text).input_ids
     assert tok.decode(ids) == text and max(ids) < 257
+
+
+def free_port() -> int:
+    """A port the OS has just handed out, so that two runs of the suite never race for a fixed one."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_train_fixtures import SRC, build_corpus, make_models, run_cli
+from test_train_fixtures import SRC, build_corpus, free_port, make_models, run_cli
 
 from looplm.models import load_model
 from looplm.train.loop import TrainConfig, batch_indices, lr_lambda_factory, train
@@ -21,15 +21,6 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loop")
     models = make_models(tmp)
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
-
-
-def _free_port() -> int:
-    """A port the OS has just handed out, so that two runs of the suite never race for a fixed one."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def metrics(run):
@@ -142,7 +133,7 @@ def test_two_gloo_processes_equal_one_process(setup):
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "looplm.cli",
             "train",
@@ -296,7 +287,7 @@ def test_new_rows_run_out_with_a_clear_error(setup):
 
 def test_plot_writes_pngs(setup):
     tmp, models, corpus = setup
-    train(_cfg(setup, "plotrun", eval_every=1, early_exit="aggressive"), lambda *a: None)
+    train(_cfg(setup, "plotrun", eval_every_steps=1, early_exit="aggressive"), lambda *a: None)
     from looplm.cli import main
 
     assert main(["plot", str(tmp / "plotrun")]) == 0

@@ -58,14 +58,14 @@ def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint(tmp_path):
 
 
 def test_a_resume_reads_former_defaults():
-    now = HealConfig(tokens=100, hidden_loss="log1p")
+    now = HealConfig(train_tokens=100, hidden_loss="log1p")
     fixed, former = HealConfig.FIXED, HealConfig.FORMER_DEFAULTS
     saved = {k: getattr(now, k) for k in fixed if k != "hidden_loss"}
     # a run from before hidden_loss was recorded ran with "relative"
     assert changed_settings(saved, now, fixed, former) == ["hidden_loss: 'relative' -> 'log1p'"]
     assert changed_settings({**saved, "hidden_loss": "log1p"}, now, fixed, former) == []
-    assert changed_settings({**saved, "hidden_loss": "log1p", "tokens": 50}, now, fixed, former) == [
-        "tokens: 50 -> 100"
+    assert changed_settings({**saved, "hidden_loss": "log1p", "train_tokens": 50}, now, fixed, former) == [
+        "train_tokens: 50 -> 100"
     ]
     # a setting the run did not record and whose default did not change had the field's default
     del saved["base_weights"]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
+import typing
+from dataclasses import Field, fields, is_dataclass
 
 MODEL_ALIAS = "model_alias"
 _MODEL_REQUIRED = "_model_required"
@@ -139,3 +142,101 @@ def deprecated_last(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sub in set(action.choices.values()):
                 deprecated_last(sub)
+
+
+# ---------------------------------------------------------------------------------------------
+# flags from a settings dataclass (train/settings.py ``setting``: each default written once)
+
+
+def flag_name(f: Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def flag_fields(cls: type) -> list[Field]:
+    """The fields of ``cls`` that are flags, in field order."""
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
+def _value_type(annotation) -> type:
+    """int for ``int``, ``int | None`` and ``Optional[int]``."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(kinds) != 1:
+            raise TypeError(f"a flag needs one type, not {annotation}")
+        return kinds[0]
+    return annotation
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...] = ()) -> None:
+    """A flag for every ``setting`` field of ``cls``: the fields named in ``first`` in that order, then the others
+    in field order, those ``cls`` declares before those it shares with its bases. The advanced ones go in the
+    parser's "advanced" group, old names in its "deprecated" group (or beside the new name in a mutually exclusive
+    group)."""
+    hints = typing.get_type_hints(cls)
+    given = flag_fields(cls)
+    names = {f.name for f in given}
+    missing = [n for n in first if n not in names]
+    if missing:
+        raise ValueError(f"{cls.__name__} has no flag fields {missing}")
+    rank = {name: i for i, name in enumerate(first)}
+    shared = {f.name for base in cls.__mro__[1:] if is_dataclass(base) for f in fields(base)}
+    given.sort(key=lambda f: (0, rank[f.name]) if f.name in rank else (1 + (f.name in shared), 0))  # stable
+    research = None
+    exclusive: dict[tuple[int, str], argparse._MutuallyExclusiveGroup] = {}
+    for f in given:
+        m = f.metadata
+        container = parser
+        if m.get("advanced"):
+            research = research or advanced(parser)
+            container = research
+        if m.get("exclusive"):
+            key = (id(container), m["exclusive"])
+            if key not in exclusive:
+                exclusive[key] = container.add_mutually_exclusive_group()
+            container = exclusive[key]
+        name = flag_name(f)
+        kind = _value_type(hints[f.name])
+        kwargs: dict = {"dest": f.name, "help": m["help"]}
+        alias_kwargs: dict = {}
+        if kind is bool:
+            if f.default is False:
+                kwargs["action"] = "store_true"
+            else:  # True, or None: the recipe chooses
+                kwargs.update(action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            spelled = m.get("spelled", {})
+            convert = renamed_choices(name, spelled) if spelled else kind
+            kwargs.update(type=convert, default=spelled.get(f.default, f.default))
+            if "choices" in m:
+                kwargs["choices"] = list(m["choices"])
+            if "metavar" in m:
+                kwargs["metavar"] = m["metavar"]
+            if m.get("required"):
+                kwargs.update(required=True, default=None)
+            alias_kwargs = {"type": convert, "metavar": m.get("metavar", "N" if kind in (int, float) else None)}
+        container.add_argument(name, **kwargs)
+        for old in m.get("aliases", ()):
+            if kind is bool:
+                raise TypeError(f"{cls.__name__}.{f.name}: old names of a switch are not supported")
+            add_deprecated(
+                container if m.get("exclusive") else parser,
+                old,
+                name,
+                f.name,
+                **{k: v for k, v in alias_kwargs.items() if v is not None},
+            )
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    """The settings ``cls`` of parsed arguments: every field the arguments hold (a flag's value in the dataclass's
+    spelling), the others at their defaults."""
+    given = vars(args)
+    values = {}
+    for f in fields(cls):
+        if f.name in given:
+            value = given[f.name]
+            spelled = f.metadata.get("spelled")
+            if spelled:
+                value = {v: k for k, v in spelled.items()}.get(value, value)
+            values[f.name] = value
+    return cls(**values)

@@ -21,7 +21,7 @@ def heal_step(cfg: HealConfig, rounds: int, log=print) -> dict:
     ``cfg.cache``, or in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="looplm-bench-heal-") as tmp:
         # a token budget: prepare() needs one, and nothing is planned from it here
-        cfg = replace(cfg, out=str(Path(tmp) / "run"), tokens=1, budget_minutes=None, resume=False, ood_windows=0)
+        cfg = replace(cfg, out=str(Path(tmp) / "run"), train_tokens=1, budget_minutes=None, resume=False, ood_windows=0)
         quiet = lambda *a: None  # noqa: E731
         run = prepare(cfg, log=quiet)
         inputs, exit_spec = run.inputs, run.exit_spec

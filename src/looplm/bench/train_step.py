@@ -16,7 +16,9 @@ def train_step(cfg: TrainConfig, warmup: int, log=print) -> dict:
     """Run ``cfg`` for ``cfg.max_steps`` steps without evaluations or checkpoints in between; the first
     ``warmup`` steps are dropped from the figures."""
     with tempfile.TemporaryDirectory(prefix="looplm-bench-train-") as tmp:
-        cfg = replace(cfg, out=str(Path(tmp) / "run"), eval_every=0, save_every=0, log_every=1, keep=1, resume=False)
+        cfg = replace(
+            cfg, out=str(Path(tmp) / "run"), eval_every_steps=0, save_every_steps=0, log_every=1, keep=1, resume=False
+        )
         run = train(cfg, log=lambda *a: None)
         run_dir = RunDir(cfg.out)
         records, config = run_dir.records(), run_dir.settings()

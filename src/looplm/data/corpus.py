@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -27,7 +28,8 @@ import numpy as np
 from ..errors import UsageError
 from ..models.loading import tokenizer_fingerprint
 from ..util import write_json_atomic
-from .sources import resolve_sources, sha256_file
+from .generated import read_manifest
+from .sources import DEFAULT_SOURCES, resolve_sources, sha256_file
 
 FORMAT = 1
 
@@ -85,6 +87,15 @@ def parse_cap(item: str) -> tuple[str, int | None]:
     if int(rows) < 1:
         raise UsageError(f"--sources {item}: a source's row cap must be at least 1")
     return name, int(rows)
+
+
+def teacher_mix_sources(generated: str | Path, seq_len: int, real: tuple[str, ...] = DEFAULT_SOURCES) -> str:
+    """``--sources`` of the healing recipe's corpus: the teacher's own text (a `looplm data generate` directory)
+    and as many tokens of the ``real`` sources, split evenly among them. The real sources come first, so the
+    first held-out rows, which healing's periodic evaluation scores, are real text."""
+    tokens = read_manifest(generated)["tokens"]
+    per_source = max(1, math.ceil(tokens / seq_len / len(real)))
+    return ",".join([f"{name}:{per_source}" for name in real] + [str(generated)])
 
 
 def pack(token_lists: list[list[int]], seq_len: int, bos: int | None) -> np.ndarray:

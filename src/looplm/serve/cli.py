@@ -49,8 +49,9 @@ def _register_generate(sub) -> None:
     add_deprecated(budget, "--minutes", "--budget-minutes", "minutes", type=float, metavar="M")
     g.add_argument(
         "--prompt-mix",
-        default=d.prompt_mix,
-        help="kind:weight list; start = a bare document start, corpus = a snippet of --corpus's training split",
+        default=None,
+        help="kind:weight list; start = a bare document start, corpus = a snippet of --corpus's training split "
+        "(default: start:1,corpus:1 with --corpus, else start:1)",
     )
     g.add_argument(
         "--corpus",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ class GenerateConfig:
     out: str = ""
     tokens: int | None = None  # stop once this many generated tokens are kept (across resumes)
     minutes: float | None = None  # ... or after this many minutes of generation (across resumes)
-    prompt_mix: str = "start:1,corpus:1"  # kind:weight, kinds from PROMPT_KINDS
+    prompt_mix: str | None = None  # kind:weight, kinds from PROMPT_KINDS (None: default_mix)
     corpus: str | None = None  # a built corpus (its training split) for ``corpus`` prompts
     prompt_tokens: int = 32
     max_new_tokens: int = 448  # with the prompt, within a 512-token training row
@@ -60,6 +60,11 @@ class GenerateConfig:
         "shard_size",
         "seed",
     )
+
+
+def default_mix(corpus: str | None) -> str:
+    """Half continuations of the corpus when one is given, else bare document starts only."""
+    return "start:1,corpus:1" if corpus else "start:1"
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -109,7 +114,7 @@ class PromptSource:
     """Sample i's prompt: (kind, token ids), a pure function of (seed, i)."""
 
     def __init__(self, cfg: GenerateConfig, tok):
-        self.cfg, self.mix = cfg, parse_mix(cfg.prompt_mix)
+        self.cfg, self.mix = cfg, parse_mix(cfg.prompt_mix or default_mix(cfg.corpus))
         self.kinds = [k for k in PROMPT_KINDS if self.mix.get(k, 0) > 0]
         w = np.array([self.mix[k] for k in self.kinds])
         self.cdf = np.cumsum(w / w.sum())
@@ -166,6 +171,8 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
         SamplingParams(cfg.temperature, cfg.top_p).validate()
     except RequestError as e:
         raise UsageError(str(e).replace("temperature", "--temperature").replace("top_p", "--top-p")) from None
+    if cfg.prompt_mix is None:
+        cfg = replace(cfg, prompt_mix=default_mix(cfg.corpus))
     parse_mix(cfg.prompt_mix)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     weights = cfg.weights or default_weights(device)

@@ -1,9 +1,11 @@
 """Checkpoints of a `looplm train` run: what each holds (the model directory, Accelerate's state of every
-process, state.json), written into the shared run directory (run_dir.py) by every process together."""
+process, state.json), written into the shared run directory (run_dir.py) by every process together; and the final
+model, whose config records the rows the run read."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from ..errors import UsageError
@@ -12,7 +14,7 @@ from .run_dir import RunDir
 
 
 class Checkpoints:
-    """The Trainer's checkpoint methods (a mixin: they read the Trainer's accelerator, model and config)."""
+    """The Trainer's checkpoint methods (a mixin: they read the Trainer's accelerator, model, config and corpus)."""
 
     def _save(self, out: Path, step: int, tokens: int, elapsed: float) -> None:
         acc, run = self.acc, RunDir(out)
@@ -63,6 +65,34 @@ class Checkpoints:
             metadata={"format": "pt"},
         )
         self.tok.save_pretrained(str(directory))
+
+    def _write_final(self, out: Path, step: int) -> None:
+        """The trained model as OUT/final, replaced whole (written under a temporary name, then renamed)."""
+        acc = self.acc
+        acc.wait_for_everyone()
+        tmp = out / ".final.tmp"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        acc.wait_for_everyone()
+        self._export(tmp, step)
+        if acc.is_main_process:
+            old = out / ".final.old"
+            if (out / "final").exists():
+                (out / "final").rename(old)
+            tmp.rename(out / "final")
+            shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+
+    def training_record(self, step: int) -> dict:
+        """What this run has read so far, kept in the trained model's config (conversion.training) so that
+        a later run with --data-rows new skips it."""
+        return {
+            "corpus": self.corpus_id,
+            "seed": self.cfg.seed,
+            "global_batch": self.global_batch,
+            "steps": step,
+            "new_rows": self.cfg.data_rows == "new",
+        }
 
     def _load(self, ck: Path) -> tuple[int, int, float]:
         state = json.loads((ck / "state.json").read_text())

@@ -16,11 +16,13 @@ Run directory::
 Exact resume: the data order is a pure function of (seed, step) and everything else that changes
 (weights, AdamW moments, schedule, RNG states) is in the checkpoint, so a resumed run repeats the
 uninterrupted run's losses bit for bit on CPU in float32.
+
+The settings are TrainConfig (train/settings.py makes the command line from them); the checks made before the run
+directory is touched are in preflight.py, checkpoints and the final model in checkpoints.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -33,65 +35,118 @@ from torch import nn
 
 from ..data.corpus import PackedCorpus
 from ..errors import UsageError
-from ..models.exit_adapter import add_exit_adapters, parse_exit_adapter
+from ..models.exit_adapter import add_exit_adapters
 from ..models.loading import tokenizer_fingerprint
 from ..models.quantized import has_bf16_matmuls
-from .budget import check_budget, steps_to_fill
+from .budget import steps_to_fill
 from .checkpoints import Checkpoints, tensorboard_writer
-from .data_order import batch_indices, micro_batch, rows_read
+from .data_order import batch_indices, micro_batch
 from .evaluate import perplexity
-from .losses import EARLY_EXIT, KD_FUNCS, objective, token_ce
+from .losses import objective, token_ce
 from .optim import adamw, cosine
-from .run_dir import RunDir, append_record, check_resume_settings
+from .preflight import (
+    DATA_ROWS,
+    TRAIN_GROUPS,
+    arch_fingerprint,
+    check_config,
+    check_memory,
+    check_same_model,
+    estimate_memory,
+    load_teacher,
+    memory_available,
+    previous_run,
+    rows_to_read,
+    select_trainable,
+)
+from .run_dir import RunDir, append_record
+from .settings import RunSettings, refine, setting
 
 BUDGET_TIMED = 3  # steps timed (after the first, which warms up) before a time budget becomes a step count
 BUDGET_WARMUP = 20  # warm-up steps assumed until then
-TRAIN_GROUPS = ("all", "lora", "prefix", "layers", "norms", "embed", "exit")
-DATA_ROWS = ("all", "new")
 
 
 @dataclass
-class TrainConfig:
-    model: str | None = None
-    data: str = ""
-    out: str = ""
-    teacher: str | None = None
-    kd: str = "fkl"
-    kd_weight: float = 0.5
-    kd_temperature: float = 1.0
-    early_exit: str = "none"
-    exit_coef: float = 0.1
-    self_distill: bool = False
-    self_distill_weight: float = 1.0
-    exit_adapter: str | None = (
-        None  # head-lora:R | affine: add an adapter per intermediate exit (models/exit_adapter.py)
+class TrainConfig(RunSettings):
+    """`looplm train`'s settings."""
+
+    model: str | None = None  # the student: the command's positional (default with --resume: the run's)
+    data: str = setting("", "corpus dir from `looplm data build`", required=True)
+    out: str | None = refine(RunSettings, "out", required=True)
+    teacher: str | None = setting(
+        None, "frozen teacher for online distillation, the full-size model (default: none, cross-entropy only)"
     )
-    freeze_body: bool = False  # train only the exit adapter (the paper's appendix-I ablation)
-    max_steps: int | None = None
-    max_tokens: int | None = None
-    budget_minutes: float | None = None  # instead: train for this much step time (fixed after BUDGET_TIMED steps)
-    batch_size: int = 2  # sequences per process per micro-step
-    grad_accum: int = 1
-    seq_len: int | None = None  # crop the corpus's sequences (default: their full length)
-    lr: float = 2e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    precision: str = "auto"  # auto | bf16 | fp32
-    grad_checkpointing: bool = False
-    train: str = "all"
-    eval_every: int = 0
-    eval_seqs: int = 16
-    save_every: int = 0
-    keep: int = 2
-    log_every: int = 1
-    seed: int = 0
-    data_rows: str | None = None  # all | new (rows no earlier run of the model read); None: new for --early-exit
-    resume: bool = False
-    progress: bool = True
+    kd: str = setting(
+        "fkl",
+        "distillation loss: forward KL, reverse KL, Jensen-Shannon or total variation",
+        choices=("fkl", "rkl", "jsd", "tvd"),
+    )
+    kd_weight: float = setting(0.5, "w in (1-w) CE + w KD on the final exit")
+    kd_temperature: float = setting(1.0, "softmax temperature of the distillation loss", advanced=True)
+    early_exit: str = setting(
+        "none",
+        "a loss on every loop's exit: none, weighted (alpha_i = i / sum j) or aggressive (the final exit 1, "
+        "earlier ones --exit-coef)",
+        choices=("none", "weighted", "aggressive"),
+    )
+    exit_coef: float = setting(0.1, "c of the aggressive strategy", advanced=True)
+    self_distill: bool = setting(False, "intermediate exits also learn the detached final exit", advanced=True)
+    self_distill_weight: float = setting(1.0, "weight of that self-distillation term", advanced=True)
+    exit_adapter: str | None = setting(
+        None,
+        "add an adapter per intermediate exit: a LoRA of rank R on the LM head, or a tuned-lens affine map; the "
+        "final exit is untouched (default: none)",
+        metavar="{head-lora:R,affine}",
+        advanced=True,
+    )
+    freeze_body: bool = setting(
+        False,
+        "train only the exit adapter: body, embeddings and head frozen (the paper's appendix-I ablation); a "
+        "--teacher then teaches the intermediate exits",
+        advanced=True,
+    )
+    max_steps: int | None = setting(
+        None, "optimizer steps (one budget is needed: steps, tokens or minutes)", exclusive="budget", metavar="N"
+    )
+    train_tokens: int | None = refine(RunSettings, "train_tokens", aliases=("--max-tokens",))
+    budget_minutes: float | None = refine(
+        RunSettings,
+        "budget_minutes",
+        help="instead: minutes of step time (evaluations and saves not counted): the step count is fixed after "
+        "the first steps are timed, and kept on --resume",
+    )
+    batch_size: int = setting(2, "sequences per process per micro-step")
+    grad_accum: int = setting(1, "micro-steps per optimizer step")
+    seq_len: int | None = setting(
+        None, "crop the corpus's sequences to this length (default: the corpus's)", advanced=True
+    )
+    lr: float = setting(2e-4, "peak learning rate (AdamW, cosine schedule)")
+    min_lr_ratio: float = setting(0.1, "cosine floor as a fraction of --lr", advanced=True)
+    warmup_steps: int | None = setting(None, "linear warmup steps (default: 5%% of the steps)", advanced=True)
+    weight_decay: float = setting(0.1, "AdamW weight decay", advanced=True)
+    beta1: float = 0.9  # not a flag
+    beta2: float = 0.95  # not a flag
+    grad_clip: float = setting(1.0, "gradient norm clip", advanced=True)
+    grad_checkpointing: bool = setting(False, "recompute activations per depth", advanced=True)
+    train: str = setting("all", "all, or a comma list of lora, prefix, layers, norms, embed, exit", advanced=True)
+    eval_every_steps: int = setting(
+        0,
+        "held-out perplexity per loop exit every N steps (0: at the end only)",
+        metavar="N",
+        aliases=("--eval-every",),
+    )
+    eval_rows: int = refine(RunSettings, "eval_rows", aliases=("--eval-seqs",))
+    save_every_steps: int = setting(
+        0, "checkpoint every N steps (and always at the end)", metavar="N", aliases=("--save-every",)
+    )
+    keep: int = setting(2, "checkpoints to keep", advanced=True)
+    log_every: int = setting(1, "a metrics record every N steps", advanced=True)
+    data_rows: str | None = setting(
+        None,
+        "new: only training rows no earlier run of the model read (post-training on new tokens, as the paper "
+        "does); default: new with --early-exit, all otherwise",
+        choices=DATA_ROWS,
+        advanced=True,
+    )
 
     # Settings that must not change between a run and its resume.
     FIXED = (
@@ -166,46 +221,6 @@ def lr_lambda_factory(warmup: int, total: int, min_ratio: float):
     return lambda step: cosine(step, total, warmup, min_ratio)
 
 
-def select_trainable(model, spec: str) -> int:
-    """--train: 'all' or a comma list of lora, prefix, layers (shared weights), norms, embed (embeddings and
-    head), exit (the exit adapter). Returns the count."""
-    groups = {s.strip() for s in spec.split(",") if s.strip()}
-    bad = groups - set(TRAIN_GROUPS)
-    if bad or not groups:
-        raise UsageError(
-            f"unknown --train group(s) {sorted(bad) or spec!r}; use all or a comma list of "
-            f"{', '.join(TRAIN_GROUPS[1:])}"
-        )
-    n = 0
-    for name, p in model.named_parameters():
-        if name.startswith("exit_adapter."):
-            g = "exit"
-        elif "lora_" in name:
-            g = "lora"
-        elif name.endswith(".attn.prefix"):
-            g = "prefix"
-        elif "embed_tokens" in name or "lm_head" in name:
-            g = "embed"
-        elif "norm" in name.split(".")[-2]:
-            g = "norms"
-        else:
-            g = "layers"
-        p.requires_grad_("all" in groups or g in groups)
-        n += p.numel() if p.requires_grad else 0
-    if n == 0:
-        hint = (
-            " (this model has no LoRA: convert with --lora-rank > 0)"
-            if "lora" in groups
-            else " (this model has no exit adapter: add --exit-adapter head-lora:R or affine)"
-            if "exit" in groups
-            else " (this model has no prefix: convert with --relax prefix)"
-            if "prefix" in groups
-            else ""
-        )
-        raise UsageError(f"--train {spec} leaves nothing to train{hint}; use --train all")
-    return n
-
-
 def param_groups(model, weight_decay: float):
     """Weight decay on matrices only: not on norms, biases (LoopLinear.bias is 2-D, [slots, out],
     so the number of dimensions alone does not tell) or per-depth prefixes (attention inputs, not weights:
@@ -228,50 +243,39 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def memory_available(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
+@torch.no_grad()
+def evaluate_exits(module, corpus, n_rows: int, seq: int, num_loops: int, acc, autocast) -> dict | None:
+    """Held-out loss and perplexity at every loop exit on the corpus's first ``n_rows`` held-out rows (cut to
+    ``seq`` tokens), the rows shared out among the processes; None when the corpus has none."""
+    held = corpus.splits["heldout"]
+    n = min(len(held), n_rows)
+    if n == 0:
         return None
-    return None
-
-
-def estimate_memory(
-    config, n_params: int, teacher_cfg, teacher_params: int, bs: int, seq: int, exits: int, checkpointing: bool
-) -> int:
-    """A rough upper estimate of training bytes: weights + grads + AdamW (16 B/param), the teacher's
-    weights, activations kept for backward (per depth ~(12 h + 4 ffn) floats per token, one depth's worth
-    with checkpointing), and the float32 logits of every exit and the teacher with their softmaxes."""
-    c = config
-    per_depth = (12 * c.hidden_size + 4 * c.intermediate_size) * 4
-    depths = 1 if checkpointing else c.num_hidden_layers
-    act = bs * seq * (per_depth * depths + (c.num_hidden_layers if checkpointing else 0) * c.hidden_size * 4)
-    logits = bs * seq * c.vocab_size * 4 * (3 * exits + (3 if teacher_cfg is not None else 0))
-    return 16 * n_params + 4 * teacher_params + act + logits
-
-
-def arch_fingerprint(config) -> dict:
-    d = config.to_dict()
-    for k in (
-        "conversion",
-        "transformers_version",
-        "architectures",
-        "_name_or_path",
-        "dtype",
-        "torch_dtype",
-        "id2label",
-        "label2id",
-    ):
-        d.pop(k, None)
-    return json.loads(json.dumps(d, default=str))
-
-
-def _diff(a: dict, b: dict) -> list[str]:
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    module.eval()
+    dev = acc.device
+    world, rank = acc.num_processes, acc.process_index
+    sums = torch.zeros(num_loops, device=dev)
+    count = torch.zeros((), device=dev)
+    # every process runs the same number of forwards (collectives inside FSDP/DDP must match);
+    # a process past the end repeats row 0 with weight 0
+    for j in range(math.ceil(n / world)):
+        i = j * world + rank
+        weight = 1.0 if i < n else 0.0
+        i = i if i < n else 0
+        ids = torch.from_numpy(np.asarray(held[i : i + 1, :seq], dtype=np.int64)).to(dev)
+        with autocast():
+            s, k = module(ids, evaluate=True)
+        sums = sums + weight * s.float()
+        count = count + weight * k
+    sums = acc.reduce(sums, reduction="sum")
+    count = acc.reduce(count, reduction="sum")
+    module.train()
+    losses = (sums / count).tolist()
+    out = {"eval_tokens": int(count)}
+    for i, l in enumerate(losses, start=1):
+        out[f"eval_loss_{i}"] = l
+        out[f"ppl_{i}"] = perplexity(l)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,61 +291,16 @@ class Trainer(Checkpoints):
         if acc is None or acc.is_main_process:
             self._log(*args)
 
-    # ----- validation: everything that can be wrong is found before the run directory is touched
+    # ----- validation: everything that can be wrong is found before the run directory is touched (preflight.py)
     def prepare(self):
         from accelerate import Accelerator
 
         from ..models import load_model
 
         c = self.cfg
+        adapter_spec = check_config(c)
         out = Path(c.out)
-        if not c.out:
-            raise UsageError("give the run directory with --out RUN")
-        check_budget(
-            {"--max-steps N": c.max_steps, "--train-tokens N": c.max_tokens, "--budget-minutes M": c.budget_minutes}
-        )
-        if c.kd not in KD_FUNCS:
-            raise UsageError(f"unknown --kd {c.kd!r}; use one of {', '.join(KD_FUNCS)}")
-        if c.early_exit not in EARLY_EXIT:
-            raise UsageError(f"unknown --early-exit {c.early_exit!r}; use one of {', '.join(EARLY_EXIT)}")
-        if c.self_distill and c.early_exit == "none":
-            raise UsageError("--self-distill trains intermediate exits: add --early-exit aggressive (or weighted)")
-        if c.batch_size < 1 or c.grad_accum < 1:
-            raise UsageError("--batch-size and --grad-accum must be at least 1")
-        if not 0 <= c.kd_weight <= 1:
-            raise UsageError(f"--kd-weight {c.kd_weight} must be in [0, 1] (loss = (1-w) CE + w KD)")
-        if c.data_rows not in (None, *DATA_ROWS):
-            raise UsageError(f"unknown --data-rows {c.data_rows!r}; use all or new")
-        adapter_spec = parse_exit_adapter(c.exit_adapter) if c.exit_adapter else None
-        if adapter_spec and c.early_exit == "none":
-            raise UsageError(
-                "--exit-adapter serves the intermediate exits, which only --early-exit trains: add "
-                "--early-exit aggressive (or weighted)"
-            )
-        if c.freeze_body and c.early_exit == "none":
-            raise UsageError("--freeze-body trains only intermediate exits: add --early-exit aggressive (or weighted)")
-        if c.freeze_body and c.train != "all":
-            raise UsageError("--freeze-body already chooses what trains (the exit adapter); drop --train")
-
-        run_dir = RunDir(out)
-        prev_run = run_dir.settings()
-        latest = None
-        if prev_run is not None:
-            if not c.resume:
-                raise UsageError(f"{out} already holds a run; add --resume to continue it or choose a new --out")
-            latest = run_dir.latest()
-            c.model = c.model or prev_run["config"]["model"]
-            c.data_rows = c.data_rows or prev_run["config"].get("data_rows", "all")  # runs from before the option
-            check_resume_settings(prev_run["config"], c, TrainConfig.FIXED, TrainConfig.FORMER_DEFAULTS)
-        elif c.resume and out.exists() and any(out.iterdir()):
-            raise UsageError(
-                f"{out} is not a looplm run (no run.json); resume needs a run directory written by "
-                f"`looplm train`, or drop --resume and choose an empty --out"
-            )
-        if not c.model:
-            raise UsageError("give the model to train as the first argument (`looplm train MODEL ...`)")
-        # The paper post-trains early exits on new tokens: do not re-read the uptraining's batches.
-        c.data_rows = c.data_rows or ("new" if c.early_exit != "none" else "all")
+        prev_run, latest = previous_run(c)
 
         self.corpus = PackedCorpus(c.data)
         seq = c.seq_len or self.corpus.seq_len
@@ -369,7 +328,7 @@ class Trainer(Checkpoints):
         if c.budget_minutes is not None:
             self.max_steps = prev_run["max_steps"] if not self.budget_open else 10**9
         else:
-            self.max_steps = c.max_steps if c.max_steps is not None else math.ceil(c.max_tokens / tokens_per_step)
+            self.max_steps = c.max_steps if c.max_steps is not None else math.ceil(c.train_tokens / tokens_per_step)
         if self.max_steps < 1:
             raise UsageError("the budget is less than one step; raise --max-steps or --train-tokens")
 
@@ -392,96 +351,21 @@ class Trainer(Checkpoints):
                 f"--freeze-body leaves nothing to train: {c.model} has no exit adapter; add "
                 f"--exit-adapter head-lora:R or affine"
             )
-        self._choose_rows(model)
-        self.teacher = None
-        if c.teacher:
-            teacher, ttok = load_model(c.teacher)
-            if (
-                ttok is None
-                or tokenizer_fingerprint(ttok) != fp
-                or teacher.config.vocab_size != model.config.vocab_size
-            ):
-                raise UsageError(
-                    f"teacher {c.teacher} and student {c.model} use different tokenizers; distillation "
-                    f"needs the same vocabulary: pick the student's source model as --teacher"
-                )
-            teacher.requires_grad_(False)
-            self.teacher = teacher.eval()
-
-        if prev_run is not None and prev_run["arch"] != arch_fingerprint(model.config):
-            diff = _diff(prev_run["arch"], arch_fingerprint(model.config))
-            raise UsageError(
-                f"{out} holds a run of another model (differs in {', '.join(diff[:4])}); resume with "
-                f"the model {prev_run['config']['model']} or choose a new --out"
-            )
-        if latest:
-            ck = out / "checkpoints" / latest
-            if not (ck / "config.json").exists() or not (ck / "state.json").exists():
-                raise UsageError(
-                    f"checkpoint {ck} named by {out / 'latest'} is incomplete; delete {out / 'latest'} "
-                    f"to restart from the previous one or choose a new --out"
-                )
-            ck_arch = json.loads((ck / "config.json").read_text())
-            model_arch = arch_fingerprint(model.config)
-            diff = [k for k in model_arch if k in ck_arch and ck_arch[k] != model_arch[k]]
-            if diff:
-                raise UsageError(
-                    f"checkpoint {ck} belongs to another model (differs in {', '.join(diff[:4])}); "
-                    f"resume with the run's own model or choose a new --out"
-                )
-        self.latest = latest
-
-        n_train = select_trainable(model, "exit" if c.freeze_body else c.train)
-        n_params = sum(p.numel() for p in model.parameters())
-        if c.grad_checkpointing:
-            model.model.gradient_checkpointing = True
-        exits = model.config.num_loops if c.early_exit != "none" else 1
-        need = estimate_memory(
-            model.config,
-            n_params,
-            self.teacher.config if self.teacher else None,
-            sum(p.numel() for p in self.teacher.parameters()) if self.teacher else 0,
-            c.batch_size,
-            seq,
-            exits,
-            c.grad_checkpointing,
-        )
-        have = memory_available(acc.device)
-        if have is not None and need > have:
-            raise UsageError(
-                f"batch {c.batch_size} x {seq} tokens needs about {need / 2**30:.1f} GiB but "
-                f"{have / 2**30:.1f} GiB is free; lower --batch-size (raise --grad-accum to keep the "
-                f"global batch), lower --seq-len, or add --grad-checkpointing"
-            )
-        self.n_train, self.n_params = n_train, n_params
-        self.model = model
-        self.prev_run = prev_run
-
-    def _choose_rows(self, model) -> None:
-        """The training rows this run reads: all, or those no earlier run of the model read."""
-        c = self.cfg
+        # the training rows this run reads: all, or those no earlier run of the model read
         self.prior_training = list((model.config.conversion or {}).get("training", []))
         self.corpus_id = self.corpus.meta["splits"]["train"]["sha256"]
-        n = len(self.corpus.splits["train"])
-        read = rows_read(self.prior_training, self.corpus_id, n) if c.data_rows == "new" else np.zeros(n, bool)
-        self.rows = np.flatnonzero(~read)
-        if len(self.rows) < self.global_batch:
-            raise UsageError(
-                f"{c.model}'s earlier training read {int(read.sum())} of the {n} training sequences of "
-                f"{c.data}; {len(self.rows)} new ones cannot fill a global batch of {self.global_batch}: "
-                f"build a bigger corpus or pass --data-rows all"
-            )
+        self.rows = rows_to_read(c, self.prior_training, self.corpus, self.corpus_id, self.global_batch)
+        self.teacher = load_teacher(c, model, fp)
+        check_same_model(out, prev_run, latest, model)
+        self.latest = latest
 
-    def training_record(self, step: int) -> dict:
-        """What this run has read so far, kept in the trained model's config (conversion.training) so that
-        a later run with --data-rows new skips it."""
-        return {
-            "corpus": self.corpus_id,
-            "seed": self.cfg.seed,
-            "global_batch": self.global_batch,
-            "steps": step,
-            "new_rows": self.cfg.data_rows == "new",
-        }
+        self.n_train = select_trainable(model, "exit" if c.freeze_body else c.train)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        if c.grad_checkpointing:
+            model.model.gradient_checkpointing = True
+        check_memory(c, model, self.teacher, self.n_params, seq, acc.device)
+        self.model = model
+        self.prev_run = prev_run
 
     def _lr_factor(self, step: int) -> float:
         """Warm-up (5% of the steps unless --warmup-steps) and cosine decay over the run's step count; while a
@@ -513,8 +397,10 @@ class Trainer(Checkpoints):
             )
 
     # ----- the run itself
-    def run(self) -> dict:
-        self.prepare()
+    def _start(self) -> tuple[int, int, float, bool]:
+        """The model, optimizer and schedule under Accelerate, and the run directory opened (a new run's run.json
+        written); a resumed run continues from its checkpoint. Returns step, tokens, seconds and whether the run
+        directory was made now."""
         c, acc, out = self.cfg, self.acc, Path(self.cfg.out)
         torch.manual_seed(c.seed)
         np.random.seed(c.seed)
@@ -527,12 +413,11 @@ class Trainer(Checkpoints):
             self.teacher.to(acc.device)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         dev = acc.device
-        autocast = (
+        self.autocast = (
             (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
             if self.precision == "bf16"
             else (lambda: torch.autocast(dev.type, enabled=False))
         )
-        self.autocast = autocast
 
         step, tokens, elapsed = 0, 0, 0.0
         created = False
@@ -559,6 +444,48 @@ class Trainer(Checkpoints):
                     },
                 )
         acc.wait_for_everyone()
+        return step, tokens, elapsed, created
+
+    def _step(self, step: int) -> tuple[dict, torch.Tensor | None, float]:
+        """One optimizer step over the global batch of ``step`` (this process's micro-batches, accumulated):
+        the loss parts averaged over the micro-batches, the gradient norm before clipping and the learning rate
+        the step used."""
+        c, acc, module, optimizer = self.cfg, self.acc, self.module, self.optimizer
+        train = self.corpus.splits["train"]
+        idx = self.rows[batch_indices(step, self.global_batch, len(self.rows), c.seed)]
+        module.train()
+        sums: dict[str, float] = {}
+        for m in range(c.grad_accum):
+            rows = micro_batch(idx, m, self.rank, self.world, c.batch_size)
+            ids = torch.from_numpy(np.asarray(train[rows][:, : self.seq], dtype=np.int64)).to(acc.device)
+            teacher_logits = None
+            if self.teacher is not None:
+                with torch.no_grad(), self.autocast():
+                    teacher_logits = self.teacher(ids).logits
+            sync = m == c.grad_accum - 1
+            ctx = acc.no_sync(module) if not sync else _null()
+            with ctx:
+                with self.autocast():
+                    loss, parts = module(ids, teacher_logits)
+                acc.backward(loss / c.grad_accum)
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v.float() / c.grad_accum
+        grad_norm = (
+            acc.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], c.grad_clip)
+            if c.grad_clip and c.grad_clip > 0
+            else None
+        )
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return sums, grad_norm, lr
+
+    def run(self) -> dict:
+        self.prepare()
+        c, acc, out = self.cfg, self.acc, Path(self.cfg.out)
+        step, tokens, elapsed, created = self._start()
+        run_dir = RunDir(out)
         tb = tensorboard_writer(out) if acc.is_main_process else None
 
         from tqdm import tqdm
@@ -572,44 +499,17 @@ class Trainer(Checkpoints):
         )
         if acc.is_main_process:
             self.log(
-                f"training {self.n_train:,} of {self.n_params:,} parameters on {dev} ({self.precision}), "
+                f"training {self.n_train:,} of {self.n_params:,} parameters on {acc.device} ({self.precision}), "
                 f"{self.world} process(es), global batch {self.global_batch} x {self.seq} tokens, "
                 + (f"steps to fill {c.budget_minutes:g} minutes" if self.budget_open else f"{self.max_steps} steps")
             )
-        if c.eval_every and step == 0:
+        if c.eval_every_steps and step == 0:
             self._log_eval(out, tb, step, tokens)
-        train = self.corpus.splits["train"]
         timed: list[float] = []  # step times of this process since it started, for an open time budget
         try:
             while step < self.max_steps:
                 t0 = time.perf_counter()
-                idx = self.rows[batch_indices(step, self.global_batch, len(self.rows), c.seed)]
-                module.train()
-                sums: dict[str, float] = {}
-                for m in range(c.grad_accum):
-                    rows = micro_batch(idx, m, self.rank, self.world, c.batch_size)
-                    ids = torch.from_numpy(np.asarray(train[rows][:, : self.seq], dtype=np.int64)).to(dev)
-                    teacher_logits = None
-                    if self.teacher is not None:
-                        with torch.no_grad(), autocast():
-                            teacher_logits = self.teacher(ids).logits
-                    sync = m == c.grad_accum - 1
-                    ctx = acc.no_sync(module) if not sync else _null()
-                    with ctx:
-                        with autocast():
-                            loss, parts = module(ids, teacher_logits)
-                        acc.backward(loss / c.grad_accum)
-                    for k, v in parts.items():
-                        sums[k] = sums.get(k, 0.0) + v.float() / c.grad_accum
-                grad_norm = (
-                    acc.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], c.grad_clip)
-                    if c.grad_clip and c.grad_clip > 0
-                    else None
-                )
-                lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                sums, grad_norm, lr = self._step(step)
                 step += 1
                 tokens += self.global_batch * self.seq
                 dt = time.perf_counter() - t0
@@ -619,7 +519,7 @@ class Trainer(Checkpoints):
                     self._fix_budget(step, elapsed, sum(timed[1:]) / (len(timed) - 1))
                     bar.total = self.max_steps
                 keys = sorted(sums)
-                vals = acc.reduce(torch.stack([sums[k] for k in keys]).to(dev), reduction="mean")
+                vals = acc.reduce(torch.stack([sums[k] for k in keys]).to(acc.device), reduction="mean")
                 rec = {
                     "step": step,
                     "tokens": tokens,
@@ -633,9 +533,9 @@ class Trainer(Checkpoints):
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tok_per_s']:.0f}")
                 if acc.is_main_process and (step % c.log_every == 0 or step == self.max_steps):
                     run_dir.append(rec, tb)
-                if c.eval_every and (step % c.eval_every == 0 or step == self.max_steps):
+                if c.eval_every_steps and (step % c.eval_every_steps == 0 or step == self.max_steps):
                     self._log_eval(out, tb, step, tokens)
-                if (c.save_every and step % c.save_every == 0) or step == self.max_steps:
+                if (c.save_every_steps and step % c.save_every_steps == 0) or step == self.max_steps:
                     self._save(out, step, tokens, elapsed)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if isinstance(e, torch.OutOfMemoryError) or "memory" in str(e).lower():
@@ -651,52 +551,14 @@ class Trainer(Checkpoints):
             bar.close()
             if tb is not None:
                 tb.close()
-        acc.wait_for_everyone()
-        tmp = out / ".final.tmp"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        acc.wait_for_everyone()
-        self._export(tmp, step)
-        if acc.is_main_process:
-            old = out / ".final.old"
-            if (out / "final").exists():
-                (out / "final").rename(old)
-            tmp.rename(out / "final")
-            shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
+        self._write_final(out, step)
         return {"out": str(out), "steps": step, "tokens": tokens, "seconds": round(elapsed, 2)}
 
     # ----- evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict | None:
-        held = self.corpus.splits["heldout"]
-        n = min(len(held), self.cfg.eval_seqs)
-        if n == 0:
-            return None
-        self.module.eval()
-        dev = self.acc.device
-        sums = torch.zeros(self.model.config.num_loops, device=dev)
-        count = torch.zeros((), device=dev)
-        # every process runs the same number of forwards (collectives inside FSDP/DDP must match);
-        # a process past the end repeats row 0 with weight 0
-        for j in range(math.ceil(n / self.world)):
-            i = j * self.world + self.rank
-            weight = 1.0 if i < n else 0.0
-            i = i if i < n else 0
-            ids = torch.from_numpy(np.asarray(held[i : i + 1, : self.seq], dtype=np.int64)).to(dev)
-            with self.autocast():
-                s, k = self.module(ids, evaluate=True)
-            sums = sums + weight * s.float()
-            count = count + weight * k
-        sums = self.acc.reduce(sums, reduction="sum")
-        count = self.acc.reduce(count, reduction="sum")
-        self.module.train()
-        losses = (sums / count).tolist()
-        out = {"eval_tokens": int(count)}
-        for i, l in enumerate(losses, start=1):
-            out[f"eval_loss_{i}"] = l
-            out[f"ppl_{i}"] = perplexity(l)
-        return out
+        return evaluate_exits(
+            self.module, self.corpus, self.cfg.eval_rows, self.seq, self.model.config.num_loops, self.acc, self.autocast
+        )
 
     def _log_eval(self, out, tb, step, tokens):
         ev = self.evaluate()
@@ -722,4 +584,19 @@ def train(cfg: TrainConfig, log=print) -> dict:
     return Trainer(cfg, log).run()
 
 
-__all__ = ["TrainConfig", "Trainer", "train", "batch_indices", "lr_lambda_factory", "select_trainable"]
+__all__ = [
+    "DATA_ROWS",
+    "TRAIN_GROUPS",
+    "TrainConfig",
+    "Trainer",
+    "arch_fingerprint",
+    "batch_indices",
+    "estimate_memory",
+    "evaluate_exits",
+    "lr_lambda_factory",
+    "memory_available",
+    "param_groups",
+    "resolve_precision",
+    "select_trainable",
+    "train",
+]

@@ -65,10 +65,33 @@ def truncate_records(path: Path, keep: Callable[[dict], bool]) -> None:
     os.replace(tmp, path)
 
 
+# settings renamed when `looplm train` and `looplm heal` took one vocabulary (train/settings.py): a run directory
+# saved before records them by the former name -> the name now
+FORMER_NAMES = {
+    "tokens": "train_tokens",  # heal
+    "max_tokens": "train_tokens",  # train
+    "eval_seqs": "eval_rows",  # train
+    "eval_every": "eval_every_steps",  # train
+    "save_every": "save_every_steps",  # train
+}
+
+
+def current_names(config: dict) -> dict:
+    """A saved config with every setting under its current name (FORMER_NAMES), in its order. A config that holds
+    both names (never written so) keeps both, and the current one is read."""
+    renamed = {}
+    for name, value in config.items():
+        new = FORMER_NAMES.get(name, name)
+        renamed[name if new in config and new != name else new] = value
+    return renamed
+
+
 def changed_settings(saved: dict, cfg, fixed: tuple[str, ...], former_defaults: dict) -> list[str]:
     """The settings in ``fixed`` that ``cfg`` (a dataclass) sets otherwise than the run it resumes did, as
-    "name: was -> now". A setting the run did not record had its default then: ``former_defaults`` names the
-    defaults that changed since, the dataclass's field the others."""
+    "name: was -> now". ``saved`` may name settings by a former name (FORMER_NAMES). A setting the run did not
+    record had its default then: ``former_defaults`` names the defaults that changed since, the dataclass's field
+    the others."""
+    saved = current_names(saved)
     fields = type(cfg).__dataclass_fields__
     was = {k: saved.get(k, former_defaults.get(k, fields[k].default)) for k in fixed}
     return [f"{k}: {was[k]!r} -> {getattr(cfg, k)!r}" for k in fixed if was[k] != getattr(cfg, k)]
@@ -93,8 +116,14 @@ class RunDir:
 
     # ----- run.json
     def settings(self) -> dict | None:
-        """The saved run.json, None before the run wrote it."""
-        return json.loads(self.run_json.read_text()) if self.run_json.exists() else None
+        """The saved run.json, None before the run wrote it; its config names every setting by its current name
+        (a run saved before a rename still resumes: FORMER_NAMES)."""
+        if not self.run_json.exists():
+            return None
+        run = json.loads(self.run_json.read_text())
+        if isinstance(run.get("config"), dict):
+            run["config"] = current_names(run["config"])
+        return run
 
     def write_settings(self, run: dict) -> None:
         write_json_atomic(self.run_json, run)

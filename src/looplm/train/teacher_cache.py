@@ -16,6 +16,10 @@ bfloat16 keeps the range of the residual stream of any model (Gemma's activation
 thousands) at a relative rounding error of 2^-9, far below the layer errors healing removes.
 A cache whose meta.json matches the teacher, corpus and rows asked for is reused as it is; one of
 another teacher or corpus, a truncated states.bin or one that fails its checksum is refused.
+
+On several processes (torchrun, accelerate launch) the build is split by rows: every process runs the original
+on every world-th batch of rows and writes its states into the one shared states.bin; the main process then
+commits it (meta.json) and every process reads all of it.
 """
 
 from __future__ import annotations
@@ -56,6 +60,15 @@ def model_fingerprint(model) -> str:
         h.update(name.encode())
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+class OneProcess:
+    """The processes of a run that is not distributed: the one, its own main process."""
+
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def wait_for_everyone(self) -> None:
+        pass
 
 
 class TeacherCache:
@@ -129,19 +142,26 @@ def build_cache(
     progress: bool = True,
     log=print,
     autocast=contextlib.nullcontext,
+    processes=None,
 ) -> TeacherCache:
     """Run ``teacher`` over training rows ``rows`` of ``corpus`` and store every layer boundary in
     ``directory``; reuse the cache already there if it was built from the same teacher, corpus and rows.
     ``autocast``: the context the teacher runs in, healing's bf16 autocast where the CPU has bf16 matmuls, as
     the online end-to-end stage runs it: faster, and it moves the states by far less than the local stage's
     error at its end; the precision is recorded in meta.json but not part of the key (a cache built either way serves
-    either run)."""
-    from tqdm import tqdm
-
+    either run). ``processes``: the run's Accelerator when it has several processes (every one calls this), each
+    then runs the original on its share of the batches."""
+    procs = processes if processes is not None else OneProcess()
     d = Path(directory)
     key = cache_key(model_fingerprint(teacher), corpus, rows, seq_len)
-    if (d / "meta.json").exists():
-        cache = TeacherCache(d)
+    found = (d / "meta.json").exists()
+    procs.wait_for_everyone()  # every process has looked before the main one writes meta.json
+    if found:
+        if not procs.is_main_process:
+            procs.wait_for_everyone()  # the main process verifies the checksum, once
+        cache = TeacherCache(d, verify=procs.is_main_process)
+        if procs.is_main_process:
+            procs.wait_for_everyone()
         mine = {k: cache.meta.get(k) for k in key}
         if mine != key:
             what = [k for k in key if mine[k] != key[k]]
@@ -153,15 +173,45 @@ def build_cache(
     c = teacher.config
     if teacher.config.num_loops != 1:
         raise UsageError("the teacher must be the original (vanilla, one-loop) model")
-    d.mkdir(parents=True, exist_ok=True)
-    for stale in d.glob(".*tmp*"):
-        stale.unlink()
     shape = (c.num_hidden_layers + 1, len(rows), seq_len, c.hidden_size)
-    tmp = d / f".states.bin.tmp-{os.getpid()}"
-    states = np.memmap(tmp, dtype=np.int16, mode="w+", shape=shape)
+    tmp = d / ".states.bin.tmp"
+    if procs.is_main_process:
+        d.mkdir(parents=True, exist_ok=True)
+        for stale in d.glob(".*tmp*"):
+            stale.unlink()
+        np.memmap(tmp, dtype=np.int16, mode="w+", shape=shape).flush()  # the whole file, each process fills its rows
+    procs.wait_for_everyone()
+    computed = _write_states(
+        teacher, corpus, rows, seq_len, batch_size, tmp, shape, procs, progress and procs.is_main_process, autocast
+    )
+    procs.wait_for_everyone()
+    if procs.is_main_process:
+        os.replace(tmp, d / "states.bin")
+        write_json_atomic(
+            d / "meta.json",
+            {
+                **key,
+                "shape": list(shape),
+                "dtype": "bfloat16",
+                "computed_in": computed,
+                "sha256": sha256_file(d / "states.bin"),
+            },
+        )
+    procs.wait_for_everyone()
+    return TeacherCache(d, verify=False)
+
+
+def _write_states(teacher, corpus, rows, seq_len, batch_size, path, shape, procs, progress, autocast) -> str:
+    """Run ``teacher`` on this process's batches of ``rows`` (every ``num_processes``-th, from its index) and write
+    their states into the memory-mapped file ``path``; returns the dtype they were computed in."""
+    from tqdm import tqdm
+
+    states = np.memmap(path, dtype=np.int16, mode="r+", shape=shape)
     device = next(teacher.parameters()).device
     teacher.eval()
-    for start in tqdm(range(0, len(rows), batch_size), desc="teacher cache", unit="batch", disable=not progress):
+    starts = range(procs.process_index * batch_size, len(rows), batch_size * procs.num_processes)
+    computed = None
+    for start in tqdm(starts, desc="teacher cache", unit="batch", disable=not progress):
         sel = rows[start : start + batch_size]
         ids = torch.from_numpy(np.asarray(corpus.splits["train"][sel][:, :seq_len], dtype=np.int64)).to(device)
         with autocast():
@@ -172,15 +222,4 @@ def build_cache(
             states[b, start : start + len(sel)] = s.to(torch.bfloat16).view(torch.int16).cpu().numpy()
     states.flush()
     del states
-    os.replace(tmp, d / "states.bin")
-    write_json_atomic(
-        d / "meta.json",
-        {
-            **key,
-            "shape": list(shape),
-            "dtype": "bfloat16",
-            "computed_in": computed.removeprefix("torch."),
-            "sha256": sha256_file(d / "states.bin"),
-        },
-    )
-    return TeacherCache(d, verify=False)
+    return computed and computed.removeprefix("torch.")

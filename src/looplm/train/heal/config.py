@@ -8,6 +8,7 @@ from ...errors import UsageError
 from ...models.exit_adapter import parse_exit_adapter
 from ..budget import check_budget
 from ..losses import HIDDEN_LOSSES
+from ..settings import RunSettings, refine, setting
 
 LOCAL_MODES = ("parallel", "sequential")
 E2E_ROWS = ("cache", "online")
@@ -15,51 +16,128 @@ EXIT_TARGETS = ("teacher", "final")
 BASE_WEIGHTS = ("float", "int4", "int8")
 
 
+DEFAULT_HEAL_MINUTES = 60.0  # the budget the healing recipe is measured at
+COMPILE_MINUTES = 15.0  # from this budget on, compiling (about a minute) pays back in faster steps
+
+
 @dataclass
-class HealConfig:
-    model: str = ""  # the converted student (looplm directory)
-    teacher: str = ""  # the original model it was converted from
-    data: str = ""  # corpus directory (looplm data build)
-    out: str = ""
-    budget_minutes: float | None = None
-    tokens: int | None = None  # instead of a time budget: tokens per layer (local) + end to end
-    local_share: float = 0.5  # share of the budget for layer-local distillation
-    local_mode: str = "parallel"
-    cache: str | None = None  # teacher cache directory (default OUT/cache)
-    cache_rows: int = 256  # training rows cached (x seq_len tokens)
-    seq_len: int = 512
-    local_batch: int = 4  # rows per tied depth per local step
-    local_lr: float = 2e-3
-    e2e_batch: int = 2
-    e2e_lr: float = 1e-4
-    e2e_rows: str = "online"  # cache (rows and states from the teacher cache) | online (any training row,
-    # the original run on it each step)
-    hidden_weight: float = 1.0
-    hidden_loss: str = "log1p"  # log1p (each token's pull bounded: relative_error_log1p) | relative
-    e2e_average: float = 0.0  # decay of a moving average of the weights the end-to-end stage trains, which
-    # the stage ends on (0: off; 0.99 averages about the last hundred steps)
-    exit_weight: float = 0.0  # intermediate-exit KD on the body (0: the body copies the original)
-    exit_target: str = "teacher"  # what that KD matches: teacher (the original's output) | final (the student's)
-    exit_adapter: str = "affine"  # exit stage: affine | head-lora:R | none
-    exit_share: float = 0.1  # share of what the local stage leaves, for the exit stage
-    exit_lr: float = 1e-3
-    precision: str = "auto"  # auto (bf16 autocast where the hardware has bf16 matmuls) | bf16 | fp32
-    base_weights: str = "float"  # float | int4 | int8: shared weights rounded to that format (GPTQ), then frozen
-    compile: bool = False  # torch.compile each layer of the student (and the original) for the training stages
-    grad_clip: float = 1.0
-    eval_rows: int = 16
-    ood_windows: int = 4  # windows of each out-of-domain domain (data/ood.py) every evaluation scores
-    eval_every_seconds: float = 300.0
-    save_every_seconds: float = 180.0
-    seed: int = 0
-    resume: bool = False
-    progress: bool = True
+class HealConfig(RunSettings):
+    """`looplm heal`'s settings; a None is chosen by the recipe when the command line leaves it out
+    (train/cli.py ``_heal_defaults``)."""
+
+    model: str = ""  # the converted student (looplm directory): the command's positional
+    teacher: str | None = setting(
+        None, "the original model it was converted from (default: the one its conversion recorded)"
+    )
+    data: str | None = setting(
+        None,
+        "corpus dir from `looplm data build` (training split is read; default: out/corpus-<teacher>-<seq-len>, "
+        "built from the default sources if missing)",
+    )
+    out: str | None = refine(
+        RunSettings, "out", help="run directory, final/ holds the healed model (default: out/<model>-healed)"
+    )
+    budget_minutes: float | None = refine(
+        RunSettings,
+        "budget_minutes",
+        help=f"wall time of the whole run, evaluations not counted (default: {DEFAULT_HEAL_MINUTES:g} unless "
+        "--train-tokens)",
+    )
+    train_tokens: int | None = refine(
+        RunSettings,
+        "train_tokens",
+        help="instead: training tokens per shared layer (local) plus end to end",
+        aliases=("--tokens",),
+    )
+    base_weights: str = setting(
+        "float",
+        "int8, int4: round the shared weights to this format first (GPTQ) and keep them frozen, so that the LoRA, "
+        "norms and biases learn around the rounding the served model will have (`looplm quantize --weights FMT` "
+        "then rounds nothing new)",
+        choices=("fp32", "int8", "int4"),
+        spelled={"float": "fp32"},  # "float" in run.json, so that earlier runs resume
+    )
+    compile: bool | None = setting(
+        None,
+        "torch.compile each layer for the training stages (a C++ compiler on CPU, triton on CUDA): faster steps "
+        "after about a minute of compiling (default: on for time budgets of "
+        f"{COMPILE_MINUTES:g} minutes or more, where a compiler is found)",
+    )
+    seq_len: int = setting(512, "tokens per training row", advanced=True)
+    local_share: float = setting(0.5, "share of the budget for layer-local distillation", advanced=True)
+    local_mode: str = setting(
+        "parallel",
+        "inputs of the local stage: the original's (parallel) or the student's own (sequential, GPTQ's order)",
+        choices=LOCAL_MODES,
+        advanced=True,
+    )
+    cache: str | None = setting(
+        None, "teacher cache directory (default: OUT/cache; reused if it matches)", advanced=True
+    )
+    cache_rows: int = setting(256, "training rows of the corpus cached (x --seq-len tokens)", advanced=True)
+    local_batch: int = setting(4, "rows per tied depth per local step", advanced=True)
+    local_lr: float = setting(2e-3, "learning rate of the local stage", advanced=True)
+    e2e_batch: int = setting(2, "rows per end-to-end step", advanced=True)
+    e2e_lr: float = setting(1e-4, "learning rate of the end-to-end stage", advanced=True)
+    e2e_rows: str = setting(
+        "online",
+        "rows of the end-to-end and exit stages: online (the whole training split, the original run on each "
+        "batch: new text every step) | cache (the cached rows again, the original read from the cache: a shorter "
+        "step, but the rows are memorised)",
+        choices=("online", "cache"),
+        advanced=True,
+    )
+    e2e_average: float = setting(
+        0.0,
+        "decay of an exponential moving average of the weights the end-to-end stage trains, evaluated beside "
+        "them; the stage ends on it (0: off; 0.99 averages about the last hundred steps)",
+        advanced=True,
+    )
+    hidden_weight: float = setting(1.0, "weight of the per-depth hidden-state term", advanced=True)
+    hidden_loss: str = setting(
+        "log1p",
+        "per-token hidden-state error: log1p (log(1 + x) of the relative one: a token far off pulls with a "
+        "bounded gradient) | relative (squared, relative to the original's state)",
+        choices=("log1p", "relative"),
+        advanced=True,
+    )
+    exit_weight: float = setting(
+        0.0,
+        "weight of each intermediate loop exit's KD term on the body (0: exits get their own adapter stage)",
+        advanced=True,
+    )
+    exit_target: str = setting(
+        "teacher",
+        "what the --exit-weight term matches: teacher (the original's output) | final (the student's own "
+        "full-depth output, detached: the agreement early exits are judged by)",
+        choices=EXIT_TARGETS,
+        advanced=True,
+    )
+    exit_adapter: str = setting(
+        "affine",
+        "exit stage: an adapter per intermediate loop exit trained on the frozen body: affine (tuned lens), a "
+        "LoRA of rank R on the LM head, or none",
+        metavar="{affine,head-lora:R,none}",
+        advanced=True,
+    )
+    exit_share: float = setting(0.1, "share of what the local stage leaves for the exit stage", advanced=True)
+    exit_lr: float = setting(1e-3, "learning rate of the exit stage", advanced=True)
+    ood_windows: int = setting(
+        4,
+        "windows of each out-of-domain domain (text no corpus holds: `looplm eval suite`) scored at "
+        "each evaluation (0: none)",
+        advanced=True,
+    )
+    eval_every_seconds: float = setting(300.0, "seconds of training between evaluations", advanced=True)
+    save_every_seconds: float = setting(180.0, "seconds of training between checkpoints", advanced=True)
+    seed: int = refine(RunSettings, "seed", help="seed of the cached rows, the data order and new parameters")
+    grad_clip: float = 1.0  # not a flag
 
     FIXED = (
         "teacher",
         "data",
         "budget_minutes",
-        "tokens",
+        "train_tokens",
         "local_share",
         "local_mode",
         "cache_rows",
@@ -96,7 +174,7 @@ def check_config(c: HealConfig) -> dict | None:
     (None: no exit stage)."""
     if not c.out:
         raise UsageError("give the run directory with --out DIR")
-    check_budget({"--budget-minutes N": c.budget_minutes, "--train-tokens N": c.tokens})
+    check_budget({"--budget-minutes N": c.budget_minutes, "--train-tokens N": c.train_tokens})
     _choice("--e2e-rows", c.e2e_rows, E2E_ROWS)
     _choice("--hidden-loss", c.hidden_loss, HIDDEN_LOSSES)
     _choice("--exit-target", c.exit_target, EXIT_TARGETS)

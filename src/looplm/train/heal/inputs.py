@@ -52,14 +52,23 @@ class HealInputs:
     ood: dict[str, list]  # out-of-domain windows per domain (none with --ood-windows 0)
     device: torch.device
     bf16: bool
+    rank: int = 0  # this process among ``world`` (torchrun / accelerate launch): each takes its share of a step's rows
+    world: int = 1
 
     def autocast(self):
         """bf16 autocast for the training forward passes (weights, optimizer state and evaluations stay fp32)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
+    def share(self, rows):
+        """This process's share of a step's ``rows``: the ``rank``-th of ``world`` equal slices."""
+        per = len(rows) // self.world
+        return rows[self.rank * per : (self.rank + 1) * per]
 
-def load_inputs(c: HealConfig) -> HealInputs:
-    """Read and check everything a run needs; refuse, in one line, a corpus, teacher or student that do not fit."""
+
+def load_inputs(c: HealConfig, processes=None) -> HealInputs:
+    """Read and check everything a run needs; refuse, in one line, a corpus, teacher or student that do not fit.
+    ``processes``: the run's Accelerator (its device, this process's rank and their number); None: one process,
+    on CUDA when there is one."""
     from ...models import load_model
     from ...models.loading import tokenizer_fingerprint
 
@@ -110,16 +119,24 @@ def load_inputs(c: HealConfig) -> HealInputs:
         ood = domain_windows(tok, list(DOMAINS), c.ood_windows, c.seq_len, bos) if c.ood_windows else {}
     except UsageError as e:
         raise UsageError(f"{e} (or heal without the out-of-domain evaluation: --ood-windows 0)") from None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = processes.device if processes is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = (processes.process_index, processes.num_processes) if processes is not None else (0, 1)
+    for flag, batch in (("--local-batch", c.local_batch), ("--e2e-batch", c.e2e_batch)):
+        if batch % world:
+            raise UsageError(
+                f"{flag} {batch} (rows a step, split across the processes) is not a multiple of the {world} "
+                f"processes; give a multiple of {world}"
+            )
     bf16 = resolve_precision(c.precision, device) == "bf16"
     if c.compile:
         check_compile_available(device)
-    return HealInputs(corpus, rows, stream, student, teacher.eval().requires_grad_(False), tok, ood, device, bf16)
+    teacher = teacher.eval().requires_grad_(False)
+    return HealInputs(corpus, rows, stream, student, teacher, tok, ood, device, bf16, rank, world)
 
 
-def open_cache(inputs: HealInputs, c: HealConfig, cache_dir: Path, log) -> TeacherCache:
-    """The original model's states at every layer boundary for the cached rows: built in ``cache_dir``, or
-    read (and a build cut short resumed) from there."""
+def open_cache(inputs: HealInputs, c: HealConfig, cache_dir: Path, log, processes=None) -> TeacherCache:
+    """The original model's states at every layer boundary for the cached rows: built in ``cache_dir`` (each
+    process running the original on its share of the rows), or read from there."""
     return build_cache(
         inputs.teacher,
         inputs.corpus,
@@ -129,6 +146,7 @@ def open_cache(inputs: HealInputs, c: HealConfig, cache_dir: Path, log) -> Teach
         progress=c.progress,
         log=log,
         autocast=inputs.autocast,
+        processes=processes,
     )
 
 
@@ -136,16 +154,17 @@ def step_batch(inputs: HealInputs, cache: TeacherCache, c: HealConfig, step: int
     """The token rows of a step of the end-to-end or exit stage, and ``boundary(b)``: the original model's
     states at layer boundary b for them. ``--e2e-rows cache``: rows drawn from the cached ones, states read
     from the cache. ``online``: the next rows of the seeded pass over the training split (``streamed_rows``),
-    states from running the original model on them when first asked for (the exit stage never asks)."""
+    states from running the original model on them when first asked for (the exit stage never asks). On several
+    processes, each reads its share of the step's ``e2e_batch`` rows (``HealInputs.share``)."""
     device = inputs.device
     if c.e2e_rows == "cache":
         salt = 0 if stage == "e2e" else EXIT_STAGE_SALT
         g = torch.Generator().manual_seed(c.seed * 1_000_003 + salt + step)
-        idx = torch.randperm(len(inputs.rows), generator=g)[: c.e2e_batch].numpy()
+        idx = inputs.share(torch.randperm(len(inputs.rows), generator=g)[: c.e2e_batch].numpy())
         return cache.tokens(inputs.corpus, idx).to(device), lambda b: cache.boundary(b, idx).to(device)
     stream = inputs.stream
     first = step * c.e2e_batch + (0 if stage == "e2e" else len(stream) // 2)
-    rows = stream[np.arange(first, first + c.e2e_batch) % len(stream)]
+    rows = inputs.share(stream[np.arange(first, first + c.e2e_batch) % len(stream)])
     ids = torch.from_numpy(np.asarray(inputs.corpus.splits["train"][rows][:, : c.seq_len], dtype=np.int64))
     ids = ids.to(device)
     states: list[torch.Tensor] = []

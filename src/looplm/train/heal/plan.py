@@ -37,10 +37,10 @@ def plan_steps(c: HealConfig, model_config, exit_spec, seconds_left: float | Non
     # the exit stage takes exit_share of what the local stage leaves; the end-to-end stage the rest
     exit_share = (1 - c.local_share) * c.exit_share if exit_spec else 0.0
     t_exit = 0.0
-    if c.tokens is not None:
-        local_steps = round(c.local_share * c.tokens / per_local)
-        e2e_steps = round((1 - c.local_share - exit_share) * c.tokens / per_e2e)
-        exit_steps = round(exit_share * c.tokens / per_e2e)
+    if c.train_tokens is not None:
+        local_steps = round(c.local_share * c.train_tokens / per_local)
+        e2e_steps = round((1 - c.local_share - exit_share) * c.train_tokens / per_e2e)
+        exit_steps = round(exit_share * c.train_tokens / per_e2e)
     else:
         left = seconds_left
         if left <= 0:
@@ -70,7 +70,7 @@ def plan_steps(c: HealConfig, model_config, exit_spec, seconds_left: float | Non
         "loops": B,
         "shared_layers": K,
     }
-    if c.tokens is None and per_visit:  # the run clock at which the local stage's share of the budget ends
+    if c.train_tokens is None and per_visit:  # the run clock at which the local stage's share of the budget ends
         plan["local_end_seconds"] = round(c.budget_minutes * 60 - (1 - c.local_share) * left, 1)
     log(
         f"plan: {visits} local visits x {per_visit} steps ({local_steps * per_local:,} tokens per shared layer), "
@@ -91,13 +91,14 @@ def propagation_seconds(c: HealConfig, model_config, t_local: float) -> float:
 
 def time_steps(inputs, cache, c: HealConfig, exit_spec, log) -> tuple[float, float, float]:
     """Seconds of one local step (one shared layer), one end-to-end step and one exit-adapter step (0 without
-    an exit stage), measured on copies of the student (nothing of the run is trained)."""
+    an exit stage), measured on copies of the student (nothing of the run is trained); on several processes, of a
+    process's share of a step's rows (the gradients' exchange not counted: the stages' replans time it)."""
     probe = copy.deepcopy(inputs.student)
     if c.compile:  # the stages run compiled: so are the steps that plan them (the copy's first one compiles)
         compile_layers(probe, inputs.teacher)
     layer = 0
     opt = adamw(probe.model.layers[layer].parameters(), lr=0.0)
-    idx = np.arange(c.local_batch)
+    idx = np.arange(c.local_batch // inputs.world)  # a process's share of a step's rows
     times = []
     for _ in range(3):  # the first step warms up; the faster of the next two counts
         t0 = time.perf_counter()

@@ -1,6 +1,10 @@
 """`looplm heal` from top to bottom: check everything, open the run directory (or resume it), cache the original's
 states, plan the budget, then the stages in order, each skipped when a resumed run is past it; save the healed
-model, its plot and a summary."""
+model, its plot and a summary.
+
+Under torchrun or `accelerate launch` every process runs this, on its share of each step's rows (``HealInputs.share``):
+the cache is built by rows, the local stage's gradients are averaged, the end-to-end and exit stages run under DDP.
+The main process writes the run directory; the others wait for it where they read it."""
 
 from __future__ import annotations
 
@@ -23,8 +27,17 @@ from .run import HealRun, logged_by
 def prepare(cfg: HealConfig, log=print) -> HealRun:
     """A run whose every input was read and checked; nothing written yet. Anything wrong is refused here, before
     the run directory is touched."""
+    from accelerate import Accelerator
+
     c = cfg
     exit_spec = check_config(c)
+    # the processes torchrun or accelerate launch started (one when neither did), on CUDA when there is one
+    processes = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
+    if processes.distributed_type.name not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        raise UsageError(
+            f"looplm heal runs on one process or data parallel (DDP), not under {processes.distributed_type.name}; "
+            f"launch it with torchrun or `accelerate launch --config_file configs/accelerate/ddp.yaml`"
+        )
     out = Path(c.out)
     settings = RunDir(out).settings()
     if settings is not None:
@@ -34,17 +47,19 @@ def prepare(cfg: HealConfig, log=print) -> HealRun:
         c.model = c.model or settings["config"]["model"]
     elif c.resume and out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} is not a healing run (no run.json); drop --resume and choose an empty --out")
-    inputs = load_inputs(c)
+    inputs = load_inputs(c, processes)
     if inputs.student.config.num_loops < 2 or not c.exit_share:
         exit_spec = None  # no intermediate exit to train (or no budget for it)
-    return HealRun(c, inputs, exit_spec, settings, log)
+    return HealRun(c, inputs, exit_spec, settings, log, processes)
 
 
 def start(run: HealRun) -> None:
     """Open the run directory and put the models on the device; a resumed run continues from its latest checkpoint
     (or, killed before the first one, from the end of its plan)."""
     c, inputs, progress = run.cfg, run.inputs, run.progress
-    run.run_dir.open()
+    run.processes.wait_for_everyone()  # every process has read the run directory before the main one changes it
+    if run.main:
+        run.run_dir.open()
     torch.manual_seed(c.seed)
     if inputs.device.type == "cpu":
         keep_freed_host_memory()  # far fewer page faults an end-to-end step
@@ -60,7 +75,8 @@ def start(run: HealRun) -> None:
         run.log(f"resumed {out} after its plan ({progress.time / 60:.1f} min done)")
     # the records up to the checkpoint (by their time, rounded as they hold it): a resumed run writes those after
     # it again
-    run.run_dir.truncate(lambda r: logged_by(r, run.progress.time))
+    if run.main:
+        run.run_dir.truncate(lambda r: logged_by(r, run.progress.time))
 
 
 def heal(cfg: HealConfig, log=print) -> dict:
@@ -77,17 +93,19 @@ def heal(cfg: HealConfig, log=print) -> dict:
         }
         run.write_settings()
     run.start_clock()
-    run.cache = open_cache(inputs, c, cache_dir, run.log)
+    run.cache = open_cache(inputs, c, cache_dir, run.log, run.processes)
     if run.progress.stage == "cache":
         run.progress.time = run.clock()
     if "plan" not in run.settings:
-        seconds_left = None if c.tokens is not None else c.budget_minutes * 60 - run.clock()
+        seconds_left = None if c.train_tokens is not None else c.budget_minutes * 60 - run.clock()
         timed = partial(plan.time_steps, inputs, run.cache, c, run.exit_spec, run.log)
-        run.settings.update(
-            plan=plan.plan_steps(c, inputs.student.config, run.exit_spec, seconds_left, timed, run.log),
-            teacher_eval=run.evaluate(inputs.teacher),
+        # the main process times the steps (of its share of the rows) and every process takes its plan
+        planned = (
+            plan.plan_steps(c, inputs.student.config, run.exit_spec, seconds_left, timed, run.log) if run.main else None
         )
-        run.settings["plan_clock"] = round(run.clock(), 2)  # what a run killed before its first checkpoint resumes at
+        run.settings.update(plan=run.agreed(planned), teacher_eval=run.evaluate(inputs.teacher))
+        # what a run killed before its first checkpoint resumes at
+        run.settings["plan_clock"] = run.agreed(round(run.clock(), 2))
         run.write_settings()
     if c.base_weights != "float" and not resumed:
         stages.round_base(run)  # a resumed run's checkpoint holds the rounded weights already
@@ -121,8 +139,6 @@ def heal(cfg: HealConfig, log=print) -> dict:
     final = after_local[-1] if after_local and not trained_after_local else run.log_eval(tag="final")
     from ...models import save_model
 
-    save_model(inputs.student.cpu(), inputs.tok, out / "final")
-    plot_heal(out)
     summary = {
         "out": str(out),
         "final": str(out / "final"),
@@ -134,5 +150,9 @@ def heal(cfg: HealConfig, log=print) -> dict:
         "exit_adapter": run.exit_spec,
         "converted": (run.evals("converted") or [None])[0],
     }
-    write_json_atomic(out / "heal.json", summary)
+    if run.main:
+        save_model(inputs.student.cpu(), inputs.tok, out / "final")
+        plot_heal(out)
+        write_json_atomic(out / "heal.json", summary)
+    run.processes.wait_for_everyone()  # no process ends before the run directory is complete
     return summary

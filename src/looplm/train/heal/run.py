@@ -3,7 +3,11 @@
 
 The run clock counts the budget: wall time since the run started (a resumed run goes on from its checkpoint's),
 evaluations not counted. Checkpoints are named stage-visit-step; besides them the local stage's end is kept as
-OUT/local-end, from which experiments start later stages again."""
+OUT/local-end, from which experiments start later stages again.
+
+On several processes every one runs the run, on its share of each step's rows, and the main process alone writes
+the run directory: settings, records, checkpoints. What a process decides by its own clock (an evaluation, a new
+step count) is the main process's decision (``agreed``), so that all take the same steps."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from ...util import write_json_atomic
 from ..evaluate import heldout_rows, perplexity, score_rows
 from ..optim import WeightAverage
 from ..run_dir import RunDir
+from ..teacher_cache import OneProcess
 from .config import HealConfig
 from .inputs import HealInputs
 from .steps import eager
@@ -53,8 +58,13 @@ def logged_by(record: dict, seconds: float) -> bool:
 
 
 class HealRun:
-    def __init__(self, cfg: HealConfig, inputs: HealInputs, exit_spec: dict | None, settings: dict | None, log):
-        self.cfg, self.inputs, self.exit_spec, self.log = cfg, inputs, exit_spec, log
+    def __init__(
+        self, cfg: HealConfig, inputs: HealInputs, exit_spec: dict | None, settings: dict | None, log, processes=None
+    ):
+        self.processes = processes if processes is not None else OneProcess()  # the run's Accelerator
+        self.main = self.processes.is_main_process
+        self.cfg, self.inputs, self.exit_spec = cfg, inputs, exit_spec
+        self.log = log if self.main else lambda *a: None
         self.run_dir = RunDir(cfg.out)
         self.settings = settings  # run.json: None until the run writes it
         self.progress = Progress()
@@ -76,14 +86,35 @@ class HealRun:
         return time.perf_counter() - self._started - self.eval_seconds
 
     def write_settings(self) -> None:
-        self.run_dir.write_settings(self.settings)
+        if self.main:
+            self.run_dir.write_settings(self.settings)
+
+    # ----- what the processes share
+    def agreed(self, value):
+        """The main process's ``value`` (a picklable object), on every process."""
+        if self.processes.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value])[0]
+
+    def mean(self, values: dict) -> dict:
+        """Each of ``values`` (floats: this process's losses on its share of a step) averaged over the processes."""
+        if self.processes.num_processes == 1:
+            return values
+        from accelerate.utils import reduce
+
+        mean = reduce(torch.tensor(list(values.values()), device=self.inputs.device), reduction="mean")
+        return dict(zip(values, mean.tolist()))
 
     # ----- records
     def append(self, record: dict) -> None:
-        self.run_dir.append(record)
+        if self.main:
+            self.run_dir.append(record)
 
     def evals(self, tag: str) -> list[dict]:
-        return [r for r in self.run_dir.records() if r.get("eval") and r.get("tag") == tag]
+        records = self.run_dir.records() if self.main else None
+        return [r for r in self.agreed(records) if r.get("eval") and r.get("tag") == tag]
 
     # ----- evaluation: held-out perplexity at every loop exit
     @torch.no_grad()
@@ -95,10 +126,10 @@ class HealRun:
         if not rows:
             raise UsageError(f"the corpus {c.data} has no held-out rows to evaluate on")
         model.eval()
-        nll, agree, count = score_rows(model, rows, inputs.device)
+        nll, agree, count = self.score(model, rows)
         ood = {}
         for name, windows in inputs.ood.items():  # the final exit on text the run never heals on
-            domain_nll, _, domain_count = score_rows(model, windows, inputs.device, final_only=True)
+            domain_nll, _, domain_count = self.score(model, windows, final_only=True)
             ood[name] = perplexity(float(domain_nll[-1]) / domain_count)
         self.eval_seconds += time.perf_counter() - t0
         self._last_eval = time.perf_counter()
@@ -112,8 +143,22 @@ class HealRun:
             **({"ood": ood} if ood else {}),
         }
 
+    def score(self, model, rows, final_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``score_rows`` of ``rows``, each process scoring every world-th row and the sums added up."""
+        inputs = self.inputs
+        nll, agree, count = score_rows(model, rows[inputs.rank :: inputs.world], inputs.device, final_only)
+        if inputs.world == 1:
+            return nll, agree, count
+        from accelerate.utils import reduce
+
+        sums = reduce(
+            torch.cat([nll, agree, torch.tensor([float(count)], dtype=torch.float64)]).to(inputs.device), "sum"
+        )
+        sums = sums.cpu()
+        return sums[: len(nll)], sums[len(nll) : -1], int(sums[-1])
+
     def eval_due(self) -> bool:
-        return time.perf_counter() - self._last_eval > self.cfg.eval_every_seconds
+        return self.agreed(time.perf_counter() - self._last_eval > self.cfg.eval_every_seconds)
 
     def log_eval(self, tag: str) -> dict:
         """Evaluate the student, append the record and say it."""
@@ -144,6 +189,8 @@ class HealRun:
     def save(self, opt=None, average: WeightAverage | None = None) -> None:
         from ...models.checkpoint import save_checkpoint
 
+        if not self.main:  # every process holds the same weights and optimizer state
+            return
         p = self.progress
         name = f"{p.stage}-{p.visit:03d}-{p.step:06d}"
         tmp = self.run_dir.staging(name)
@@ -180,6 +227,8 @@ class HealRun:
     def keep_local_end(self) -> None:
         """A copy of the checkpoint at the end of the local stage, kept as OUT/local-end (the rotation deletes
         the checkpoint itself): experiments/heal_same_local.py --from-local-end starts later stages from it."""
+        if not self.main:
+            return
         out = self.run_dir.out
         tmp = out / ".local-end.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

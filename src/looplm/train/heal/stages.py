@@ -1,6 +1,7 @@
 """The stages of a healing run, each resumable from its checkpoints: the rounding of the shared weights
 (``--base-weights``), the layer-local stage, and the end-to-end and exit-adapter stages, which share one step loop
-(``train_steps``)."""
+(``train_steps``). On several processes each stage's step takes the same rows as on one, each process its share of
+them, and averages the gradients (steps.py), so that the run follows one process's at the same global batch."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def round_base(run: HealRun) -> None:
 
 def local_stage(run: HealRun) -> None:
     """Each shared layer alone (``--local-mode parallel``), or each depth in order on the student's own inputs
-    (``sequential``), for the planned steps of each visit; a checkpoint after every visit."""
+    (``sequential``), for the planned steps of each visit; a checkpoint after every visit. A resumed run draws the
+    rows of its next steps as the uninterrupted run does (``local_rows``)."""
     from tqdm import tqdm
 
     c, p, inputs, progress = run.cfg, run.plan, run.inputs, run.progress
@@ -78,9 +80,9 @@ def local_stage(run: HealRun) -> None:
         initial=sum(counts[: progress.visit]),
         desc="heal: local",
         unit="step",
-        disable=not c.progress,
+        disable=not (c.progress and run.main),
     )
-    rng = np.random.default_rng(c.seed + 1)
+    rng = local_rows(c, n_rows, counts[: progress.visit])
     try:
         for v in range(progress.visit, len(order)):
             started, d = run.clock(), order[v]
@@ -94,10 +96,11 @@ def local_stage(run: HealRun) -> None:
             opt = adamw(steps.unfreeze(block, c.base_weights), lr=c.local_lr, weight_decay=0.0)
             first = last = None
             for s in range(counts[v]):
-                idx = rng.choice(n_rows, size=c.local_batch, replace=False)
+                idx = inputs.share(rng.choice(n_rows, size=c.local_batch, replace=False))
                 lr = c.local_lr * cosine(s, counts[v], warmup_steps(counts[v]))
                 loss = steps.local_step(
-                    model, layer, cache, idx, opt, states, lr, inputs.autocast, inputs.device, c.grad_clip
+                    *(model, layer, cache, idx, opt, states, lr, inputs.autocast, inputs.device, c.grad_clip),
+                    average=inputs.world > 1,
                 )
                 first = loss if first is None else first
                 last = loss
@@ -108,10 +111,12 @@ def local_stage(run: HealRun) -> None:
             progress.visit = v + 1
             progress.time = run.clock()
             if "local_end_seconds" in p and v + 1 < len(order) and counts[v]:
-                seconds_per_step = (progress.time - started) / counts[v]
-                replan_local(p, v + 1, seconds_per_step, run.clock(), c, K, run.log)
+                seconds_per_step, now = run.agreed(((progress.time - started) / counts[v], run.clock()))
+                replan_local(p, v + 1, seconds_per_step, now, c, K, run.log)
                 run.write_settings()
                 bar.total = sum(counts)
+            if first is not None:  # the errors over all of the steps' rows
+                first, last = run.mean({"first": first, "last": last}).values()
             run.append(
                 {
                     "stage": "local",
@@ -133,6 +138,22 @@ def local_stage(run: HealRun) -> None:
     model.requires_grad_(False)
 
 
+def local_rows(c, n_rows: int, done: list[int]):
+    """The generator of the local stage's row draws, past the draws of the ``done`` steps of each visit before."""
+    rng = np.random.default_rng(c.seed + 1)
+    for _ in range(sum(done)):
+        rng.choice(n_rows, size=c.local_batch, replace=False)
+    return rng
+
+
+def synced(run: HealRun, loss):
+    """The student for a stage's steps: itself on one process; on several, ``StageLoss(student, loss)`` under DDP,
+    wrapped when the stage starts (what it trains is set by then)."""
+    if run.inputs.world == 1:
+        return run.inputs.student
+    return run.processes.prepare_model(steps.StageLoss(run.inputs.student, loss))
+
+
 def e2e_stage(run: HealRun) -> None:
     c, inputs = run.cfg, run.inputs
     total = run.plan["e2e_steps"]
@@ -148,6 +169,7 @@ def e2e_stage(run: HealRun) -> None:
         steps.body_params(inputs.student, c.base_weights),
         c.e2e_lr,
         lambda *a: steps.e2e_step(inputs, run.cache, c, *a),
+        synced(run, steps.e2e_loss),
         total,
         tokens_per_step=c.e2e_batch * c.seq_len,
         evaluate=True,
@@ -170,6 +192,7 @@ def exit_stage(run: HealRun) -> None:
             params,
             c.exit_lr,
             lambda *a: steps.exit_step(inputs, run.cache, c, *a),
+            synced(run, steps.exit_loss),
             total,
         )
     inputs.student.requires_grad_(False)
@@ -182,27 +205,29 @@ def train_steps(
     params,
     base_lr: float,
     step_fn,
+    model,
     total: int,
     tokens_per_step: int = 0,
     evaluate: bool = False,
     average: float = 0.0,
 ) -> None:
     """The step loop of the end-to-end and exit stages: AdamW on ``params`` (its state restored on resume), a
-    cosine schedule over ``total`` steps, ``step_fn(model, step, opt, lr) -> record`` each step, a JSONL record
-    per step, a checkpoint every ``save_every_seconds`` and, with ``evaluate``, held-out evaluations on their
-    schedule. Under a time budget the step count is fixed again at the ``replan_due`` steps. With ``average`` (a
-    decay), an exponential moving average of ``params`` is kept beside them (``WeightAverage``), evaluated beside
-    them (tag ``<stage>-average``), and copied into them when the stage ends."""
+    cosine schedule over ``total`` steps, ``step_fn(model, step, opt, lr) -> record`` each step (``model``: the
+    student, or its DDP wrapper, ``synced``), a JSONL record per step (the losses averaged over the processes), a
+    checkpoint every ``save_every_seconds`` and, with ``evaluate``, held-out evaluations on their schedule. Under
+    a time budget the step count is fixed again at the ``replan_due`` steps. With ``average`` (a decay), an
+    exponential moving average of ``params`` is kept beside them (``WeightAverage``), evaluated beside them (tag
+    ``<stage>-average``), and copied into them when the stage ends."""
     from tqdm import tqdm
 
-    c, model, progress = run.cfg, run.inputs.student, run.progress
+    c, student, progress = run.cfg, run.inputs.student, run.progress
     replan = bool(c.budget_minutes)
     opt = adamw(params, lr=base_lr, weight_decay=0.0)
     avg = WeightAverage(params, average) if average else None
     if progress.step > 0:
         run.load_optimizer(opt, avg)
     first = progress.step
-    bar = tqdm(total=total, initial=progress.step, desc=desc, unit="step", disable=not c.progress)
+    bar = tqdm(total=total, initial=progress.step, desc=desc, unit="step", disable=not (c.progress and run.main))
     last_save = time.perf_counter()
     mark = (progress.step, run.clock())  # the steps since the last fix time the next one
     warming_up = True
@@ -211,14 +236,13 @@ def train_steps(
         while progress.step < total:
             s = progress.step
             if replan and replan_due(s, total, replanned_at) and s > mark[0]:
-                total = replan_stage(
-                    run.plan, stage, s, (run.clock() - mark[1]) / (s - mark[0]), run.clock(), c, run.log
-                )
+                seconds_per_step, now = run.agreed(((run.clock() - mark[1]) / (s - mark[0]), run.clock()))
+                total = replan_stage(run.plan, stage, s, seconds_per_step, now, c, run.log)
                 run.write_settings()
                 mark = (s, run.clock())
                 bar.total = total
             lr = base_lr * cosine(s, total, warmup_steps(total))
-            rec = step_fn(model, s, opt, lr)
+            rec = run.mean(step_fn(model, s, opt, lr))
             if avg is not None:
                 avg.update()
             if warming_up:  # this process's first step (compiling, first allocations) is not timed
@@ -243,17 +267,17 @@ def train_steps(
                 run.save(opt, avg)
                 last_save = time.perf_counter()
             if evaluate and run.eval_due() and progress.step < total:
-                model.eval()
+                student.eval()
                 run.log_eval(tag=stage)
                 if avg is not None:
                     with avg.swapped_in():
                         run.log_eval(tag=f"{stage}-average")
-                model.train()
+                student.train()
     finally:
         bar.close()
     if avg is not None and progress.step > first:  # the weights' own end, then the average the stage
         # ends on (a run resumed from the stage's last checkpoint has both logged and the average in place)
-        model.eval()
+        student.eval()
         run.log_eval(tag=stage)
         avg.copy_in()
         run.log_eval(tag=f"{stage}-average")

@@ -6,13 +6,19 @@
   hidden-state error, plus ``exit_weight`` x forward KL of every intermediate loop exit against its target.
 - ``exit_loss``: every intermediate exit learns the model's own final output, the body frozen.
 
-Every step is ``update(opt, loss, params, lr, clip)`` after its loss.
+Every step is ``update(opt, loss, params, lr, clip)`` after its loss. On several processes each computes the loss
+on its share of the step's rows and the gradients are averaged before the update: by DDP in the end-to-end and exit
+stages (``StageLoss``: the loss as one module's forward), by ``average_gradients`` in the local stage (a shared layer
+runs once per tied depth in a step, which DDP's one forward per backward does not allow).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ...convert.recursive import tied_depths
 from ...models.decoder import attention_masks
@@ -71,13 +77,50 @@ def exit_params(model, exit_spec: dict) -> list[torch.nn.Parameter]:
     return freeze_all_but_exit_adapter(model)
 
 
-def update(opt, loss: torch.Tensor, params, lr: float, clip: float) -> None:
-    """One optimizer step on ``loss`` at ``lr``, the gradient of ``params`` clipped to norm ``clip``."""
+def update(opt, loss: torch.Tensor, params, lr: float, clip: float, average: bool = False) -> None:
+    """One optimizer step on ``loss`` at ``lr``, the gradient of ``params`` clipped to norm ``clip``; with
+    ``average``, the gradients are first averaged over the processes (``average_gradients``)."""
+    params = list(params)
     set_lr(opt, lr)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if average:
+        average_gradients(params)
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
+
+
+def average_gradients(params) -> None:
+    """Each gradient of ``params`` replaced by its mean over the processes (one all-reduce of them all, flattened):
+    every process then takes the same step, that of the mean loss over all of the step's rows."""
+    from accelerate.utils import reduce
+
+    grads = [p.grad for p in params if p.grad is not None]
+    mean = reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+    for g, m in zip(grads, mean.split([g.numel() for g in grads])):
+        g.copy_(m.view_as(g))
+
+
+class StageLoss(torch.nn.Module):
+    """A stage's loss on the student as one module's forward, ``loss(student, *args)``: the module DDP wraps (its
+    backward then averages the gradients over the processes) when the stage runs on several."""
+
+    def __init__(self, student, loss):
+        super().__init__()
+        self.student, self.loss = student, loss
+
+    def forward(self, *args):
+        return self.loss(self.student, *args)
+
+
+def student_of(model):
+    """The student itself, unwrapped from a stage's DDP wrapper (``StageLoss``)."""
+    return model.module.student if isinstance(model, DistributedDataParallel) else model
+
+
+def loss_of(model, loss):
+    """``loss(student, *args)`` as a function of ``args``: through ``model``'s DDP wrapper when it has one."""
+    return model if isinstance(model, DistributedDataParallel) else partial(loss, model)
 
 
 # ----- layer-local
@@ -109,9 +152,13 @@ def local_loss(model, layer: int, cache: TeacherCache, idx, inputs: dict, autoca
     return loss
 
 
-def local_step(model, layer: int, cache, idx, opt, inputs: dict, lr: float, autocast, device, clip: float) -> float:
+def local_step(
+    model, layer: int, cache, idx, opt, inputs: dict, lr: float, autocast, device, clip: float, average: bool = False
+) -> float:
+    """A step of shared layer ``layer`` on cache rows ``idx`` (this process's share of the step's rows: with
+    ``average`` the gradients are averaged over the processes); returns this process's loss."""
     loss = local_loss(model, layer, cache, idx, inputs, autocast, device)
-    update(opt, loss, model.model.layers[layer].parameters(), lr, clip)
+    update(opt, loss, model.model.layers[layer].parameters(), lr, clip, average)
     return float(loss.detach())
 
 
@@ -205,16 +252,17 @@ def logged(loss: torch.Tensor, parts: dict) -> dict:
 
 
 def e2e_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> dict:
-    """End-to-end step ``step`` (its rows: ``step_batch``) of ``model`` with ``opt`` at ``lr``."""
+    """End-to-end step ``step`` (its rows: ``step_batch``, this process's share) of ``model`` (the student, or its
+    ``StageLoss`` under DDP) with ``opt`` at ``lr``; returns this process's loss and its parts."""
     ids, boundary = step_batch(inputs, cache, c, step, "e2e")
-    loss, parts = e2e_loss(model, inputs.teacher, ids, boundary, c, inputs.autocast)
-    update(opt, loss, [p for p in model.parameters() if p.requires_grad], lr, c.grad_clip)
+    loss, parts = loss_of(model, e2e_loss)(inputs.teacher, ids, boundary, c, inputs.autocast)
+    update(opt, loss, [p for p in student_of(model).parameters() if p.requires_grad], lr, c.grad_clip)
     return logged(loss, parts)
 
 
 def exit_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> dict:
     """Exit-adapter step ``step``: only the adapters learn (``exit_params``)."""
     ids, _ = step_batch(inputs, cache, c, step, "exit")
-    loss, parts = exit_loss(model, ids, inputs.autocast, c.compile)
-    update(opt, loss, model.exit_adapter.parameters(), lr, c.grad_clip)
+    loss, parts = loss_of(model, exit_loss)(ids, inputs.autocast, c.compile)
+    update(opt, loss, student_of(model).exit_adapter.parameters(), lr, c.grad_clip)
     return logged(loss, parts)
