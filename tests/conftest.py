@@ -156,13 +156,7 @@ def make_hf_model(family: str, num_layers: int = 4, seed: int = 0):
         model = T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**neox, use_parallel_residual=family == "gpt_neox"))
     else:
         raise ValueError(family)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    return model.eval()
+    return visible_norms_and_biases(model)
 
 
 FAMILIES = ["llama", "llama-untied", "gemma", "gemma2", "gemma3", "gpt_neox", "gpt_neox-sequential"]
@@ -294,3 +288,14 @@ def heldout_text():
     from looplm.data import sample_text
 
     return sample_text()
+
+
+def visible_norms_and_biases(model):
+    """Norm weights moved off 1 and biases off 0, so that a comparison sees them; the model in eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()

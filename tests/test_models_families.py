@@ -8,7 +8,7 @@ sequence. tests/test_models_families_features.py switches each feature off and c
 
 import pytest
 import torch
-from conftest import FAMILIES, SMALL, make_hf_model
+from conftest import FAMILIES, SMALL, make_hf_model, visible_norms_and_biases
 
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, from_hf_model
 
@@ -69,13 +69,7 @@ def make_family_model(family: str, num_layers: int = 4, seed: int = 0):
     torch.manual_seed(seed)
     cls, config = _new_family_config(family, num_layers)
     model = cls(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    return model.eval()
+    return visible_norms_and_biases(model)
 
 
 NEW_FAMILIES = ["mistral", "llama3", "qwen2", "qwen2-tied", "qwen3", "phi3", "olmo2", "olmo3", "smollm3"]

@@ -147,7 +147,7 @@ def _recipe_corpus(teacher: str, seq_len: int, progress: bool) -> str:
         )
     print(
         f"looplm heal: the teacher writes {TEACHER_TOKENS:,} tokens of its own text into {generated} (once per "
-        "teacher, resumable: about 20 minutes on 2 CPU cores that multiply bfloat16, 30 without)",
+        "teacher, resumable; docs/guides/heal.md gives its time)",
         file=sys.stderr,
     )
     m = generate_corpus(GenerateConfig(model=teacher, out=str(generated), tokens=TEACHER_TOKENS, progress=progress))
