@@ -17,9 +17,8 @@
 # for SmolLM2 the mix of real rows and the original's own text that experiments/generalize.sh builds (its "gen"
 # step); for Gemma the real corpus (no Gemma-written text exists yet). The in-domain held-out split is always
 # the real corpus's; its blocks are held out of every corpus built from the same sources.
-# `looplm heal` distils layer by layer and so needs a student with the original's depth count: it refuses the
-# reduced-size model today. That refusal is logged to OUT/FAMILY/logs/heal-reduced.log and the script goes on;
-# the healed pair then reads "not run" in the claims table, and the uptrained (KD) pair decides the claim.
+# `looplm heal` distils layer by layer: each of the reduced-size model's depths learns the span of the original's
+# layers from the one it copies to the next copied one (train/heal/inputs.py, teacher_spans).
 # Resumable: every step skips what is finished (a converted model's config.json, a run's heal.json or final/, the
 # suite's rows scored so far) and resumes what was interrupted (--resume). Environment: OUT, FAMILIES, HEAL_BUDGET,
 # HEAL_ARGS, KD_BUDGET, LIMIT, WINDOWS, STEPS (a subset of "data convert heal kd suite claims"), CLAIMS_OUT.
@@ -98,14 +97,7 @@ for fam in $FAMILIES; do
   corpora "$fam"
   for s in $students; do
     has convert && convert "$s" "$dir/models/$s"
-    if has heal; then
-      if [ "$s" = reduced ]; then
-        heal "$dir/models/$s" "$dir/heal/$s" 2> >(tee "$dir/logs/heal-reduced.log" >&2) ||
-          echo "warning: looplm heal did not heal the reduced-size model ($dir/logs/heal-reduced.log); going on" >&2
-      else
-        heal "$dir/models/$s" "$dir/heal/$s"
-      fi
-    fi
+    has heal && heal "$dir/models/$s" "$dir/heal/$s"
   done
   if has kd; then
     for s in $kd_students; do uptrain "$dir/models/$s" "$dir/kd/$s"; done

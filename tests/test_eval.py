@@ -391,3 +391,27 @@ def test_continuation_chunks_minimise_padding_plus_call_cost():
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     cost = sum(10 + lens[lo] * (hi - lo) for lo, hi in chunks)
     assert cost <= min(10 + 40 * 9, 90 + sum(lens))  # no worse than one call or one call per row
+
+
+def test_exit_losses_score_each_exit_of_each_window_and_skip_padding(recursive):
+    """The one per-loop scorer (perplexity, healing's and training's evaluations): each exit's summed NLL of a
+    padded window is that of the window alone through the plain forward at that many loops; padded targets are
+    not scored; the final exit agrees with itself on every scored token; ``final_only`` scores the last exit
+    alone."""
+    torch.manual_seed(1)
+    windows = [torch.randint(0, 49152, (12,)), torch.randint(0, 49152, (7,))]
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    for i, w in enumerate(windows):
+        ids[i, : len(w)], mask[i, : len(w)] = w, 1
+    nll, agree, tokens = recursive.exit_losses(ids, mask)
+    assert tokens.tolist() == [11, 6]
+    with torch.no_grad():
+        for loop in (1, 2):
+            for i, w in enumerate(windows):
+                logits = recursive(w[None], num_loops=loop).logits[0, :-1].float()
+                expected = torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum")
+                assert nll[loop - 1, i].item() == pytest.approx(expected.item(), rel=1e-4)
+    assert agree[-1].item() == 17 and 0 <= agree[0].item() <= 17
+    last, _, _ = recursive.exit_losses(ids, mask, final_only=True)
+    assert torch.equal(last[0], torch.zeros(2)) and torch.allclose(last[1], nll[1])

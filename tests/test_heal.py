@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -18,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from test_train_fixtures import SRC, build_corpus, byte_tokenizer, make_models, ood_texts, run_cli, tiny_vanilla  # noqa: F401 (fixture)
 
-from looplm.convert import convert
+from looplm.convert import convert, stepwise_layers
 from looplm.data.corpus import PackedCorpus
 from looplm.errors import UsageError
 from looplm.models import load_model, save_model
+from looplm.train.baselines import stepwise_model
 from looplm.train.heal import (
     HealConfig,
     cached_rows,
@@ -34,7 +36,8 @@ from looplm.train.heal import (
 )
 from looplm.train.heal import plan as heal_plan
 from looplm.train.heal import steps as heal_steps
-from looplm.train.heal.inputs import step_batch
+from looplm.train.heal.inputs import step_batch, teacher_spans
+from looplm.train.losses import HIDDEN_LOSSES
 from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
 
 
@@ -132,8 +135,8 @@ def test_cache_holds_every_boundary_and_refuses_a_foreign_or_corrupt_one(setup):
         # every pair (input, output) of depth d is layer d's map, to bfloat16 rounding
         tables = teacher.model.rotary(torch.arange(32)[None].expand(3, -1), torch.float32)
         for d, layer in enumerate(teacher.model.layers):
-            y = layer(cache.inputs(d, [0, 1, 2]), 0, *tables["full"], None)
-            assert relative_error(y, cache.outputs(d, [0, 1, 2])).item() < 1e-4
+            y = layer(cache.boundary(d, [0, 1, 2]), 0, *tables["full"], None)
+            assert relative_error(y, cache.boundary(d + 1, [0, 1, 2])).item() < 1e-4
     # reused as it is
     stamp = (tmp / "cache" / "states.bin").stat().st_mtime_ns
     build_cache(teacher, corpus, tmp / "cache", rows, 32, progress=False, log=lambda *a: None)
@@ -154,15 +157,9 @@ def test_cache_holds_every_boundary_and_refuses_a_foreign_or_corrupt_one(setup):
         TeacherCache(tmp / "cache")
 
 
-def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
-    """Full-rank LoRA with per-depth norms is the original model: every depth's local error is bfloat16
-    rounding, which checks that the cache pairs (input, output) with the right depth, slot and layer."""
-    _, models, corpus = setup
-    teacher, tok = load_model(models["teacher"])
-    exact = convert(
-        teacher.double(), loops=2, init="average", norms="per-depth", lora_ranks="full", lora_init="svd"
-    ).float()
-    student = save_model(exact, tok, tmp_path / "exact")
+def _first_local_errors(models, corpus, student, tmp_path):
+    """A run prepared for ``student`` (4 cached rows), its cache, and each shared layer's local error before any
+    step (on two cached rows)."""
     run = prepare(
         HealConfig(
             model=str(student),
@@ -175,15 +172,86 @@ def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
             local_batch=2,
         )
     )
-    inputs = run.inputs
+    inputs, m = run.inputs, run.inputs.student
     cache = build_cache(
         inputs.teacher, inputs.corpus, tmp_path / "cache", inputs.rows, 32, progress=False, log=lambda *a: None
     )
-    m = inputs.student
+    errors = []
     for layer in range(m.config.num_shared_layers):
         opt = torch.optim.SGD(m.model.layers[layer].parameters(), lr=0.0)
-        idx = np.array([0, 1])
-        assert heal_steps.local_step(m, layer, cache, idx, opt, {}, 0.0, inputs.autocast, inputs.device, 1.0) < 1e-4
+        args = (m, layer, cache, inputs.spans, np.array([0, 1]), opt, {}, 0.0, inputs.autocast, inputs.device, 1.0)
+        errors.append(heal_steps.local_step(*args))
+    return run, cache, errors
+
+
+def test_an_exact_conversion_has_no_local_error(setup, tmp_path):
+    """Full-rank LoRA with per-depth norms is the original model: every depth's local error is bfloat16
+    rounding, which checks that the cache pairs (input, output) with the right depth, slot and layer."""
+    _, models, corpus = setup
+    teacher, tok = load_model(models["teacher"])
+    exact = convert(
+        teacher.double(), loops=2, init="average", norms="per-depth", lora_ranks="full", lora_init="svd"
+    ).float()
+    student = save_model(exact, tok, tmp_path / "exact")
+    run, cache, errors = _first_local_errors(models, corpus, student, tmp_path)
+    assert max(errors) < 1e-4, errors
+
+
+def test_each_depth_of_a_shallower_student_stands_for_a_span_of_the_original_layers():
+    """A converted model's depth d stands for the original's layer d; the reduced-size model's depths for the layers
+    from the one each copies up to the next copied one; a fresh one's for equal shares. A student no map fits (wider,
+    deeper, or of a depth count that does not divide the original's, with no copied layers) is refused."""
+    from looplm.models import LoopLMConfig
+
+    def cfg(layers, hidden=64, conversion=None):
+        return LoopLMConfig(vocab_size=260, hidden_size=hidden, num_hidden_layers=layers, conversion=conversion)
+
+    teacher = cfg(30)
+    assert teacher_spans(cfg(30), teacher) == [(d, d + 1) for d in range(30)]
+    copied = stepwise_layers(30, 15)  # 0, 2, ..., 14, 17, ..., 29: the middle depth copies layer 14 and stands for 3
+    spans = teacher_spans(cfg(15, conversion={"init": "stepwise-noloop", "layers": copied}), teacher)
+    assert spans[0] == (0, 2) and spans[7] == (14, 17) and spans[-1] == (29, 30)
+    assert [a for a, _ in spans[1:]] == copied[1:] and all(b == a for (_, b), (a, _) in zip(spans, spans[1:]))
+    scratch = cfg(10, conversion={"init": "scratch", "layers": list(range(10))})
+    assert teacher_spans(scratch, teacher) == [(3 * d, 3 * d + 3) for d in range(10)]
+    for student, message in (
+        (cfg(31), "no conversion or reduced-size"),
+        (cfg(30, hidden=32), "width 32"),
+        (cfg(7), "no depth-to-layers map"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            teacher_spans(student, teacher)
+
+
+def test_a_reduced_size_model_heals_on_its_spans(setup, tmp_path):
+    """The reduced-size model of the tiny original (its layers 0 and 3, run once): the depth copying the last layer
+    stands for it alone, so its local error starts at bfloat16 rounding, while the first depth stands for layers
+    0-2 and does not; a run of `looplm heal` brings the model closer to the original."""
+    _, models, corpus = setup
+    teacher, tok = load_model(models["teacher"])
+    reduced = save_model(stepwise_model(teacher, loops=2), tok, tmp_path / "reduced")
+    run, cache, errors = _first_local_errors(models, corpus, reduced, tmp_path)
+    inputs, m = run.inputs, run.inputs.student
+    assert inputs.spans == [(0, 3), (3, 4)]
+    assert errors[1] < 1e-4 < 0.05 < errors[0], errors
+    # end to end: the distillation target is the original's output, each depth's state the end of its span
+    ids = cache.tokens(inputs.corpus, [0, 1])
+    states = teacher_states(inputs.teacher, ids)
+    heal_steps.body_params(m, run.cfg.base_weights)  # as the stage trains it: the head frozen
+    loss, parts = heal_steps.e2e_loss(m, inputs.teacher, ids, states.__getitem__, inputs.spans, run.cfg, nullcontext)
+    with torch.no_grad():
+        t, s = (F.log_softmax(model(ids).logits.float(), -1) for model in (inputs.teacher, m))
+        _, depth_states, _ = m.model(ids, output_depth_states=True)
+    assert parts["kd"].item() == pytest.approx(float((t.exp() * (t - s)).sum(-1).mean()), rel=2e-2)
+    error = HIDDEN_LOSSES[run.cfg.hidden_loss]
+    hidden = (error(depth_states[0], states[3]) + error(depth_states[1], states[4])) / 2
+    assert parts["hidden"].item() == pytest.approx(hidden.item(), rel=1e-4)
+    out = tmp_path / "healed"
+    args = heal_args(models, corpus, out, "--train-tokens", 64 * 40, "--local-lr", 3e-3, "--e2e-lr", 1e-3)
+    args[1] = reduced
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert _student_gap(models, out / "final", corpus) < _student_gap(models, reduced, corpus)
 
 
 def _student_gap(models, model_dir, corpus_dir):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..data.ood import token_windows
@@ -73,22 +72,11 @@ def score_windows(
         for i, w in enumerate(batch):
             ids[i, : len(w)] = torch.tensor(w)
             mask[i, : len(w)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        # Right padding with a mask keeps positions aligned; padded targets are ignored below.
-        _, states, _ = model.model(
-            ids, attention_mask=mask if not bool(mask.all()) else None, num_loops=loops, output_loop_states=True
-        )
-        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        for i, h in enumerate(states):
-            # One window at a time: a [batch, seq, vocab] float32 block is GBs for Gemma's 262k vocabulary.
-            for j in range(h.shape[0]):
-                logits = model.exit_logits(h[j, :-1], loop=i).float()
-                w_nll = F.cross_entropy(logits, targets[j], ignore_index=-100, reduction="sum").double().cpu()
-                nll[i] += w_nll
-                if i == loops - 1:
-                    window_nll.append(float(w_nll))
-                    window_tokens.append(int((targets[j] != -100).sum()))
-        count += int((targets != -100).sum())
+        w_nll, _, w_tokens = model.exit_losses(ids.to(device), mask.to(device), num_loops=loops)
+        nll += w_nll.sum(1)
+        window_nll.extend(w_nll[-1].tolist())
+        window_tokens.extend(w_tokens.tolist())
+        count += int(w_tokens.sum())
         scored_text.extend(w[1:] for w in batch)
     # Bytes of the scored tokens (the text they decode to), for a tokenizer-independent measure.
     n_bytes = sum(len(tokenizer.decode([t for t in w if t is not None]).encode("utf-8")) for w in scored_text)

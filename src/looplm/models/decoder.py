@@ -220,6 +220,33 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    @torch.no_grad()
+    def exit_losses(self, input_ids, attention_mask=None, num_loops: int | None = None, final_only: bool = False):
+        """Every loop exit's next-token loss on windows ``input_ids`` [rows, seq]: the one per-loop scorer behind
+        `looplm eval`'s perplexity and the held-out evaluations of training and healing. Returns each exit's
+        summed negative log-likelihood per window [loops, rows] (float64, on the host), each exit's count of
+        scored tokens whose top token is the final exit's [loops], and each window's scored tokens [rows].
+        Targets at masked (padding) positions are not scored; ``final_only``: the last exit alone (the rows of
+        the others stay 0)."""
+        loops = self.model.check_loops(num_loops)
+        mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+        _, states, _ = self.model(input_ids, mask, num_loops=loops, output_loop_states=True)
+        targets = input_ids[:, 1:]
+        if mask is not None:
+            targets = targets.masked_fill(mask[:, 1:] == 0, -100)
+        nll = torch.zeros(loops, len(input_ids), dtype=torch.float64)
+        agree = torch.zeros(loops, dtype=torch.float64)
+        for row in range(len(input_ids)):
+            final = None
+            # one window at a time: a [rows, seq, vocab] float32 block is GBs for Gemma's 262k vocabulary
+            for i in reversed(range(loops - 1 if final_only else 0, loops)):
+                logits = self.exit_logits(states[i][row, :-1], loop=i).float()
+                nll[i, row] = F.cross_entropy(logits, targets[row], ignore_index=-100, reduction="sum").double().cpu()
+                top = logits.argmax(-1)
+                final = top if final is None else final
+                agree[i] += float(((top == final) & (targets[row] != -100)).sum())
+        return nll, agree, (targets != -100).sum(1).cpu()
+
     def forward(
         self,
         input_ids=None,

@@ -41,8 +41,8 @@ from ..models.quantized import has_bf16_matmuls
 from .budget import steps_to_fill
 from .checkpoints import Checkpoints, tensorboard_writer
 from .data_order import batch_indices, micro_batch
-from .evaluate import perplexity
-from .losses import objective, token_ce
+from .evaluate import heldout_rows, perplexity, score_rows
+from .losses import objective
 from .optim import adamw, cosine
 from .preflight import (
     DATA_ROWS,
@@ -193,14 +193,14 @@ class TrainModule(nn.Module):
 
     def forward(self, input_ids, teacher_logits=None, evaluate: bool = False):
         c = self.cfg
-        all_exits = evaluate or c.early_exit != "none"
+        if evaluate:  # every exit's summed NLL and the scored tokens (through this forward: FSDP gathers here)
+            nll, _, tokens = self.lm.exit_losses(input_ids)
+            return nll.sum(1), tokens.sum()
+        all_exits = c.early_exit != "none"
         h, states, _ = self.lm.model(input_ids, output_loop_states=all_exits)
         exits = (
             [self.lm.exit_logits(s, loop=i) for i, s in enumerate(states)] if all_exits else [self.lm.exit_logits(h)]
         )
-        if evaluate:  # summed CE per exit and the count of predicted tokens
-            sums = torch.stack([token_ce(lg, input_ids).sum() for lg in exits])
-            return sums, torch.tensor(float(input_ids[:, 1:].numel()), device=sums.device)
         # A frozen body cannot change the final exit: the teacher then teaches the intermediate exits.
         return objective(
             exits,
@@ -244,37 +244,24 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 @torch.no_grad()
-def evaluate_exits(module, corpus, n_rows: int, seq: int, num_loops: int, acc, autocast) -> dict | None:
+def evaluate_exits(module, corpus, n_rows: int, seq: int, acc, autocast) -> dict | None:
     """Held-out loss and perplexity at every loop exit on the corpus's first ``n_rows`` held-out rows (cut to
     ``seq`` tokens), the rows shared out among the processes; None when the corpus has none."""
-    held = corpus.splits["heldout"]
-    n = min(len(held), n_rows)
-    if n == 0:
+    rows = heldout_rows(corpus, n_rows, seq)
+    if not rows:
         return None
     module.eval()
-    dev = acc.device
-    world, rank = acc.num_processes, acc.process_index
-    sums = torch.zeros(num_loops, device=dev)
-    count = torch.zeros((), device=dev)
-    # every process runs the same number of forwards (collectives inside FSDP/DDP must match);
-    # a process past the end repeats row 0 with weight 0
-    for j in range(math.ceil(n / world)):
-        i = j * world + rank
-        weight = 1.0 if i < n else 0.0
-        i = i if i < n else 0
-        ids = torch.from_numpy(np.asarray(held[i : i + 1, :seq], dtype=np.int64)).to(dev)
+
+    def score(ids):
         with autocast():
-            s, k = module(ids, evaluate=True)
-        sums = sums + weight * s.float()
-        count = count + weight * k
-    sums = acc.reduce(sums, reduction="sum")
-    count = acc.reduce(count, reduction="sum")
+            return module(ids, evaluate=True)
+
+    sums, count = score_rows(score, rows, acc.device, acc)
     module.train()
-    losses = (sums / count).tolist()
     out = {"eval_tokens": int(count)}
-    for i, l in enumerate(losses, start=1):
-        out[f"eval_loss_{i}"] = l
-        out[f"ppl_{i}"] = perplexity(l)
+    for i, loss in enumerate((sums / count).tolist(), start=1):
+        out[f"eval_loss_{i}"] = loss
+        out[f"ppl_{i}"] = perplexity(loss)
     return out
 
 
@@ -556,9 +543,7 @@ class Trainer(Checkpoints):
 
     # ----- evaluation
     def evaluate(self) -> dict | None:
-        return evaluate_exits(
-            self.module, self.corpus, self.cfg.eval_rows, self.seq, self.model.config.num_loops, self.acc, self.autocast
-        )
+        return evaluate_exits(self.module, self.corpus, self.cfg.eval_rows, self.seq, self.acc, self.autocast)
 
     def _log_eval(self, out, tb, step, tokens):
         ev = self.evaluate()

@@ -72,7 +72,7 @@ class OneProcess:
 
 
 class TeacherCache:
-    """A finished cache: ``inputs(d, idx)`` and ``outputs(d, idx)`` give float32 [len(idx), seq, hidden]."""
+    """A finished cache: ``boundary(b, idx)`` gives float32 [len(idx), seq, hidden]."""
 
     def __init__(self, directory: str | Path, verify: bool = True):
         d = Path(directory)
@@ -98,12 +98,6 @@ class TeacherCache:
         """States at boundary ``b`` (0 = embeddings, L = last layer's output) of cache rows ``idx``, float32."""
         words = np.ascontiguousarray(self.states[b, np.asarray(idx)])
         return torch.from_numpy(words).view(torch.bfloat16).float()
-
-    def inputs(self, depth: int, idx) -> torch.Tensor:
-        return self.boundary(depth, idx)
-
-    def outputs(self, depth: int, idx) -> torch.Tensor:
-        return self.boundary(depth + 1, idx)
 
     def tokens(self, corpus: PackedCorpus, idx) -> torch.Tensor:
         rows = self.rows[np.asarray(idx)]

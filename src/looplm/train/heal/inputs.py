@@ -52,6 +52,7 @@ class HealInputs:
     ood: dict[str, list]  # out-of-domain windows per domain (none with --ood-windows 0)
     device: torch.device
     bf16: bool
+    spans: list[tuple[int, int]]  # the original's layers each depth of the student stands for (teacher_spans)
     rank: int = 0  # this process among ``world`` (torchrun / accelerate launch): each takes its share of a step's rows
     world: int = 1
 
@@ -63,6 +64,39 @@ class HealInputs:
         """This process's share of a step's ``rows``: the ``rank``-th of ``world`` equal slices."""
         per = len(rows) // self.world
         return rows[self.rank * per : (self.rank + 1) * per]
+
+
+def teacher_spans(student_cfg, teacher_cfg, student_name: str = "the student", teacher_name: str = "the teacher"):
+    """For each depth d of the student, the span [start, end) of the original's layers it stands for: it learns to
+    map the original's states at layer boundary ``start`` onto those at ``end``. A converted model has the
+    original's depth count, so depth d stands for layer d alone. A shallower student (the reduced-size model of
+    ``python -m looplm.train.baselines stepwise``: some of the original's layers, run once) stands for the layers
+    from the one its depth was copied from up to the next copied one (the first from the embeddings, the last to
+    the original's last layer); one with fresh weights for an equal share of the layers."""
+    S, L = student_cfg.num_hidden_layers, teacher_cfg.num_hidden_layers
+    if teacher_cfg.hidden_size != student_cfg.hidden_size or S > L:
+        raise UsageError(
+            f"student {student_name} ({S} depths of width {student_cfg.hidden_size}) is no conversion or reduced-size "
+            f"model of teacher {teacher_name} ({L} layers of width {teacher_cfg.hidden_size}); give the model it was "
+            f"made from as --teacher"
+        )
+    if S == L:
+        return [(d, d + 1) for d in range(L)]
+    conversion = student_cfg.conversion or {}
+    copied = conversion.get("layers") if conversion.get("init") != "scratch" else None
+    if copied is not None:
+        starts = [0, *copied[1:]]
+    elif L % S == 0:
+        starts = [d * L // S for d in range(S)]
+    else:
+        raise UsageError(
+            f"student {student_name} has {S} depths, teacher {teacher_name} {L} layers, and the student records no "
+            f"layers it was copied from: no depth-to-layers map; give a student whose depth count divides {L}"
+        )
+    ends = [*starts[1:], L]
+    if any(a >= b for a, b in zip(starts, ends)):
+        raise UsageError(f"student {student_name}'s copied layers {copied} are not increasing layers of {L}")
+    return list(zip(starts, ends))
 
 
 def load_inputs(c: HealConfig, processes=None) -> HealInputs:
@@ -105,14 +139,7 @@ def load_inputs(c: HealConfig, processes=None) -> HealInputs:
         )
     if teacher.config.num_loops != 1:
         raise UsageError(f"--teacher {c.teacher} is itself looped; give the original (vanilla) model")
-    if (
-        teacher.config.num_hidden_layers != student.config.num_hidden_layers
-        or teacher.config.hidden_size != student.config.hidden_size
-    ):
-        raise UsageError(
-            f"student {c.model} ({student.config.num_hidden_layers} depths) was not converted "
-            f"from teacher {c.teacher} ({teacher.config.num_hidden_layers} layers)"
-        )
+    spans = teacher_spans(student.config, teacher.config, c.model, c.teacher)
     # text the run never heals on: each evaluation reports it too, so a run shows when it starts to overfit
     try:
         bos = bool(getattr(student.config, "add_bos_token", False))
@@ -131,7 +158,7 @@ def load_inputs(c: HealConfig, processes=None) -> HealInputs:
     if c.compile:
         check_compile_available(device)
     teacher = teacher.eval().requires_grad_(False)
-    return HealInputs(corpus, rows, stream, student, teacher, tok, ood, device, bf16, rank, world)
+    return HealInputs(corpus, rows, stream, student, teacher, tok, ood, device, bf16, spans, rank, world)
 
 
 def open_cache(inputs: HealInputs, c: HealConfig, cache_dir: Path, log, processes=None) -> TeacherCache:

@@ -23,7 +23,7 @@ from ...data.ood import geometric_ratio
 from ...errors import UsageError
 from ...models.exit_adapter import add_exit_adapters
 from ...util import write_json_atomic
-from ..evaluate import heldout_rows, perplexity, score_rows
+from ..evaluate import exit_sums, heldout_rows, perplexity, score_rows
 from ..optim import WeightAverage
 from ..run_dir import RunDir
 from ..teacher_cache import OneProcess
@@ -144,18 +144,10 @@ class HealRun:
         }
 
     def score(self, model, rows, final_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``score_rows`` of ``rows``, each process scoring every world-th row and the sums added up."""
-        inputs = self.inputs
-        nll, agree, count = score_rows(model, rows[inputs.rank :: inputs.world], inputs.device, final_only)
-        if inputs.world == 1:
-            return nll, agree, count
-        from accelerate.utils import reduce
-
-        sums = reduce(
-            torch.cat([nll, agree, torch.tensor([float(count)], dtype=torch.float64)]).to(inputs.device), "sum"
-        )
-        sums = sums.cpu()
-        return sums[: len(nll)], sums[len(nll) : -1], int(sums[-1])
+        """Every loop exit's summed NLL and agreement with the final exit over ``rows``, and the scored tokens;
+        shared out among the processes (``score_rows``)."""
+        nll, agree, count = score_rows(exit_sums(model, final_only), rows, self.inputs.device, self.processes)
+        return nll, agree, int(count)
 
     def eval_due(self) -> bool:
         return self.agreed(time.perf_counter() - self._last_eval > self.cfg.eval_every_seconds)

@@ -99,7 +99,8 @@ def local_stage(run: HealRun) -> None:
                 idx = inputs.share(rng.choice(n_rows, size=c.local_batch, replace=False))
                 lr = c.local_lr * cosine(s, counts[v], warmup_steps(counts[v]))
                 loss = steps.local_step(
-                    *(model, layer, cache, idx, opt, states, lr, inputs.autocast, inputs.device, c.grad_clip),
+                    *(model, layer, cache, inputs.spans, idx, opt, states, lr),
+                    *(inputs.autocast, inputs.device, c.grad_clip),
                     average=inputs.world > 1,
                 )
                 first = loss if first is None else first
