@@ -185,3 +185,33 @@ def test_head_kd_loss_under_autocast_keeps_its_logits_float32():
     assert ((mixed - exact).norm() / exact.norm()).item() < 0.01
     # float16's range would flush the 1/rows-scaled gradient: its product stays float32 there
     torch.testing.assert_close(grad(torch.float16), exact)
+
+
+def test_hidden_errors_weigh_channels_as_the_original_norms_read_them():
+    """``--hidden-channels read``: an error in a channel the norms scale to 0 costs nothing, one in a channel they
+    keep costs as before; the weights are the root mean square of the readers' effective scales (Gemma's norms
+    scale by 1 + w)."""
+    from looplm.models import LoopLMConfig, LoopLMForCausalLM
+    from looplm.train.losses import read_weights, relative_error
+
+    target = torch.tensor([[[3.0, 4.0, 0.0]]])
+    off_first = target + torch.tensor([1.0, 0.0, 0.0])
+    assert relative_error(off_first, target).item() == pytest.approx(1 / 25)
+    assert relative_error(off_first, target, torch.tensor([0.0, 1.0, 1.0])).item() == 0.0
+    assert relative_error(off_first, target, torch.ones(3)).item() == pytest.approx(1 / 25)
+    for norm_type, offset in (("rms", 0.0), ("rms_plus1", 1.0)):
+        cfg = LoopLMConfig(
+            vocab_size=16,
+            hidden_size=4,
+            intermediate_size=8,
+            num_hidden_layers=2,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            norm_type=norm_type,
+        )
+        model = LoopLMForCausalLM(cfg)
+        readers = [n for layer in model.model.layers for n in (layer.attn_norm, layer.mlp_norm)] + [model.model.norm]
+        for i, n in enumerate(readers):
+            n.weight.data.fill_(float(i + 1) - offset)  # effective scales 1, 2, 3, 4, 5
+        expected = (sum((i + 1) ** 2 for i in range(5)) / 5) ** 0.5
+        assert torch.allclose(read_weights(model), torch.full((4,), expected))

@@ -247,24 +247,42 @@ def objective(
 # ----- hidden-state terms (healing): the student's states against the original's at the same depth
 
 
-def token_errors(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """||pred - target||^2 / ||target||^2 per token (float32)."""
-    err = (pred.float() - target).pow(2).sum(-1)
-    return err / target.pow(2).sum(-1).clamp_min(1e-6)
+def token_errors(pred: torch.Tensor, target: torch.Tensor, channels: torch.Tensor | None = None) -> torch.Tensor:
+    """||pred - target||^2 / ||target||^2 per token (float32); ``channels`` [hidden]: each channel scaled by its
+    weight first (``read_weights``)."""
+    diff, target = pred.float() - target, target.float()
+    if channels is not None:
+        diff, target = diff * channels, target * channels
+    return diff.pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-6)
 
 
-def relative_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def relative_error(pred: torch.Tensor, target: torch.Tensor, channels: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over tokens of ||pred - target||^2 / ||target||^2: per token, because the next layer's norm removes
     each token's scale, so this is the error the rest of the network sees."""
-    return token_errors(pred, target).mean()
+    return token_errors(pred, target, channels).mean()
 
 
-def relative_error_log1p(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def read_weights(model) -> torch.Tensor:
+    """Each channel's weight where ``model``'s layers read the residual stream: the root mean square of its scale
+    over the norms that read it (every layer's two pre-norms and the final norm). A norm removes a token's scale but
+    not a channel's: where a few massive channels hold nearly all of the stream's squared norm and the norms scale
+    them down (Gemma 3), an unweighted error measures those few channels and little of what the layers read."""
+    readers = [n for layer in model.model.layers for n in (layer.attn_norm, layer.mlp_norm)] + [model.model.norm]
+    scales = []
+    for n in readers:
+        w = n.weight.detach().float().reshape(-1, n.weight.shape[-1])[0]
+        scales.append(1.0 + w if n.kind == "rms_plus1" else w)
+    return torch.stack(scales).pow(2).mean(0).sqrt()
+
+
+def relative_error_log1p(
+    pred: torch.Tensor, target: torch.Tensor, channels: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean over tokens of log(1 + relative error): the same as ``relative_error`` where a token is close
     (error << 1), but a token far off pulls with a bounded gradient (at most 1/||target|| in its state). In the
     end-to-end stage the student sometimes puts a massive activation on one token, a relative error in the
     thousands at a few depths; squared, that one token sets the direction of the whole clipped step."""
-    return torch.log1p(token_errors(pred, target)).mean()
+    return torch.log1p(token_errors(pred, target, channels)).mean()
 
 
 HIDDEN_LOSSES = {"relative": relative_error, "log1p": relative_error_log1p}

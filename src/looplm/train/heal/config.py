@@ -101,6 +101,14 @@ class HealConfig(RunSettings):
         choices=("log1p", "relative"),
         advanced=True,
     )
+    hidden_channels: str = setting(
+        "uniform",
+        "how the hidden-state errors of both stages weigh the residual stream's channels: uniform | read (each "
+        "as the original's norms scale it where its layers read the stream: a few massive channels no longer fill "
+        "the error)",
+        choices=("uniform", "read"),
+        advanced=True,
+    )
     exit_weight: float = setting(
         0.0,
         "weight of each intermediate loop exit's KD term on the body (0: exits get their own adapter stage)",
@@ -150,6 +158,7 @@ class HealConfig(RunSettings):
         "e2e_average",
         "hidden_weight",
         "hidden_loss",
+        "hidden_channels",
         "exit_weight",
         "exit_target",
         "grad_clip",

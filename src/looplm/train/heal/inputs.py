@@ -15,6 +15,7 @@ from ...data.ood import DOMAINS, domain_windows
 from ...errors import UsageError
 from ...util import check_compile_available
 from ..loop import resolve_precision
+from ..losses import read_weights
 from ..teacher_cache import TeacherCache, build_cache, teacher_states
 from .config import HealConfig
 
@@ -53,6 +54,7 @@ class HealInputs:
     device: torch.device
     bf16: bool
     spans: list[tuple[int, int]]  # the original's layers each depth of the student stands for (teacher_spans)
+    channels: torch.Tensor | None  # each channel's weight in the hidden-state errors (--hidden-channels read)
     rank: int = 0  # this process among ``world`` (torchrun / accelerate launch): each takes its share of a step's rows
     world: int = 1
 
@@ -158,7 +160,8 @@ def load_inputs(c: HealConfig, processes=None) -> HealInputs:
     if c.compile:
         check_compile_available(device)
     teacher = teacher.eval().requires_grad_(False)
-    return HealInputs(corpus, rows, stream, student, teacher, tok, ood, device, bf16, spans, rank, world)
+    channels = read_weights(teacher).to(device) if c.hidden_channels == "read" else None
+    return HealInputs(corpus, rows, stream, student, teacher, tok, ood, device, bf16, spans, channels, rank, world)
 
 
 def open_cache(inputs: HealInputs, c: HealConfig, cache_dir: Path, log, processes=None) -> TeacherCache:

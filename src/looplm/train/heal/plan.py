@@ -102,7 +102,10 @@ def time_steps(inputs, cache, c: HealConfig, exit_spec, log) -> tuple[float, flo
     times = []
     for _ in range(3):  # the first step warms up; the faster of the next two counts
         t0 = time.perf_counter()
-        local_step(probe, layer, cache, inputs.spans, idx, opt, {}, 0.0, inputs.autocast, inputs.device, c.grad_clip)
+        local_step(
+            *(probe, layer, cache, inputs.spans, idx, opt, {}, 0.0, inputs.autocast, inputs.device, c.grad_clip),
+            channels=inputs.channels,
+        )
         times.append(time.perf_counter() - t0)
     t_local = min(times[1:])
     opt = adamw(body_params(probe, c.base_weights), lr=0.0)

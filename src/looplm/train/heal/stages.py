@@ -102,6 +102,7 @@ def local_stage(run: HealRun) -> None:
                     *(model, layer, cache, inputs.spans, idx, opt, states, lr),
                     *(inputs.autocast, inputs.device, c.grad_clip),
                     average=inputs.world > 1,
+                    channels=inputs.channels,
                 )
                 first = loss if first is None else first
                 last = loss

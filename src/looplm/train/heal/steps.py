@@ -138,10 +138,13 @@ def run_depth(model, d: int, h: torch.Tensor) -> torch.Tensor:
     return model.model.layers[cfg.layer_map[d]](h, cfg.slot_map[d], cos, sin, masks[kind], None, d)
 
 
-def local_loss(model, layer: int, cache: TeacherCache, spans, idx, inputs: dict, autocast, device) -> torch.Tensor:
+def local_loss(
+    model, layer: int, cache: TeacherCache, spans, idx, inputs: dict, autocast, device, channels=None
+) -> torch.Tensor:
     """The mean over the depths tied to shared layer ``layer`` of its relative error on cache rows ``idx``: depth d
     maps the original's states at the start of its span of layers (``spans[d]``, inputs.teacher_spans) onto those at
-    its end. ``inputs[d]`` holds the student's inputs of a depth already reached (sequential mode)."""
+    its end, its error weighing the channels by ``channels`` (None: uniformly). ``inputs[d]`` holds the student's
+    inputs of a depth already reached (sequential mode)."""
     depths = tied_depths(model.config)[layer]
     loss = 0.0
     for d in depths:
@@ -150,16 +153,28 @@ def local_loss(model, layer: int, cache: TeacherCache, spans, idx, inputs: dict,
         y = cache.boundary(end, idx).to(device)
         with autocast():
             pred = run_depth(model, d, x.to(device))
-        loss = loss + relative_error(pred, y) / len(depths)
+        loss = loss + relative_error(pred, y, channels) / len(depths)
     return loss
 
 
 def local_step(
-    model, layer: int, cache, spans, idx, opt, inputs: dict, lr: float, autocast, device, clip: float, average=False
+    model,
+    layer: int,
+    cache,
+    spans,
+    idx,
+    opt,
+    inputs: dict,
+    lr: float,
+    autocast,
+    device,
+    clip: float,
+    average=False,
+    channels=None,
 ) -> float:
     """A step of shared layer ``layer`` on cache rows ``idx`` (this process's share of the step's rows: with
     ``average`` the gradients are averaged over the processes); returns this process's loss."""
-    loss = local_loss(model, layer, cache, spans, idx, inputs, autocast, device)
+    loss = local_loss(model, layer, cache, spans, idx, inputs, autocast, device, channels)
     update(opt, loss, model.model.layers[layer].parameters(), lr, clip, average)
     return float(loss.detach())
 
@@ -205,9 +220,10 @@ def exit_kd(model, h: torch.Tensor, loop: int | None, target_z, target_model, au
     return kd_loss(logits, target)
 
 
-def e2e_loss(model, teacher, ids, boundary, spans, c: HealConfig, autocast) -> tuple[torch.Tensor, dict]:
+def e2e_loss(model, teacher, ids, boundary, spans, c: HealConfig, autocast, channels=None) -> tuple[torch.Tensor, dict]:
     """The end-to-end loss on rows ``ids`` (``boundary(b)``: the original's states at layer boundary b; depth d
-    of the student ends where its span of the original's layers ends, ``spans[d]``) and its parts."""
+    of the student ends where its span of the original's layers ends, ``spans[d]``; ``channels``: as in ``local_loss``)
+    and its parts."""
     cfg = model.config
     L, K = cfg.num_hidden_layers, cfg.num_shared_layers
     with torch.no_grad():
@@ -221,7 +237,7 @@ def e2e_loss(model, teacher, ids, boundary, spans, c: HealConfig, autocast) -> t
         # become predictive instead of copying the original's mid-network state.
         matched = [d for d in range(L) if not (c.exit_weight and (d + 1) % K == 0 and d < L - 1)]
         error = HIDDEN_LOSSES[c.hidden_loss]
-        hid = sum(error(depth_states[d], boundary(spans[d][1])) for d in matched) / len(matched)
+        hid = sum(error(depth_states[d], boundary(spans[d][1]), channels) for d in matched) / len(matched)
         parts["hidden"] = hid
         loss = loss + c.hidden_weight * hid
     if c.exit_weight and cfg.num_loops > 1:
@@ -257,7 +273,8 @@ def e2e_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> 
     """End-to-end step ``step`` (its rows: ``step_batch``, this process's share) of ``model`` (the student, or its
     ``StageLoss`` under DDP) with ``opt`` at ``lr``; returns this process's loss and its parts."""
     ids, boundary = step_batch(inputs, cache, c, step, "e2e")
-    loss, parts = loss_of(model, e2e_loss)(inputs.teacher, ids, boundary, inputs.spans, c, inputs.autocast)
+    args = (inputs.teacher, ids, boundary, inputs.spans, c, inputs.autocast, inputs.channels)
+    loss, parts = loss_of(model, e2e_loss)(*args)
     update(opt, loss, [p for p in student_of(model).parameters() if p.requires_grad], lr, c.grad_clip)
     return logged(loss, parts)
 
