@@ -23,7 +23,9 @@ from .layers import Rotary
 WEIGHTS = "model.safetensors"
 
 
-def save_checkpoint(model: LoopLMForCausalLM, directory: str | Path) -> None:
+def save_checkpoint(model: LoopLMForCausalLM, directory: str | Path, state_dict: dict | None = None) -> None:
+    """``model`` as a checkpoint directory; ``state_dict``: the weights to write in place of the model's own (e.g.
+    gathered whole from layers sharded over processes)."""
     if q.is_quantized(model):
         raise ConfigError(
             "this model was quantized in memory; store a quantized model with `looplm quantize` "
@@ -32,7 +34,7 @@ def save_checkpoint(model: LoopLMForCausalLM, directory: str | Path) -> None:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(str(d))
-    sd = model.state_dict()
+    sd = dict(model.state_dict() if state_dict is None else state_dict)
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(d / WEIGHTS), metadata={"format": "pt"})

@@ -56,9 +56,9 @@ counted) or ``tokens``, divided among the stages by plan.py. Run directory (run_
     cache/            the teacher cache (unless --cache puts it elsewhere)
 
 The modules, in the order a run uses them: config (settings and their checks), inputs (what the run reads, each
-step's rows), plan (the budget as step counts), steps (the step math as plain functions), run (progress, clock,
-records, checkpoints, evaluations), stages (local, end to end, exit adapters), recipe (``heal``: all of it from
-top to bottom).
+step's rows), sharding (the layers sharded over processes, FSDP2), plan (the budget as step counts), steps (the step
+math as plain functions), run (progress, clock, records, checkpoints, evaluations), stages (local, end to end, exit
+adapters), recipe (``heal``: all of it from top to bottom).
 """
 
 from ..losses import relative_error, relative_error_log1p, token_errors

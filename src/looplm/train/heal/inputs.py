@@ -18,6 +18,7 @@ from ..loop import resolve_precision
 from ..losses import read_weights
 from ..teacher_cache import TeacherCache, build_cache, teacher_states
 from .config import HealConfig
+from .sharding import launched
 
 EXIT_STAGE_SALT = 500_009  # the exit stage's cached-row draws are seeded apart from the end-to-end stage's
 
@@ -57,6 +58,7 @@ class HealInputs:
     channels: torch.Tensor | None  # each channel's weight in the hidden-state errors (--hidden-channels read)
     rank: int = 0  # this process among ``world`` (torchrun / accelerate launch): each takes its share of a step's rows
     world: int = 1
+    sharded: bool = False  # the layers sharded over the processes (FSDP2, sharding.py), not whole on each (DDP)
 
     def autocast(self):
         """bf16 autocast for the training forward passes (weights, optimizer state and evaluations stay fp32)."""
@@ -150,18 +152,27 @@ def load_inputs(c: HealConfig, processes=None) -> HealInputs:
         raise UsageError(f"{e} (or heal without the out-of-domain evaluation: --ood-windows 0)") from None
     device = processes.device if processes is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, world = (processes.process_index, processes.num_processes) if processes is not None else (0, 1)
+    sharded = world > 1 and launched()
     for flag, batch in (("--local-batch", c.local_batch), ("--e2e-batch", c.e2e_batch)):
         if batch % world:
             raise UsageError(
                 f"{flag} {batch} (rows a step, split across the processes) is not a multiple of the {world} "
                 f"processes; give a multiple of {world}"
             )
+    if sharded and c.e2e_average:
+        # the weight average (train/optim.py) copies with torch._foreach_copy_, which has no rule for sharded tensors
+        raise UsageError(
+            f"--e2e-average {c.e2e_average} keeps a weight average that sharded (FSDP) layers do not support; "
+            f"heal without it under FSDP, or launch with configs/accelerate/ddp.yaml"
+        )
     bf16 = resolve_precision(c.precision, device) == "bf16"
     if c.compile:
         check_compile_available(device)
     teacher = teacher.eval().requires_grad_(False)
     channels = read_weights(teacher).to(device) if c.hidden_channels == "read" else None
-    return HealInputs(corpus, rows, stream, student, teacher, tok, ood, device, bf16, spans, channels, rank, world)
+    return HealInputs(
+        corpus, rows, stream, student, teacher, tok, ood, device, bf16, spans, channels, rank, world, sharded
+    )
 
 
 def open_cache(inputs: HealInputs, c: HealConfig, cache_dir: Path, log, processes=None) -> TeacherCache:

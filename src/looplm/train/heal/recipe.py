@@ -4,7 +4,10 @@ model, its plot and a summary.
 
 Under torchrun or `accelerate launch` every process runs this, on its share of each step's rows (``HealInputs.share``):
 the cache is built by rows, the local stage's gradients are averaged, the end-to-end and exit stages run under DDP.
-The main process writes the run directory; the others wait for it where they read it."""
+Launched with an FSDP config, the student's layers are sharded over the processes instead, and the original's once
+the cache is built (sharding.py): each layer's backward averages its gradients, every process runs every forward of
+the model (the plan's timed steps too), and all gather the full weights for each checkpoint. The main process writes
+the run directory; the others wait for it where they read it."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from . import plan, stages
 from .config import HealConfig, check_config
 from .inputs import load_inputs, open_cache
 from .run import HealRun, logged_by
+from .sharding import shard_layers
 
 
 def prepare(cfg: HealConfig, log=print) -> HealRun:
@@ -33,10 +37,11 @@ def prepare(cfg: HealConfig, log=print) -> HealRun:
     exit_spec = check_config(c)
     # the processes torchrun or accelerate launch started (one when neither did), on CUDA when there is one
     processes = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
-    if processes.distributed_type.name not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+    if processes.distributed_type.name not in ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"):
         raise UsageError(
-            f"looplm heal runs on one process or data parallel (DDP), not under {processes.distributed_type.name}; "
-            f"launch it with torchrun or `accelerate launch --config_file configs/accelerate/ddp.yaml`"
+            f"looplm heal runs on one process, data parallel (DDP) or fully sharded (FSDP2), not under "
+            f"{processes.distributed_type.name}; launch it with torchrun, or `accelerate launch --config_file "
+            f"configs/accelerate/ddp.yaml` (fsdp.yaml for a student whose training state does not fit one device)"
         )
     out = Path(c.out)
     settings = RunDir(out).settings()
@@ -63,8 +68,6 @@ def start(run: HealRun) -> None:
     torch.manual_seed(c.seed)
     if inputs.device.type == "cpu":
         keep_freed_host_memory()  # far fewer page faults an end-to-end step
-    inputs.student.to(inputs.device)
-    inputs.teacher.to(inputs.device)
     out = run.run_dir.out
     if run.run_dir.latest():
         run.load(run.run_dir.latest_dir())
@@ -77,6 +80,11 @@ def start(run: HealRun) -> None:
     # it again
     if run.main:
         run.run_dir.truncate(lambda r: logged_by(r, run.progress.time))
+    if inputs.sharded:  # sharded before the move: the whole layers never sit on the device
+        shard_layers(inputs.student)
+        run.log(f"FSDP2: the layers sharded over {inputs.world} processes (the original's once its cache is built)")
+    inputs.student.to(inputs.device)
+    inputs.teacher.to(inputs.device)
 
 
 def heal(cfg: HealConfig, log=print) -> dict:
@@ -94,14 +102,21 @@ def heal(cfg: HealConfig, log=print) -> dict:
         run.write_settings()
     run.start_clock()
     run.cache = open_cache(inputs, c, cache_dir, run.log, run.processes)
+    if inputs.sharded:
+        # the cache ran the original on each process's own batches, however many each had; from here on every
+        # process runs it equally often (evaluations, online end-to-end steps), as sharded layers need
+        shard_layers(inputs.teacher)
     if run.progress.stage == "cache":
         run.progress.time = run.clock()
     if "plan" not in run.settings:
         seconds_left = None if c.train_tokens is not None else c.budget_minutes * 60 - run.clock()
         timed = partial(plan.time_steps, inputs, run.cache, c, run.exit_spec, run.log)
-        # the main process times the steps (of its share of the rows) and every process takes its plan
+        # the main process times the steps (of its share of the rows) and every process takes its plan; under FSDP
+        # every process runs the timed steps with it (a sharded layer's forward gathers it from all)
         planned = (
-            plan.plan_steps(c, inputs.student.config, run.exit_spec, seconds_left, timed, run.log) if run.main else None
+            plan.plan_steps(c, inputs.student.config, run.exit_spec, seconds_left, timed, run.log)
+            if run.main or inputs.sharded
+            else None
         )
         run.settings.update(plan=run.agreed(planned), teacher_eval=run.evaluate(inputs.teacher))
         # what a run killed before its first checkpoint resumes at
@@ -138,6 +153,7 @@ def heal(cfg: HealConfig, log=print) -> dict:
     trained_after_local = steps_planned["e2e_steps"] or steps_planned.get("exit_steps")
     final = after_local[-1] if after_local and not trained_after_local else run.log_eval(tag="final")
     from ...models import save_model
+    from ...models.checkpoint import load_checkpoint
 
     summary = {
         "out": str(out),
@@ -151,7 +167,9 @@ def heal(cfg: HealConfig, log=print) -> dict:
         "converted": (run.evals("converted") or [None])[0],
     }
     if run.main:
-        save_model(inputs.student.cpu(), inputs.tok, out / "final")
+        # the last checkpoint (stage done) holds the final weights whole, also where the layers are sharded
+        final_model = load_checkpoint(run.run_dir.latest_dir()) if inputs.sharded else inputs.student.cpu()
+        save_model(final_model, inputs.tok, out / "final")
         plot_heal(out)
         write_json_atomic(out / "heal.json", summary)
     run.processes.wait_for_everyone()  # no process ends before the run directory is complete

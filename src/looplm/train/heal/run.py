@@ -6,8 +6,9 @@ evaluations not counted. Checkpoints are named stage-visit-step; besides them th
 OUT/local-end, from which experiments start later stages again.
 
 On several processes every one runs the run, on its share of each step's rows, and the main process alone writes
-the run directory: settings, records, checkpoints. What a process decides by its own clock (an evaluation, a new
-step count) is the main process's decision (``agreed``), so that all take the same steps."""
+the run directory: settings, records, checkpoints (under FSDP all gather the sharded weights for them). What a
+process decides by its own clock (an evaluation, a checkpoint, a new step count) is the main process's decision
+(``agreed``), so that all take the same steps."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..run_dir import RunDir
 from ..teacher_cache import OneProcess
 from .config import HealConfig
 from .inputs import HealInputs
+from .sharding import full_state, shard_as, shard_optimizer_state
 from .steps import eager
 
 CHECKPOINTS_KEPT = 2
@@ -179,25 +181,34 @@ class HealRun:
 
     # ----- checkpoints
     def save(self, opt=None, average: WeightAverage | None = None) -> None:
+        """A checkpoint: the student (a looplm model directory), the stage's optimizer and weight average, and the
+        progress. Under FSDP every process takes part in gathering the sharded tensors whole and the main one writes
+        them: the files are those one process writes."""
         from ...models.checkpoint import save_checkpoint
 
-        if not self.main:  # every process holds the same weights and optimizer state
+        if not (self.main or self.inputs.sharded):  # data parallel: every process holds the same state
+            return
+        weights = full_state(self.inputs.student.state_dict(), keep=self.main)
+        optimizer = full_state(opt.state_dict(), keep=self.main) if opt is not None else None
+        averaged = full_state(average.state_dict(), keep=self.main) if average is not None else None
+        if not self.main:
             return
         p = self.progress
         name = f"{p.stage}-{p.visit:03d}-{p.step:06d}"
         tmp = self.run_dir.staging(name)
-        save_checkpoint(self.inputs.student, tmp)
+        save_checkpoint(self.inputs.student, tmp, state_dict=weights)
         self.inputs.tok.save_pretrained(str(tmp))
-        if opt is not None:
-            torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        if average is not None:
-            torch.save(average.state_dict(), tmp / "average.pt")
+        if optimizer is not None:
+            torch.save(optimizer, tmp / "optimizer.pt")
+        if averaged is not None:
+            torch.save(averaged, tmp / "average.pt")
         write_json_atomic(tmp / "state.json", asdict(p))
         # the names (stage-visit-step) do not sort in the order written: the newest by time stay
         self.run_dir.commit(tmp, name, keep=CHECKPOINTS_KEPT, order=lambda path: path.stat().st_mtime)
 
     def load(self, ck: Path) -> None:
-        """The student's weights and the progress of checkpoint ``ck``."""
+        """The student's weights and the progress of checkpoint ``ck``: read into the whole student, before its
+        layers are placed on the device (sharded under FSDP)."""
         from ...models.checkpoint import load_checkpoint
 
         if not (ck / "state.json").exists():
@@ -210,11 +221,15 @@ class HealRun:
         self.progress = Progress.read(ck / "state.json")
 
     def load_optimizer(self, opt, average: WeightAverage | None) -> None:
-        """The optimizer's (and weight average's) state of the latest checkpoint, saved by a stage in progress."""
-        device = self.inputs.device
-        opt.load_state_dict(torch.load(self.run_dir.latest_dir() / "optimizer.pt", map_location=device))
+        """The optimizer's (and weight average's) state of the latest checkpoint, saved by a stage in progress; its
+        tensors sharded as their parameters are. Read onto the host: loading them moves each to its parameter's
+        device."""
+        state = torch.load(self.run_dir.latest_dir() / "optimizer.pt", map_location="cpu")
+        opt.load_state_dict(shard_optimizer_state(state, opt))
         if average is not None:
-            average.load_state_dict(torch.load(self.run_dir.latest_dir() / "average.pt", map_location=device))
+            state = torch.load(self.run_dir.latest_dir() / "average.pt", map_location="cpu")
+            state["average"] = [shard_as(a, p) for a, p in zip(state["average"], average.params)]
+            average.load_state_dict(state)
 
     def keep_local_end(self) -> None:
         """A copy of the checkpoint at the end of the local stage, kept as OUT/local-end (the rotation deletes

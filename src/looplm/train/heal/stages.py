@@ -16,6 +16,7 @@ from ..optim import WeightAverage, adamw, cosine
 from . import steps
 from .plan import replan_due, replan_local, replan_stage
 from .run import HealRun
+from .sharding import full_state, shard_as
 
 BASE_CALIBRATION_ROWS = 16  # cached rows whose inputs calibrate the rounding of --base-weights
 
@@ -39,9 +40,10 @@ def round_base(run: HealRun) -> None:
     errors = []
     for name, lin in linears(model):
         h = sum(moments[name].values())
-        t = gptq_portable(lin.weight, h, c.base_weights)
-        errors.append(output_error(lin.weight, t, h))
-        lin.weight.copy_(dequantize(t).to(lin.weight))
+        w = full_state(lin.weight)  # gathered whole when sharded, one weight at a time
+        t = gptq_portable(w, h, c.base_weights)
+        errors.append(output_error(w, t, h))
+        lin.weight.copy_(shard_as(dequantize(t).to(w), lin.weight))
     run.log(
         f"shared weights rounded to {c.base_weights} (GPTQ on {n} cached rows, mean relative output error "
         f"{sum(errors) / len(errors):.4f}) in {time.perf_counter() - t0:.0f} s; they stay frozen"
@@ -149,9 +151,10 @@ def local_rows(c, n_rows: int, done: list[int]):
 
 
 def synced(run: HealRun, loss):
-    """The student for a stage's steps: itself on one process; on several, ``StageLoss(student, loss)`` under DDP,
-    wrapped when the stage starts (what it trains is set by then)."""
-    if run.inputs.world == 1:
+    """The student for a stage's steps: itself on one process and under FSDP (its sharded layers average their
+    gradients themselves, the steps the rest); on several otherwise, ``StageLoss(student, loss)`` under DDP, wrapped
+    when the stage starts (what it trains is set by then)."""
+    if run.inputs.world == 1 or run.inputs.sharded:
         return run.inputs.student
     return run.processes.prepare_model(steps.StageLoss(run.inputs.student, loss))
 
@@ -265,7 +268,7 @@ def train_steps(
                     "local_tokens": progress.local_tokens,
                 }
             )
-            if time.perf_counter() - last_save > c.save_every_seconds and progress.step < total:
+            if run.agreed(time.perf_counter() - last_save > c.save_every_seconds) and progress.step < total:
                 run.save(opt, avg)
                 last_save = time.perf_counter()
             if evaluate and run.eval_due() and progress.step < total:

@@ -9,7 +9,9 @@
 Every step is ``update(opt, loss, params, lr, clip)`` after its loss. On several processes each computes the loss
 on its share of the step's rows and the gradients are averaged before the update: by DDP in the end-to-end and exit
 stages (``StageLoss``: the loss as one module's forward), by ``average_gradients`` in the local stage (a shared layer
-runs once per tied depth in a step, which DDP's one forward per backward does not allow).
+runs once per tied depth in a step, which DDP's one forward per backward does not allow). Under FSDP (sharding.py)
+a sharded layer's backward averages its gradients itself, whatever the forwards before it; ``average_gradients``
+averages the rest (the exit adapters, whole on every process).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ...convert.recursive import tied_depths
@@ -92,10 +95,13 @@ def update(opt, loss: torch.Tensor, params, lr: float, clip: float, average: boo
 
 def average_gradients(params) -> None:
     """Each gradient of ``params`` replaced by its mean over the processes (one all-reduce of them all, flattened):
-    every process then takes the same step, that of the mean loss over all of the step's rows."""
+    every process then takes the same step, that of the mean loss over all of the step's rows. A sharded
+    parameter's gradient (FSDP) is left alone: its backward's reduce-scatter averaged it already."""
     from accelerate.utils import reduce
 
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    if not grads:
+        return
     mean = reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
     for g, m in zip(grads, mean.split([g.numel() for g in grads])):
         g.copy_(m.view_as(g))
@@ -271,11 +277,13 @@ def logged(loss: torch.Tensor, parts: dict) -> dict:
 
 def e2e_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> dict:
     """End-to-end step ``step`` (its rows: ``step_batch``, this process's share) of ``model`` (the student, or its
-    ``StageLoss`` under DDP) with ``opt`` at ``lr``; returns this process's loss and its parts."""
+    ``StageLoss`` under DDP) with ``opt`` at ``lr``; returns this process's loss and its parts. Under FSDP the
+    gradients not sharded are averaged here (``average_gradients``)."""
     ids, boundary = step_batch(inputs, cache, c, step, "e2e")
     args = (inputs.teacher, ids, boundary, inputs.spans, c, inputs.autocast, inputs.channels)
     loss, parts = loss_of(model, e2e_loss)(*args)
-    update(opt, loss, [p for p in student_of(model).parameters() if p.requires_grad], lr, c.grad_clip)
+    params = [p for p in student_of(model).parameters() if p.requires_grad]
+    update(opt, loss, params, lr, c.grad_clip, average=inputs.sharded)
     return logged(loss, parts)
 
 
@@ -283,5 +291,5 @@ def exit_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) ->
     """Exit-adapter step ``step``: only the adapters learn (``exit_params``)."""
     ids, _ = step_batch(inputs, cache, c, step, "exit")
     loss, parts = loss_of(model, exit_loss)(ids, inputs.autocast, c.compile)
-    update(opt, loss, student_of(model).exit_adapter.parameters(), lr, c.grad_clip)
+    update(opt, loss, student_of(model).exit_adapter.parameters(), lr, c.grad_clip, average=inputs.sharded)
     return logged(loss, parts)
