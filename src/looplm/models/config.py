@@ -15,6 +15,17 @@ from .exit_adapter import check_exit_adapter
 LORA_GROUPS = ("q", "kv", "out", "ffn")
 SHARING_STRATEGIES = ("cycle", "sequence", "cycle-rev")
 NORM_TYPES = ("rms", "rms_plus1", "layer")
+# config keys that record where a model came from, not what it computes
+PROVENANCE_KEYS = ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype")
+
+
+def architecture(config: PretrainedConfig, ignore: tuple[str, ...] = ()) -> dict:
+    """A config as a dict of what decides the model's function: without its provenance (``PROVENANCE_KEYS``)
+    and without the keys in ``ignore`` (those a caller knows do not matter to it)."""
+    d = config.to_dict()
+    for key in PROVENANCE_KEYS + ignore:
+        d.pop(key, None)
+    return d
 
 
 def layer_map(num_layers: int, num_loops: int, sharing: str = "cycle") -> list[int]:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..models.config import architecture
 from ..models.exit_adapter import parse_exit_adapter
 from ..models.loading import tokenizer_fingerprint
 from .budget import check_budget
@@ -99,19 +100,8 @@ def load_teacher(c, model, fp):
 
 
 def arch_fingerprint(config) -> dict:
-    d = config.to_dict()
-    for k in (
-        "conversion",
-        "transformers_version",
-        "architectures",
-        "_name_or_path",
-        "dtype",
-        "torch_dtype",
-        "id2label",
-        "label2id",
-    ):
-        d.pop(k, None)
-    return json.loads(json.dumps(d, default=str))
+    """The student's architecture as a run records it (JSON types), to refuse resuming with another model."""
+    return json.loads(json.dumps(architecture(config, ignore=("id2label", "label2id")), default=str))
 
 
 def _diff(a: dict, b: dict) -> list[str]:

@@ -35,6 +35,7 @@ import torch
 
 from ..data.corpus import PackedCorpus, sha256_file
 from ..errors import UsageError
+from ..models.config import architecture
 from ..util import write_json_atomic
 
 FORMAT = 1
@@ -43,18 +44,8 @@ FORMAT = 1
 def model_fingerprint(model) -> str:
     """sha256 (16 hex digits) of a model's architecture and every parameter's bytes."""
     h = hashlib.sha256()
-    cfg = model.config.to_dict()
-    # keys that do not change the states at layer boundaries (exit adapters act only at intermediate exits)
-    for key in (
-        "conversion",
-        "transformers_version",
-        "architectures",
-        "_name_or_path",
-        "dtype",
-        "torch_dtype",
-        "exit_adapter",
-    ):
-        cfg.pop(key, None)
+    # exit adapters act only at intermediate exits, not on the states at layer boundaries
+    cfg = architecture(model.config, ignore=("exit_adapter",))
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
