@@ -102,10 +102,10 @@ class HealConfig(RunSettings):
         advanced=True,
     )
     hidden_channels: str = setting(
-        "uniform",
-        "how the hidden-state errors of both stages weigh the residual stream's channels: uniform | read (each "
-        "as the original's norms scale it where its layers read the stream: a few massive channels no longer fill "
-        "the error)",
+        "read",
+        "how the hidden-state errors of both stages weigh the residual stream's channels: read (each as the "
+        "original's norms scale it where its layers read the stream, so that a few massive channels do not fill "
+        "the error) | uniform (all alike)",
         choices=("uniform", "read"),
         advanced=True,
     )
@@ -170,7 +170,7 @@ class HealConfig(RunSettings):
         "base_weights",
     )
     # settings whose default changed: a run that did not record one ran with this value
-    FORMER_DEFAULTS = {"hidden_loss": "relative", "e2e_rows": "cache"}
+    FORMER_DEFAULTS = {"hidden_loss": "relative", "e2e_rows": "cache", "hidden_channels": "uniform"}
 
 
 def _choice(flag: str, value: str, choices) -> None:
