@@ -7,6 +7,10 @@ full-depth greedy choice given the same prefix (teacher-forced, as in `looplm be
     PYTHONPATH=src .venv/bin/python benchmarks/bench_exits.py --looped out/paper-b2/runs/rec-stepwise-exit/final \
         --policies none,margin:0.03,probe:0.5,probe --rounds 2 --json > benchmarks/results/exits-smollm2-b2.json
 
+`--without-lora` adds each looped model with its per-depth LoRA removed (the shared weights alone, full depth): what
+the LoRA costs. Every run reports where its steps' time went (`step_ms_per_token`: the loop body, the LM head,
+decide's exit rule, the KV fill of skipped loops, sampling, commit; ms per generated token).
+
 `--looped` takes several models, comma-separated (e.g. the B=2 and B=3 exit models side by side in one
 run); their configurations are then named by B, or by directory when two share a B.
 
@@ -17,6 +21,7 @@ The trace is `bench serve`'s (held-out Milton text, seed 0); defaults are the tr
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -27,6 +32,15 @@ import torch
 from looplm.models import load_model
 from looplm.serve.bench import agreement, heldout_text, make_trace, run_trace
 from looplm.serve.exits import parse_policy
+
+
+def without_lora(model):
+    """A copy of a looped model with every per-depth LoRA removed: the recursive model of its shared weights."""
+    m = copy.deepcopy(model)
+    for mod in m.modules():
+        if getattr(mod, "lora_A", None) is not None:
+            mod.lora_A = mod.lora_B = None
+    return m
 
 
 def main() -> int:
@@ -42,6 +56,7 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--without-lora", action="store_true", help="add each looped model without its LoRA, full depth")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -59,6 +74,9 @@ def main() -> int:
     for label, looped in zip(labels, loopeds):
         configs += [(f"{label}depth {pol}", looped, "depth", parse_policy(pol).bind(looped))
                     for pol in args.policies.split(",")]
+        if args.without_lora:
+            bare = without_lora(looped)
+            configs.append((f"{label}depth none, no LoRA", bare, "depth", parse_policy("none").bind(bare)))
     runs = {name: [] for name, *_ in configs}
     for r in range(args.rounds):
         for name, model, sched, pol in configs:
@@ -82,7 +100,11 @@ def main() -> int:
                       "tokens_per_s": round(tps, 2), "per_round": [f["tokens_per_s"] for f in runs[name]],
                       "vs_static": round(tps / base["static"], 3), "vs_sequence": round(tps / base["sequence"], 3),
                       "vs_static_paired": paired(name, "static"), "vs_sequence_paired": paired(name, "sequence"),
-                      "exits_per_loop": last["exits_per_loop"], "agreement": last.get("agreement")})
+                      "exits_per_loop": last["exits_per_loop"], "agreement": last.get("agreement"),
+                      "step_ms_per_token": {k: round(statistics.median(f["step_ms_per_token"][k]
+                                                                       for f in runs[name]), 3)
+                                            for k in last["step_ms_per_token"]},
+                      "ms_per_token": round(1e3 / tps, 3)})
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "looped": args.looped,
            "kv_mode": args.kv_mode, "requests": args.requests, "prompt_len": args.prompt_len,
            "output_len": args.output_len, "max_batch": args.max_batch, "rounds": args.rounds,
@@ -97,6 +119,13 @@ def main() -> int:
             print(f"| {t['config']} | {t['tokens_per_s']} | {t['vs_static']}x / {t['vs_static_paired']}x | "
                   f"{t['vs_sequence']}x / {t['vs_sequence_paired']}x | "
                   f"{t['exits_per_loop']} | {t['agreement'] if t['agreement'] is not None else '-'} |")
+        parts = list(table[0]["step_ms_per_token"])
+        print("\n| config (ms per generated token) | all | " + " | ".join(parts) + " | rest |")
+        print("|---|---:|" + "---:|" * (len(parts) + 1))
+        for t in table:
+            ms = t["step_ms_per_token"]
+            print(f"| {t['config']} | {t['ms_per_token']} | " + " | ".join(str(ms[k]) for k in parts)
+                  + f" | {t['ms_per_token'] - sum(ms.values()):.3f} |")
     return 0
 
 

@@ -274,3 +274,71 @@ def test_llamacpp(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert {"looplm fp32", "looplm int8", "llama.cpp q4", "llama.cpp q8_0"} <= set(result["configs"])
     assert result["configs"]["looplm fp32"]["agreement_with_fp32"] == 1.0
+
+
+class FakeLlama:
+    """Stands in for llama-cpp-python's ``Llama``: greedy output counts up from the prompt's last token; with a
+    draft model, every round drafts the next three tokens, so the rounds are a third of the tokens."""
+
+    def __init__(self, draft_model):
+        self.draft_model = draft_model
+
+    def generate(self, ids, temp, reset):
+        assert temp == 0.0 and reset
+        for i in range(10**6):
+            if self.draft_model is not None and i % 3 == 0:
+                self.draft_model.rounds += 1
+                self.draft_model.drafted += 3
+            yield ids[-1] + 1 + i
+
+
+def test_speculate_side_by_side(setup, tmp_path, capsys, monkeypatch):
+    """`bench speculate` on a vanilla and a looped model: every mode's greedy tokens equal plain decoding's, every
+    row has its ratio to itself and to the vanilla model without speculation; llama.cpp (stood in) joins with
+    its own rows, and every row gets its ratio to llama.cpp's plain decoding."""
+    from looplm.bench import llamacpp, speculate
+
+    _, models, _ = setup
+    monkeypatch.setattr(llamacpp, "check_available", lambda: None)
+    monkeypatch.setattr(
+        speculate, "_llama_models", lambda *a: {"off": FakeLlama(None), "context": FakeLlama(FakeDraft())}
+    )
+    gguf = tmp_path / "vanilla.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "speculate.json"
+    printed = run(
+        capsys, "speculate", models["teacher"], models["student"], "--new-tokens", 12, "--llamacpp", gguf, "--out", out
+    )
+    assert cpu_model() in printed and "x llama.cpp off" in printed
+    runs = json.loads(out.read_text())["runs"]
+    ours = [r for r in runs if r["weights"] == "fp32"]
+    looped = {r["speculate"] for r in ours if r["loops"] == 2}
+    assert looped == {"off", "context", "loop1", "both"} and {r["speculate"] for r in ours if r["loops"] == 1} == {
+        "off",
+        "context",
+        "both",
+    }
+    assert all(r["same_tokens_as_off"] and r["tokens"] == 12 for r in ours)
+    assert all(r["vs_vanilla"] == 1.0 for r in ours if r["loops"] == 1 and r["speculate"] == "off")
+    llama = [r for r in runs if r["weights"] == "gguf"]
+    assert len(llama) == 6 and all("vs_vanilla" not in r for r in llama)
+    assert all(r["vs_llamacpp"] == 1.0 for r in llama if r["speculate"] == "off")
+    assert all("vs_llamacpp" in r and "vs_vanilla" in r for r in ours)
+    lookup = [r for r in llama if r["speculate"] == "context"]
+    assert all(
+        r["mean_accepted_length"] == 3.0 and r["acceptance_rate"] == pytest.approx(2 / 3, abs=1e-3) for r in lookup
+    )
+
+
+class FakeDraft:
+    rounds = drafted = 0
+
+
+def test_speculate_refuses_a_missing_gguf(setup, capsys, monkeypatch):
+    from looplm.bench import llamacpp
+
+    _, models, _ = setup
+    monkeypatch.setattr(llamacpp, "check_available", lambda: None)
+    assert main(["bench", "speculate", str(models["teacher"]), "--llamacpp", "no-such.gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no-such.gguf: no such GGUF file" in err

@@ -221,6 +221,10 @@ def test_early_exit_paths(models, kv_mode, scheduler):
                 assert r.output[1:] == exit1[: len(r.output) - 1]
     else:
         assert engine.stats["kv_copy_tokens"] > 0
+    # where the steps' time went: every part was timed, and the parts add up to the steps' own time
+    sec = engine.stats["seconds"]
+    assert all(v > 0 for v in sec.values()), sec
+    assert sum(sec.values()) == pytest.approx(engine.stats["stage_seconds"], rel=1e-6)
 
 
 def test_exit_policies_threshold_one_is_full_depth(models):

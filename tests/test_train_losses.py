@@ -188,9 +188,9 @@ def test_head_kd_loss_under_autocast_keeps_its_logits_float32():
 
 
 def test_hidden_errors_weigh_channels_as_the_original_norms_read_them():
-    """``--hidden-channels read``: an error in a channel the norms scale to 0 costs nothing, one in a channel they
-    keep costs as before; the weights are the root mean square of the readers' effective scales (Gemma's norms
-    scale by 1 + w)."""
+    """The hidden-state errors' channel weights (healing's): an error in a channel the norms scale to 0 costs
+    nothing, one in a channel they keep costs as before; the weights are the root mean square of the readers'
+    effective scales (Gemma's norms scale by 1 + w)."""
     from looplm.models import LoopLMConfig, LoopLMForCausalLM
     from looplm.train.losses import read_weights, relative_error
 

@@ -258,6 +258,13 @@ def test_a_heal_run_saved_under_the_old_names_resumes(tiny, tmp_path):
     assert prepare(cfg, log=lambda *a: None).settings["config"]["train_tokens"] == 640
     with pytest.raises(UsageError, match="train_tokens: 640 -> 1280"):
         prepare(replace(cfg, train_tokens=1280), log=lambda *a: None)
+    # a run healed with every hidden channel alike, recorded or by the default of its time, cannot resume: the
+    # setting is gone, and the error says so
+    for recorded in ({"hidden_channels": "uniform"}, {}):
+        config = {k: v for k, v in saved.items() if k != "hidden_channels"} | recorded
+        (tmp_path / "run" / "run.json").write_text(json.dumps({"config": config, "cache": "", "rows": 4}))
+        with pytest.raises(UsageError, match="hidden_channels: 'uniform' -> 'read' \\(no longer a setting"):
+            prepare(cfg, log=lambda *a: None)
 
 
 def test_a_train_run_saved_under_the_old_names_resumes(tiny, tmp_path):

@@ -4,6 +4,7 @@ as JSON with ``--out FILE``."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..cli_args import HelpFormatter, add_deprecated, add_model, advanced
 from ..errors import UsageError
@@ -64,6 +65,13 @@ def _register_speculate(bench) -> None:
     p.add_argument("--modes", default="context,loop1,both", help="comma list of speculation modes to time")
     p.add_argument("--new-tokens", type=int, default=256, help="generated tokens per prompt (EOS ignored)")
     p.add_argument("--rounds", type=int, default=1, help="times each run repeats, interleaved (the best is kept)")
+    p.add_argument(
+        "--llamacpp",
+        default=None,
+        metavar="GGUF",
+        help="also time llama.cpp on this GGUF file (or an embedded model's own, by name), plain and with its "
+        "prompt-lookup decoding, on the same prompts and threads (needs the `bench` extra)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _common(p)
     p.set_defaults(func=cmd_speculate)
@@ -86,8 +94,19 @@ def cmd_speculate(args) -> int:
     bad = [m for m in modes if m not in ("context", "loop1", "both")]
     if bad or not modes or args.new_tokens < 1 or args.rounds < 1:
         raise UsageError("need --modes from context, loop1, both, --new-tokens >= 1 and --rounds >= 1")
+    gguf = args.llamacpp
+    if gguf:  # before anything loads
+        from ..models.loading import EMBEDDED, embedded_gguf
+        from .llamacpp import check_available
+
+        check_available()
+        gguf = str(embedded_gguf(gguf)) if gguf in EMBEDDED else gguf
+        if not Path(gguf).is_file():
+            raise UsageError(f"--llamacpp {gguf}: no such GGUF file; give a file or an embedded model's name")
     say = functools.partial(print, file=sys.stderr, flush=True) if args.json else print
-    result = bench_speculate(args.models, weights, modes, args.new_tokens, args.rounds, log=say)
+    result = bench_speculate(
+        args.models, weights, modes, args.new_tokens, args.rounds, log=say, llamacpp=gguf, threads=args.threads
+    )
     result["machine"] = machine()
     if args.json:
         print_json(result)
@@ -102,10 +121,13 @@ def cmd_speculate(args) -> int:
             r["acceptance_rate"],
             r["mean_accepted_length"],
             r["same_tokens_as_off"],
+            r.get("vs_vanilla", ""),
+            r.get("vs_llamacpp", ""),
         ]
         for r in result["runs"]
     ]
     header = ["model", "weights", "prompt", "speculate", "tokens/s", "x off", "acceptance", "accepted length", "same"]
+    header += ["x vanilla off", "x llama.cpp off"]
     finish(result, header, rows, args.out, say)
     return 0
 

@@ -114,6 +114,9 @@ def run_trace(
         "kv_copy_tokens": stats["kv_copy_tokens"],
         "kv_later_items": stats["kv_later_items"],
         "failed": sum(r.status == "error" for r in reqs),
+        # where the steps' time went, in ms per generated token (Engine.stats["seconds"]); the rest of the
+        # span is scheduling, prefill bookkeeping and waiting
+        "step_ms_per_token": {k: round(1e3 * v / max(1, tokens), 3) for k, v in stats["seconds"].items()},
     }
     if speculate != "off":
         s = stats

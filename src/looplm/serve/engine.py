@@ -36,6 +36,7 @@ from .sampling import RequestError, SamplingParams, sample
 
 KV_MODES = ("copy", "later")
 SPECULATE_MODES = ("off", "context", "loop1", "both")  # speculative decoding's draft sources (serve/speculative.py)
+STEP_PARTS = ("execute", "head", "decide", "kv_fill", "sample", "commit")  # stats["seconds"] of a step
 _ids = itertools.count()
 
 
@@ -213,6 +214,11 @@ class Engine:
             "kv_copy_tokens": 0,
             "kv_later_items": 0,
             "stage_times": [],
+            # where the steps' time went (host seconds; on CUDA the launches unless something synchronizes):
+            # the loop itself, the LM head of emitting and exit-candidate rows, decide's own work (the exit rule,
+            # routing), the KV of loops an exited token skipped (kv mode later: queuing the items that compute
+            # it in later steps' execute), sampling and committing tokens to requests
+            "seconds": dict.fromkeys(STEP_PARTS, 0.0),
             "spec_rounds": 0,  # speculative decoding: verifications, drafted, accepted and committed tokens
             "spec_drafted": 0,
             "spec_accepted": 0,
@@ -282,9 +288,19 @@ class Engine:
         except Exception as e:  # a fault in the batch fails the requests in it, not the engine
             self.fail(items, e)
             return [], []
-        dec = self.decide(items, h_out)
-        produced = self.commit(dec, self.sample_tokens(dec)) if dec.emitters else []
-        self.record_step(len(items), mixed, h_out.shape[0], time.perf_counter() - t0)
+        sec = self.stats["seconds"]
+        t1, charged = time.perf_counter(), sec["head"] + sec["kv_fill"]
+        dec = self.decide(items, h_out)  # charges its head and KV fill itself
+        t2 = time.perf_counter()
+        tokens = self.sample_tokens(dec) if dec.emitters else []
+        t3 = time.perf_counter()
+        produced = self.commit(dec, tokens) if dec.emitters else []
+        t4 = time.perf_counter()
+        sec["execute"] += t1 - t0
+        sec["decide"] += (t2 - t1) - (sec["head"] + sec["kv_fill"] - charged)
+        sec["sample"] += t3 - t2
+        sec["commit"] += t4 - t3
+        self.record_step(len(items), mixed, h_out.shape[0], t4 - t0)
         return dec.cont, produced
 
     @staticmethod
@@ -535,7 +551,9 @@ class Engine:
             else:  # cosine, hidden-state probe: from h after this loop and h before it
                 exit_mask = policy.decide(None, h_out.index_select(0, rows_t), h_prev, loops, self.model)
                 logit_rows = logit_rows + [x for x, e in zip(inter, exit_mask.tolist()) if e]
+        t_head = time.perf_counter()
         logits = self._exit_logits(h_out, logit_rows) if logit_rows else None
+        self._charge("head", t_head)
         n_emit = len(emit)
         if inter and policy.needs_logits:
             inter_logits = logits[n_emit:]
@@ -562,8 +580,13 @@ class Engine:
             for (it, _), fa in zip(emit, finals):
                 it.req.oracle_loops.append(policy.oracle_loop((it.req, it.pos), fa, B))
         if exited:
+            t_kv = time.perf_counter()
             self._fill_skipped(exited, h_out, cont)
+            self._charge("kv_fill", t_kv)
         return Decision(cont, emit + exited, logits)
+
+    def _charge(self, part: str, since: float) -> None:
+        self.stats["seconds"][part] += time.perf_counter() - since
 
     def sample_tokens(self, dec: Decision) -> list[int]:
         """One token per emitter, drawn from its logits with its request's sampling parameters and generator."""

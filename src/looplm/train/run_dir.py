@@ -94,7 +94,12 @@ def changed_settings(saved: dict, cfg, fixed: tuple[str, ...], former_defaults: 
     saved = current_names(saved)
     fields = type(cfg).__dataclass_fields__
     was = {k: saved.get(k, former_defaults.get(k, fields[k].default)) for k in fixed}
-    return [f"{k}: {was[k]!r} -> {getattr(cfg, k)!r}" for k in fixed if was[k] != getattr(cfg, k)]
+    settled = " (no longer a setting: heal anew in a new --out)"  # a field that is not a flag (train/settings.py)
+    return [
+        f"{k}: {was[k]!r} -> {getattr(cfg, k)!r}" + ("" if "help" in fields[k].metadata else settled)
+        for k in fixed
+        if was[k] != getattr(cfg, k)
+    ]
 
 
 def check_resume_settings(saved: dict, cfg, fixed: tuple[str, ...], former_defaults: dict) -> None:

@@ -101,14 +101,11 @@ class HealConfig(RunSettings):
         choices=("log1p", "relative"),
         advanced=True,
     )
-    hidden_channels: str = setting(
-        "read",
-        "how the hidden-state errors of both stages weigh the residual stream's channels: read (each as the "
-        "original's norms scale it where its layers read the stream, so that a few massive channels do not fill "
-        "the error) | uniform (all alike)",
-        choices=("uniform", "read"),
-        advanced=True,
-    )
+    # how the hidden-state errors weigh the residual stream's channels: as the original's norms scale each where its
+    # layers read the stream, so that a few massive channels do not fill the error. Not a flag: it measured better
+    # than every channel alike on both families (experiments/heal_channels_read.sh); kept here so that a run healed
+    # with "uniform" is refused on resume
+    hidden_channels: str = "read"
     exit_weight: float = setting(
         0.0,
         "weight of each intermediate loop exit's KD term on the body (0: exits get their own adapter stage)",

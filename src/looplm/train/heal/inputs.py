@@ -55,7 +55,7 @@ class HealInputs:
     device: torch.device
     bf16: bool
     spans: list[tuple[int, int]]  # the original's layers each depth of the student stands for (teacher_spans)
-    channels: torch.Tensor | None  # each channel's weight in the hidden-state errors (--hidden-channels read)
+    channels: torch.Tensor  # each channel's weight in the hidden-state errors: as the original's norms read it
     rank: int = 0  # this process among ``world`` (torchrun / accelerate launch): each takes its share of a step's rows
     world: int = 1
     sharded: bool = False  # the layers sharded over the processes (FSDP2, sharding.py), not whole on each (DDP)
@@ -169,7 +169,7 @@ def load_inputs(c: HealConfig, processes=None) -> HealInputs:
     if c.compile:
         check_compile_available(device)
     teacher = teacher.eval().requires_grad_(False)
-    channels = read_weights(teacher).to(device) if c.hidden_channels == "read" else None
+    channels = read_weights(teacher).to(device)
     return HealInputs(
         corpus, rows, stream, student, teacher, tok, ood, device, bf16, spans, channels, rank, world, sharded
     )
