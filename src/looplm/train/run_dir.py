@@ -94,7 +94,9 @@ def changed_settings(saved: dict, cfg, fixed: tuple[str, ...], former_defaults: 
     saved = current_names(saved)
     fields = type(cfg).__dataclass_fields__
     was = {k: saved.get(k, former_defaults.get(k, fields[k].default)) for k in fixed}
-    settled = " (no longer a setting: heal anew in a new --out)"  # a field that is not a flag (train/settings.py)
+    settled = (
+        " (no longer a setting: start the run anew in a new --out)"  # a field that is not a flag (train/settings.py)
+    )
     return [
         f"{k}: {was[k]!r} -> {getattr(cfg, k)!r}" + ("" if "help" in fields[k].metadata else settled)
         for k in fixed
