@@ -13,10 +13,11 @@
 # on the five out-of-domain domains, the real corpus's held-out split and the seven tasks (LIMIT documents each),
 # keeping every window's loss and every document's score; `looplm eval claims` decides the paper's claims from
 # the suites of every family in FAMILIES, into one table (CLAIMS_OUT).
-# Healing reads the corpus the out-of-domain suite settled on (docs/RESULTS.md "Healed quality off the corpus"):
-# for SmolLM2 the mix of real rows and the original's own text that experiments/generalize.sh builds (its "gen"
-# step); for Gemma the real corpus (no Gemma-written text exists yet). The in-domain held-out split is always
-# the real corpus's; its blocks are held out of every corpus built from the same sources.
+# Healing is the recipe as `looplm heal` ships it (the out-of-domain suite settled it: docs/RESULTS.md "Healed
+# quality off the corpus"): no --data, so it reads out/corpus-<teacher>-mix-512, the original's own text beside as
+# many real tokens, which the first heal of a family makes (the teacher writes 300,000 tokens: ~20 min for SmolLM2);
+# the uptraining reads the same corpus. The in-domain held-out split is the real corpus's (OUT/FAMILY/corpus-512,
+# the default sources); its blocks are held out of every corpus built from the same sources.
 # `looplm heal` distils layer by layer: each of the reduced-size model's depths learns the span of the original's
 # layers from the one it copies to the next copied one (train/heal/inputs.py, teacher_spans).
 # Resumable: every step skips what is finished (a converted model's config.json, a run's heal.json or final/, the
@@ -31,7 +32,7 @@ FAMILIES=${FAMILIES:-smollm2}
 # an hour of healing at B=2 rank 128 on the EPYC (AVX-512 BF16): its end-to-end and local tokens, as tokens so
 # that every student reads the same text whichever machine and whatever its speed
 HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 1309810 --local-share 0.6395"}
-HEAL_ARGS=${HEAL_ARGS:-"--cache-rows 256 --e2e-rows online --compile"}
+HEAL_ARGS=${HEAL_ARGS:-"--compile"}  # a token budget is not compiled by default; everything else is the recipe's
 KD_BUDGET=${KD_BUDGET:-"--budget-minutes 60"}
 LIMIT=${LIMIT:-500}
 WINDOWS=${WINDOWS:-32}
@@ -47,14 +48,9 @@ family() {  # family NAME: sets model, loops, students (healed), kd_students
   esac
 }
 
-corpora() {  # corpora FAMILY: sets real (the in-domain held-out split's corpus), heal_data, calib
+corpora() {  # corpora FAMILY: sets real (the in-domain held-out split's corpus), calib, heal_data (the recipe's)
   local dir="$OUT/$1"
-  real="$dir/corpus-512" calib="$dir/calib" heal_data="$dir/corpus-512"
-  if [ "$1" = smollm2 ]; then  # generalize.sh's corpora: real, the original's own text, and their mix
-    heal_data="$dir/corpus-mix"
-    has data && LOOPLM="$LOOPLM" OUT="$dir" STEPS=gen bash experiments/generalize.sh
-    return 0
-  fi
+  real="$dir/corpus-512" calib="$dir/calib" heal_data="out/corpus-$model-mix-512"
   has data || return 0
   [ -f "$real/meta.json" ] || $LOOPLM data build "$model" --seq-len 512 --out "$real" --no-progress
   [ -f "$calib/train.txt" ] || $LOOPLM data text "$real" --rows 16 --out "$calib"
@@ -77,7 +73,7 @@ heal() {  # heal STUDENT RUN
   [ -f "$run/heal.json" ] && return 0
   local resume=""; [ -f "$run/run.json" ] && resume="--resume"
   # shellcheck disable=SC2086  # the budget and options are word lists
-  $LOOPLM heal "$student" --teacher "$model" --data "$heal_data" --out "$run" --no-progress \
+  $LOOPLM heal "$student" --teacher "$model" --out "$run" --no-progress \
     $HEAL_BUDGET $HEAL_ARGS $resume
 }
 

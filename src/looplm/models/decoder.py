@@ -151,7 +151,7 @@ class LoopLMModel(LoopLMPreTrainedModel):
 
 class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    head_packed = None  # an MKL-packed copy of the head for CPU inference (models/packed.py)
+    head_cpu_weight = None  # how a serving engine multiplies the head on CPU (models/cpu_products.py)
 
     def __init__(self, config: LoopLMConfig):
         super().__init__(config)
@@ -175,7 +175,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         """x W^T. For a few rows on CPU (decode steps, exit decisions) it is computed as (W x^T)^T, the
         same product, which runs faster for a wide vocabulary head at a few rows (layer-sized matmuls show
         no difference).
-        A serving engine's MKL-packed copy of the head (models/packed.py), where present, serves 2-64 rows
+        A serving engine's choice for this CPU (models/cpu_products.py), where present, serves 1-64 rows
         instead. Elsewhere (GPU, long sequences, a wrapped or hooked head) the module itself runs."""
         head = self.lm_head
         rows = x.numel() // x.shape[-1] if x.numel() else 0
@@ -188,8 +188,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             or head._forward_pre_hooks
         ):
             return head(x)
-        if rows > 1 and self.head_packed is not None and self.head_packed.usable(x, head.weight):
-            return self.head_packed.linear(x)
+        if self.head_cpu_weight is not None and self.head_cpu_weight.usable(x, head.weight):
+            return self.head_cpu_weight.linear(x)
         return (head.weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], -1)
 
     def exit_states(self, h: torch.Tensor, loop: int | torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packed as _packed
+from . import cpu_products
 from .config import ConfigError, LoopLMConfig
 
 Slot = int | torch.Tensor
@@ -62,7 +62,8 @@ class LoopLinear(nn.Module):
     """
 
     merge_lora = True  # False: always run the LoRA as two small matmuls (see _merge_pays)
-    packed = None  # an MKL-packed copy of weight for CPU inference (models/packed.py), never saved
+    cpu_weight = None  # how a serving engine multiplies weight on CPU (models/cpu_products.py), never saved
+    lora_plan = None  # and the LoRA's products
     # ``quant``: None, or an int8/int4 weight (models/quantized.py) that replaces ``weight`` (then None)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, num_slots: int, bias_slots: int, rank: int):
@@ -93,15 +94,15 @@ class LoopLinear(nn.Module):
         if self.lora_A is None:
             return y
         if isinstance(slot, int):
-            return y + F.linear(F.linear(x, self.lora_A[slot]), self.lora_B[slot])
+            return y + cpu_products.lora(x, self.lora_A[slot], self.lora_B[slot], self.lora_plan)
         return y + self._grouped_lora(x, slot)
 
     def _shared(self, x: torch.Tensor, bias: torch.Tensor | None, slot: Slot = 0) -> torch.Tensor:
         """W' x + b through the quantized weight (one per depth when quantized with the LoRA merged: ``slot``
-        picks it), the MKL-packed copy or F.linear."""
+        picks it), the way measured fastest on this CPU (models/cpu_products.py) or F.linear."""
         if self.quant is not None:
             return self.quant.linear(x, bias, slot)
-        return _packed.linear(x, self.weight, bias, self.packed)
+        return cpu_products.linear(x, self.weight, bias, self.cpu_weight)
 
     def _merge_pays(self, x: torch.Tensor) -> bool:
         """Whether W + B_s A_s costs fewer multiply-adds than the LoRA path for this many tokens.
@@ -125,7 +126,7 @@ class LoopLinear(nn.Module):
         for s in range(self.lora_A.shape[0]):
             idx = (flat_s == s).nonzero(as_tuple=True)[0]
             if idx.numel():
-                out.index_copy_(0, idx, F.linear(F.linear(flat_x[idx], self.lora_A[s]), self.lora_B[s]))
+                out.index_copy_(0, idx, cpu_products.lora(flat_x[idx], self.lora_A[s], self.lora_B[s], self.lora_plan))
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def merged_weight(self, slot: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, UsageError
+from .cpu_products import CpuWeight
 from .gptq import gptq_portable
 from .grids import (  # noqa: F401
     DEFAULT_GROUP,
@@ -58,7 +59,6 @@ from .grids import (  # noqa: F401
     unpack4,
 )
 from .layers import MLP, Attention, LoopLinear
-from .packed import PackedWeight
 
 FORMATS = ("fp32", "int8", "int4", "bf16")
 DEFAULT_ACT = torch.bfloat16
@@ -639,7 +639,7 @@ def stored_lora(model: nn.Module) -> str:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every tensor the model holds for inference: parameters, buffers, and MKL-packed copies
-    (models/packed.py) where attached; a tensor shared by two modules counts once."""
+    (models/cpu_products.py) where attached; a tensor shared by two modules counts once."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         key = (t.untyped_storage().data_ptr(), t.dtype)
@@ -647,7 +647,7 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     for m in model.modules():
-        for p in (getattr(m, "packed", None), getattr(m, "head_packed", None)):
-            if isinstance(p, PackedWeight):
+        for p in (getattr(m, "cpu_weight", None), getattr(m, "head_cpu_weight", None)):
+            if isinstance(p, CpuWeight):
                 total += p.nbytes
     return total

@@ -106,6 +106,7 @@ def run_trace(
         "rss_growth_mb": round(res["peak_rss_mb"] - rss0, 1),
         "kv_cache_mb": round(engine.cache.nbytes / 2**20, 1),
         "packed_weights_mb": round(engine.packed_bytes / 2**20, 1),
+        "cpu_products": engine.cpu_plan.summary() if engine.cpu_plan else None,  # the ways measured fastest here
         "weights_mb": round(weight_bytes(model) / 2**20, 1),  # every weight tensor held, packed copies included
         "exits_per_loop": list(stats["exits_per_loop"]),
         "steps": stats["stages"],

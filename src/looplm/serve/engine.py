@@ -6,7 +6,8 @@ items) an early-exited token finishing the loops it skipped, only to fill its KV
 into one [1, N, hidden] batch, so norms, projections, per-depth LoRA (grouped by slot when loops are
 mixed) and the MLP are single calls; attention reads each token's own cache row at its own depth
 (single-token items: one call per loop present over that depth's rows in place, or one gather when
-few rows are busy; one SDPA per prompt segment). On CPU the weights are MKL-packed copies.
+few rows are busy; one SDPA per prompt segment). On CPU each float32 product of a few rows runs the way
+measured fastest on the machine (models/cpu_products.py).
 
 After the loop, items at their last loop emit a token; the others either continue or, under an
 exit policy, leave early. The KV entries of loops an exited token skips are filled either by
@@ -26,8 +27,8 @@ import time
 import torch
 
 from ..models.config import ConfigError
+from ..models.cpu_products import prepare_for_cpu, release
 from ..models.layers import prefix_columns
-from ..models.packed import pack_for_cpu, unpack
 from ..models.quantized import is_quantized
 from .cache import KVCache
 from .compiled import CompiledBlock
@@ -143,7 +144,7 @@ class Engine:
         exit_policy: ExitPolicy | None = None,
         kv_mode: str = "copy",
         clock=None,
-        pack_weights: bool = True,
+        tune_products: bool = True,
         compile: bool = False,
         speculate: str = "off",
     ):
@@ -156,12 +157,12 @@ class Engine:
         # call schedulers.warm_up(engine) before serving, or the first requests pay for compiling
         self.compiled = CompiledBlock(self.device) if compile else None
         self.quantized = is_quantized(model)  # a compiled engine then runs a one-row head in a graph too
-        # float32 on CPU: MKL-packed weight copies stream faster at decode-step sizes (models/packed.py).
-        # Compiled regions cannot use them (and would be guarded on each copy, one graph per layer), so a
-        # compiled engine drops any the model holds.
+        # float32 on CPU: each product of a few rows runs the way this machine streams weights fastest,
+        # measured once per process (models/cpu_products.py). Compiled regions cannot use those ways (and
+        # would be guarded on each weight's copy, one graph per layer), so a compiled engine drops them.
         if compile:
-            unpack(model)
-        self.packed_bytes = pack_for_cpu(model) if pack_weights and not compile else 0
+            release(model)
+        self.cpu_plan, self.packed_bytes = prepare_for_cpu(model) if tune_products and not compile else (None, 0)
         c = self.config = model.config
         self.K, self.B, self.L = c.num_shared_layers, c.num_loops, c.num_hidden_layers
         self.P = c.prefix_length

@@ -31,8 +31,8 @@ class HealConfig(RunSettings):
     )
     data: str | None = setting(
         None,
-        "corpus dir from `looplm data build` (training split is read; default: out/corpus-<teacher>-<seq-len>, "
-        "built from the default sources if missing)",
+        "corpus dir from `looplm data build` (training split is read; default: out/corpus-<teacher>-mix-<seq-len>, "
+        "the teacher's own text beside as many tokens of the default sources, made once per teacher if missing)",
     )
     out: str | None = refine(
         RunSettings, "out", help="run directory, final/ holds the healed model (default: out/<model>-healed)"
