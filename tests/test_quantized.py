@@ -267,7 +267,7 @@ def test_no_float_copy_is_kept_and_memory_drops():
     model = _relaxed(
         hidden_size=256, intermediate_size=512, vocab_size=2048, num_attention_heads=4, num_key_value_heads=2
     )
-    Engine(model, max_batch=1, max_seq_len=8)  # the float engine attaches its CPU copies (MKL-packed where measured fastest)
+    Engine(model, max_batch=1, max_seq_len=8)  # the float engine attaches its CPU ways (packed where fastest)
     fp32 = Q.weight_bytes(model)
     for fmt, factor in (("int8", 3.0), ("int4", 3.0)):
         if fmt not in FORMATS:

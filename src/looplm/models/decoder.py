@@ -172,11 +172,10 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T. For a few rows on CPU (decode steps, exit decisions) it is computed as (W x^T)^T, the
-        same product, which runs faster for a wide vocabulary head at a few rows (layer-sized matmuls show
-        no difference).
-        A serving engine's choice for this CPU (models/cpu_products.py), where present, serves 1-64 rows
-        instead. Elsewhere (GPU, long sequences, a wrapped or hooked head) the module itself runs."""
+        """x W^T. For a few rows on CPU (decode steps, exit decisions) a serving engine's measured choice for this
+        CPU (models/cpu_products.py) runs it; without one, (W x^T)^T, the same product, which streams a wide
+        vocabulary head faster at a few rows than ``F.linear`` on the CPUs measured. Elsewhere (GPU, long
+        sequences, a wrapped or hooked head) the module itself runs."""
         head = self.lm_head
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if (
