@@ -50,6 +50,14 @@ def test_measuring_times_every_way_at_every_bucket_and_keeps_the_fastest():
     assert cp.measure_plan([torch.randn(48, 32) for _ in range(3)]) is plan  # once per process per shapes
 
 
+def test_measuring_leaves_the_global_random_state_alone():
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    cp.measure_plan([torch.randn(40, 24, generator=torch.Generator().manual_seed(1))], rounds=1)
+    assert torch.equal(torch.rand(3), want)
+
+
 def test_a_prepared_model_gives_the_same_logits_and_falls_back_where_it_must():
     model = _relaxed()
     ids = torch.randint(0, 256, (1, 9))

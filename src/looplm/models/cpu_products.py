@@ -203,7 +203,8 @@ def measure_plan(weights: list[torch.Tensor], rounds: int = 3, forms: tuple[str,
     if key in _plans:
         return _plans[key]
     packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS) for w in chosen] if "packed" in forms else None
-    inputs = {d: torch.randn(BUCKETS[-1], d) for d in {w.shape[1] for w in chosen}}
+    gen = torch.Generator().manual_seed(0)  # the caller's random state (a seeded run's sampling) is left alone
+    inputs = {d: torch.randn(BUCKETS[-1], d, generator=gen) for d in sorted({w.shape[1] for w in chosen})}
     times: dict[int, dict[str, list[float]]] = {b: {f: [] for f in forms} for b in BUCKETS}
     for r in range(rounds + 1):  # the first round warms the kernels and is not counted
         for b in BUCKETS:
