@@ -9,18 +9,17 @@ alike, and which is fastest depends on the machine:
   freezing uses for fp32 linears) on a copy of W reordered once into the kernel's layout (kept beside W:
   twice the weight memory);
 - ``transposed``: ``(W x^T)^T``, the same product with the weight as the left operand; one row is doubled
-  to two, since a two-column product streams W far faster than the one-column (matrix-vector) kernel on
-  some CPUs (on an AMD EPYC with AVX-512, 2x at one row and 2-3x ``linear``'s speed at 2-4 rows).
+  to two, since a two-column product can stream W faster than the one-column (matrix-vector) kernel
+  (docs/RESULTS.md, "How a CPU multiplies a few rows").
 
-``prepare_for_cpu(model)`` (a serving engine calls it) times each way on the model's own weights at 1, 2, 4
-.. 64 rows, a pass over them per timing (up to ``MEASURED_BYTES``: read from memory as a step reads them, not
-from cache), and attaches a ``CpuWeight`` to every linear that follows the fastest way per row count
-(``CpuPlan``); the LoRA's products and the LM head get plans of their own. A plan is measured once per process
-per weight shapes (a second or two at SmolLM2's size). Every way gives the same
-product to float32 rounding. A ``CpuWeight`` is used only when gradients are off, the input is a float32 CPU
-tensor, torch.compile is not tracing, and the weight has not changed since (its version counter): training
-the model afterwards silently falls back to ``F.linear``. Rows above 64 (prefills) always take ``F.linear``.
-GPU tensors never take this path. The copies and plan are never saved.
+``prepare_for_cpu(model)`` (a serving engine calls it) times each way on the model's own weights at 1, 2, 4 .. 64
+rows, a pass over them per timing (up to ``MEASURED_BYTES``: read from memory as a step reads them, not from
+cache), and attaches a ``CpuWeight`` to every linear that follows the fastest way per row count (``CpuPlan``);
+the LoRA's products and the LM head get plans of their own. A plan is measured once per process per weight
+shapes. Every way gives the same product to float32 rounding. A ``CpuWeight`` is used only when gradients are
+off, the input is a float32 CPU tensor, torch.compile is not tracing, and the weight has not changed since (its
+version counter): training the model afterwards silently falls back to ``F.linear``. Rows above 64 (prefills)
+always take ``F.linear``. GPU tensors never take this path. The copies and plan are never saved.
 """
 
 from __future__ import annotations

@@ -173,9 +173,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T. For a few rows on CPU (decode steps, exit decisions) a serving engine's measured choice for this
-        CPU (models/cpu_products.py) runs it; without one, (W x^T)^T, the same product, which streams a wide
-        vocabulary head faster at a few rows than ``F.linear`` on the CPUs measured. Elsewhere (GPU, long
-        sequences, a wrapped or hooked head) the module itself runs."""
+        CPU (models/cpu_products.py) runs it; without one, (W x^T)^T, the same product (see that module). Elsewhere
+        (GPU, long sequences, a wrapped or hooked head) the module itself runs."""
         head = self.lm_head
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if (
