@@ -6,13 +6,14 @@
 #                 (`python -m looplm.train.baselines stepwise`; 15 of SmolLM2's 30 layers, 6 of Gemma's 18)
 #   rel64, rel128  (c) relaxed: the same conversion with per-depth LoRA of rank 64 and 128 (smollm2 only)
 #   original  (d) the reference
-# Each student is healed (`looplm heal`) for the same budget (HEAL_BUDGET: the tokens an hour of healing reads,
-# with the hour's local share) into OUT/FAMILY/heal/NAME, named NAME-heal in the suite; rec and reduced are also
+# Each student is healed (`looplm heal`) for the same budget (HEAL_BUDGET: the tokens half an hour of healing
+# reads, with its local share) into OUT/FAMILY/heal/NAME, named NAME-heal in the suite; rec and reduced are also
 # uptrained with the paper's recipe (`looplm train`: 0.5 CE + 0.5 forward KL from the original, online) for the
-# same wall time (KD_BUDGET) into OUT/FAMILY/kd/NAME, named NAME-kd. Then `looplm eval suite` scores every model
-# on the five out-of-domain domains, the real corpus's held-out split and the seven tasks (LIMIT documents each),
-# keeping every window's loss and every document's score; `looplm eval claims` decides the paper's claims from
-# the suites of every family in FAMILIES, into one table (CLAIMS_OUT).
+# wall time their healing took (its heal.json) into OUT/FAMILY/kd/NAME, named NAME-kd. Then `looplm eval suite`
+# scores every model on the five out-of-domain domains, the real corpus's held-out split and the seven tasks (LIMIT
+# documents each), keeping every window's loss and every document's score, into RESULTS/FAMILY.json (committed:
+# a later session, whose out/ is new, scores only the models missing there); `looplm eval claims` decides the
+# paper's claims from the suites of every family in FAMILIES, into one table (CLAIMS_OUT).
 # Healing is the recipe as `looplm heal` ships it (the out-of-domain suite settled it: docs/RESULTS.md "Healed
 # quality off the corpus"): no --data, so it reads out/corpus-<teacher>-mix-512, the original's own text beside as
 # many real tokens, which the first heal of a family makes (the teacher writes 300,000 tokens: ~20 min for SmolLM2);
@@ -21,31 +22,48 @@
 # `looplm heal` distils layer by layer: each of the reduced-size model's depths learns the span of the original's
 # layers from the one it copies to the next copied one (train/heal/inputs.py, teacher_spans).
 # Resumable: every step skips what is finished (a converted model's config.json, a run's heal.json or final/, the
-# suite's rows scored so far) and resumes what was interrupted (--resume). Environment: OUT, FAMILIES, HEAL_BUDGET,
-# HEAL_ARGS, KD_BUDGET, LIMIT, WINDOWS, STEPS (a subset of "data convert heal kd suite claims"), CLAIMS_OUT.
+# suite's rows scored so far) and resumes what was interrupted (--resume). Environment: OUT, FAMILIES, STUDENTS (a
+# subset of the family's), HEAL_BUDGET, HEAL_ARGS, LIMIT, WINDOWS, STEPS (a subset of "data convert heal kd suite
+# claims"), RESULTS, CLAIMS_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-out/paper-comparison}
 FAMILIES=${FAMILIES:-smollm2}
-# an hour of healing at B=2 rank 128 on the EPYC (AVX-512 BF16): its end-to-end and local tokens, as tokens so
-# that every student reads the same text whichever machine and whatever its speed
-HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 1309810 --local-share 0.6395"}
+# half an hour of healing at B=2 rank 128 on the EPYC (AVX-512 BF16): its end-to-end and local tokens, as tokens
+# so that every student reads the same text whichever machine and whatever its speed. Half, not the hour: a session
+# here is three hours from a new machine (setup, the recipe's corpus, then the heals and the suite of a pair).
+HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 654905 --local-share 0.6395"}
 HEAL_ARGS=${HEAL_ARGS:-"--compile"}  # a token budget is not compiled by default; everything else is the recipe's
-KD_BUDGET=${KD_BUDGET:-"--budget-minutes 60"}
 LIMIT=${LIMIT:-500}
 WINDOWS=${WINDOWS:-32}
 STEPS=${STEPS:-"data convert heal kd suite claims"}
+RESULTS=${RESULTS:-docs/results/paper-comparison}
 CLAIMS_OUT=${CLAIMS_OUT:-docs/results/claims-small-scale.md}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
-family() {  # family NAME: sets model, loops, students (healed), kd_students
+family() {  # family NAME: sets model, loops, students (healed) and kd_students (uptrained) of STUDENTS
   case $1 in
     smollm2) model=smollm2-135m loops=2 students="rec reduced rel64 rel128" kd_students="rec reduced" ;;
     gemma3) model=gemma3-270m loops=3 students="rec reduced" kd_students="rec reduced" ;;
     *) echo "error: unknown family $1 in FAMILIES (use smollm2 and/or gemma3)" >&2; exit 2 ;;
   esac
+  all_students=$students all_kd_students=$kd_students  # the suite scores whatever of them exists
+  if [ -n "${STUDENTS:-}" ]; then
+    students=$(only "$students") kd_students=$(only "$kd_students")
+  fi
+}
+
+only() {  # only LIST: the names of LIST that STUDENTS holds
+  local s out=""
+  for s in $1; do [[ " $STUDENTS " == *" $s "* ]] && out+="$s "; done
+  echo "$out"
+}
+
+scored() {  # scored NAME FAMILY: whether RESULTS/FAMILY.json holds a row of NAME (scored in an earlier session)
+  $PYTHON -c 'import json, sys; sys.exit(sys.argv[1] not in [r["name"] for r in json.load(open(sys.argv[2]))["rows"]])' \
+    "$1" "$RESULTS/$2.json" 2>/dev/null
 }
 
 corpora() {  # corpora FAMILY: sets real (the in-domain held-out split's corpus), calib, heal_data (the recipe's)
@@ -77,13 +95,15 @@ heal() {  # heal STUDENT RUN
     $HEAL_BUDGET $HEAL_ARGS $resume
 }
 
-uptrain() {  # uptrain STUDENT RUN: the paper's recipe (experiments/paper_runs.sh's, at KD_BUDGET)
-  local student=$1 run=$2
+uptrain() {  # uptrain STUDENT RUN HEAL: the paper's recipe (experiments/paper_runs.sh's) for the minutes HEAL took
+  local student=$1 run=$2 heal=$3
   [ -d "$run/final" ] && return 0
+  [ -f "$heal/heal.json" ] || { echo "skip $run: its healing ($heal) has not finished, and sets its minutes" >&2; return 0; }
+  local minutes; minutes=$($PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["minutes"])' "$heal/heal.json")
   local resume=""; [ -f "$run/run.json" ] && resume="--resume"
-  # shellcheck disable=SC2086
   $LOOPLM train "$student" --teacher "$model" --kd fkl --data "$heal_data" --out "$run" --batch-size 2 \
-    --seq-len 512 $KD_BUDGET --eval-every-steps 40 --eval-rows 16 --save-every-steps 20 --keep 2 --no-progress $resume
+    --seq-len 512 --budget-minutes "$minutes" --eval-every-steps 40 --eval-rows 16 --save-every-steps 20 --keep 2 \
+    --no-progress $resume
 }
 
 for fam in $FAMILIES; do
@@ -96,15 +116,17 @@ for fam in $FAMILIES; do
     has heal && heal "$dir/models/$s" "$dir/heal/$s"
   done
   if has kd; then
-    for s in $kd_students; do uptrain "$dir/models/$s" "$dir/kd/$s"; done
+    for s in $kd_students; do uptrain "$dir/models/$s" "$dir/kd/$s" "$dir/heal/$s"; done
   fi
   if has suite; then
     specs=("original=$model") names=()
-    for s in $students; do
-      [ -f "$dir/heal/$s/final/config.json" ] && specs+=("$s-heal=$dir/heal/$s/final") && names+=("$s-heal")
+    for s in $all_students; do  # every model healed here or scored in an earlier session (kept, not reloaded)
+      { [ -f "$dir/heal/$s/final/config.json" ] || scored "$s-heal" "$fam"; } &&
+        specs+=("$s-heal=$dir/heal/$s/final") && names+=("$s-heal")
     done
-    for s in $kd_students; do
-      [ -f "$dir/kd/$s/final/config.json" ] && specs+=("$s-kd=$dir/kd/$s/final") && names+=("$s-kd")
+    for s in $all_kd_students; do
+      { [ -f "$dir/kd/$s/final/config.json" ] || scored "$s-kd" "$fam"; } &&
+        specs+=("$s-kd=$dir/kd/$s/final") && names+=("$s-kd")
     done
     pairs=()  # the pairs the claims turn on, where both models exist
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rec-heal,rec-kd \
@@ -112,14 +134,14 @@ for fam in $FAMILIES; do
       [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
     done
     $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks paper7 --limit "$LIMIT" --windows "$WINDOWS" \
-      "${pairs[@]}" --resume --out "$dir/suite/$fam" \
+      "${pairs[@]}" --resume --out "$RESULTS/$fam" \
       --reproduce "FAMILIES=$fam OUT=$OUT bash experiments/paper_comparison.sh" > "$dir/logs/suite.log"
   fi
 done
 if has claims; then  # one table over every family's suite
   results=()
-  for fam in $FAMILIES; do [ -f "$OUT/$fam/suite/$fam.json" ] && results+=("$OUT/$fam/suite/$fam.json"); done
-  [ ${#results[@]} -gt 0 ] || { echo "error: no suite results in $OUT yet: run the suite step first" >&2; exit 2; }
+  for fam in $FAMILIES; do [ -f "$RESULTS/$fam.json" ] && results+=("$RESULTS/$fam.json"); done
+  [ ${#results[@]} -gt 0 ] || { echo "error: no suite results in $RESULTS yet: run the suite step first" >&2; exit 2; }
   $LOOPLM eval claims "${results[@]}" --out "$CLAIMS_OUT" > /dev/null
   echo "wrote $CLAIMS_OUT"
 fi

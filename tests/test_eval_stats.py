@@ -222,6 +222,12 @@ def test_suite_cli_keeps_window_losses_and_compares_named_models(tiny, tmp_path,
     assert resumed["comparisons"][0]["se"] == pytest.approx(ood["se"])
     code, _, err = cli(capsys, "eval", "suite", *models_, *options, "--windows", 2, "--resume")
     assert code == 2 and "was scored with other settings (windows 3)" in err
+    # a corpus built again elsewhere whose held-out split came out different is refused, not paired
+    heldout = json.loads((corpus / "meta.json").read_text())["splits"]["heldout"]
+    assert resumed["data_heldout_sha256"] == heldout["sha256"]
+    out.with_suffix(".json").write_text(json.dumps({**resumed, "data_heldout_sha256": "0" * 64}))
+    code, _, err = cli(capsys, "eval", "suite", *models_, *options, "--resume")
+    assert code == 2 and "other settings (data_heldout_sha256 '000" in err
     # the claims table is computed from the JSON alone
     claims = tmp_path / "claims.md"
     code, _, err = cli(capsys, "eval", "claims", out.with_suffix(".json"), "--out", claims)

@@ -214,8 +214,23 @@ def run_suite(
 
 
 def settings(domains: list[str], windows: int, seq_len: int, data, tasks, limit) -> dict:
-    """What decides a suite's figures besides the models: rows scored under other settings do not compare."""
-    return {"domains": domains, "windows": windows, "seq_len": seq_len, "data": data, "tasks": tasks, "limit": limit}
+    """What decides a suite's figures besides the models: rows scored under other settings do not compare. The
+    in-domain corpus is named by its held-out split's checksum too, so that a result resumed on another machine,
+    whose corpus was built again, refuses one that came out different."""
+    heldout = None
+    if data:
+        from ..data.corpus import PackedCorpus
+
+        heldout = PackedCorpus(data).meta["splits"].get("heldout", {}).get("sha256")
+    return {
+        "domains": domains,
+        "windows": windows,
+        "seq_len": seq_len,
+        "data": data,
+        "data_heldout_sha256": heldout,
+        "tasks": tasks,
+        "limit": limit,
+    }
 
 
 def earlier_rows(path: str | Path, expected: dict) -> list[dict]:
