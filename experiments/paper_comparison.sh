@@ -6,8 +6,8 @@
 #                 (`python -m looplm.train.baselines stepwise`; 15 of SmolLM2's 30 layers, 6 of Gemma's 18)
 #   rel64, rel128  (c) relaxed: the same conversion with per-depth LoRA of rank 64 and 128 (smollm2 only)
 #   original  (d) the reference
-# Each student is healed (`looplm heal`) for the same budget (HEAL_BUDGET: the tokens half an hour of healing
-# reads, with its local share) into OUT/FAMILY/heal/NAME, named NAME-heal in the suite; rec and reduced are also
+# Each student is healed (`looplm heal`) for the same budget (HEAL_BUDGET: the tokens a quarter hour of healing
+# reads, with its local share; one teacher cache per family, OUT/FAMILY/cache) into OUT/FAMILY/heal/NAME, named NAME-heal in the suite; rec and reduced are also
 # uptrained with the paper's recipe (`looplm train`: 0.5 CE + 0.5 forward KL from the original, online) for the
 # wall time their healing took (its heal.json) into OUT/FAMILY/kd/NAME, named NAME-kd. Then `looplm eval suite`
 # scores every model on the five out-of-domain domains, the real corpus's held-out split and the seven tasks (LIMIT
@@ -31,10 +31,11 @@ LOOPLM=${LOOPLM:-.venv/bin/looplm}
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-out/paper-comparison}
 FAMILIES=${FAMILIES:-smollm2}
-# half an hour of healing at B=2 rank 128 on the EPYC (AVX-512 BF16): its end-to-end and local tokens, as tokens
-# so that every student reads the same text whichever machine and whatever its speed. Half, not the hour: a session
-# here is three hours from a new machine (setup, the recipe's corpus, then the heals and the suite of a pair).
-HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 654905 --local-share 0.6395"}
+# a quarter hour of healing at B=2 rank 128 on the EPYC (AVX-512 BF16): its end-to-end and local tokens, as tokens
+# so that every student reads the same text whichever machine and whatever its speed. A quarter, not the hour: a
+# session here is three hours on a new machine, which must set up, make the recipe's corpus (20-35 minutes), heal
+# a pair and score it; on the AVX2-only EPYC that leaves about an hour for the pair's healing.
+HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 327452 --local-share 0.6395"}
 HEAL_ARGS=${HEAL_ARGS:-"--compile"}  # a token budget is not compiled by default; everything else is the recipe's
 LIMIT=${LIMIT:-500}
 WINDOWS=${WINDOWS:-32}
@@ -91,8 +92,8 @@ heal() {  # heal STUDENT RUN
   [ -f "$run/heal.json" ] && return 0
   local resume=""; [ -f "$run/run.json" ] && resume="--resume"
   # shellcheck disable=SC2086  # the budget and options are word lists
-  $LOOPLM heal "$student" --teacher "$model" --out "$run" --no-progress \
-    $HEAL_BUDGET $HEAL_ARGS $resume
+  $LOOPLM heal "$student" --teacher "$model" --out "$run" --cache "$(dirname "$(dirname "$run")")/cache" \
+    --no-progress $HEAL_BUDGET $HEAL_ARGS $resume
 }
 
 uptrain() {  # uptrain STUDENT RUN HEAL: the paper's recipe (experiments/paper_runs.sh's) for the minutes HEAL took
