@@ -23,8 +23,9 @@
 # layers from the one it copies to the next copied one (train/heal/inputs.py, teacher_spans).
 # Resumable: every step skips what is finished (a converted model's config.json, a run's heal.json or final/, the
 # suite's rows scored so far) and resumes what was interrupted (--resume). Environment: OUT, FAMILIES, STUDENTS (a
-# subset of the family's), HEAL_BUDGET, HEAL_ARGS, LIMIT, WINDOWS, STEPS (a subset of "data convert heal kd suite
-# claims"), RESULTS, CLAIMS_OUT.
+# subset of the family's), HEAL_BUDGET, HEAL_ARGS, LIMIT, WINDOWS, TASKS (paper7, or none: perplexity alone, into
+# RESULTS/FAMILY-perplexity.json, for a session with no time for the tasks: its models are gone in the next one),
+# STEPS (a subset of "data convert heal kd suite claims"), RESULTS, CLAIMS_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
@@ -38,6 +39,7 @@ FAMILIES=${FAMILIES:-smollm2}
 HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 327452 --local-share 0.6395"}
 HEAL_ARGS=${HEAL_ARGS:-"--compile"}  # a token budget is not compiled by default; everything else is the recipe's
 LIMIT=${LIMIT:-500}
+TASKS=${TASKS:-paper7}
 WINDOWS=${WINDOWS:-32}
 STEPS=${STEPS:-"data convert heal kd suite claims"}
 RESULTS=${RESULTS:-docs/results/paper-comparison}
@@ -62,7 +64,7 @@ only() {  # only LIST: the names of LIST that STUDENTS holds
   echo "$out"
 }
 
-scored() {  # scored NAME FAMILY: whether RESULTS/FAMILY.json holds a row of NAME (scored in an earlier session)
+scored() {  # scored NAME SUITE: whether RESULTS/SUITE.json holds a row of NAME (scored in an earlier session)
   $PYTHON -c 'import json, sys; sys.exit(sys.argv[1] not in [r["name"] for r in json.load(open(sys.argv[2]))["rows"]])' \
     "$1" "$RESULTS/$2.json" 2>/dev/null
 }
@@ -120,13 +122,15 @@ for fam in $FAMILIES; do
     for s in $kd_students; do uptrain "$dir/models/$s" "$dir/kd/$s" "$dir/heal/$s"; done
   fi
   if has suite; then
+    suite=$fam reproduce="FAMILIES=$fam OUT=$OUT"
+    [ "$TASKS" = none ] && suite=$fam-perplexity reproduce+=" TASKS=none"
     specs=("original=$model") names=()
     for s in $all_students; do  # every model healed here or scored in an earlier session (kept, not reloaded)
-      { [ -f "$dir/heal/$s/final/config.json" ] || scored "$s-heal" "$fam"; } &&
+      { [ -f "$dir/heal/$s/final/config.json" ] || scored "$s-heal" "$suite"; } &&
         specs+=("$s-heal=$dir/heal/$s/final") && names+=("$s-heal")
     done
     for s in $all_kd_students; do
-      { [ -f "$dir/kd/$s/final/config.json" ] || scored "$s-kd" "$fam"; } &&
+      { [ -f "$dir/kd/$s/final/config.json" ] || scored "$s-kd" "$suite"; } &&
         specs+=("$s-kd=$dir/kd/$s/final") && names+=("$s-kd")
     done
     pairs=()  # the pairs the claims turn on, where both models exist
@@ -134,14 +138,16 @@ for fam in $FAMILIES; do
              reduced-heal,reduced-kd; do
       [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
     done
-    $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks paper7 --limit "$LIMIT" --windows "$WINDOWS" \
-      "${pairs[@]}" --resume --out "$RESULTS/$fam" \
-      --reproduce "FAMILIES=$fam OUT=$OUT bash experiments/paper_comparison.sh" > "$dir/logs/suite.log"
+    $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \
+      "${pairs[@]}" --resume --out "$RESULTS/$suite" \
+      --reproduce "$reproduce bash experiments/paper_comparison.sh" > "$dir/logs/suite-$suite.log"
   fi
 done
 if has claims; then  # one table over every family's suite
   results=()
-  for fam in $FAMILIES; do [ -f "$RESULTS/$fam.json" ] && results+=("$RESULTS/$fam.json"); done
+  for fam in $FAMILIES; do
+    for f in "$RESULTS/$fam.json" "$RESULTS/$fam-perplexity.json"; do [ -f "$f" ] && results+=("$f"); done
+  done
   [ ${#results[@]} -gt 0 ] || { echo "error: no suite results in $RESULTS yet: run the suite step first" >&2; exit 2; }
   $LOOPLM eval claims "${results[@]}" --out "$CLAIMS_OUT" > /dev/null
   echo "wrote $CLAIMS_OUT"
