@@ -7,8 +7,8 @@
 #   rel64, rel128  (c) relaxed: the same conversion with per-depth LoRA of rank 64 and 128 (smollm2 only)
 #   original  (d) the reference
 # Each student is healed (`looplm heal`) for the same budget (HEAL_BUDGET: the tokens a quarter hour of healing
-# reads, with its local share; one teacher cache per family, OUT/FAMILY/cache) into OUT/FAMILY/heal/NAME, named NAME-heal in the suite; rec and reduced are also
-# uptrained with the paper's recipe (`looplm train`: 0.5 CE + 0.5 forward KL from the original, online) for the
+# reads, with its local share; one teacher cache per family, OUT/FAMILY/cache) into OUT/FAMILY/heal/NAME, named
+# NAME-heal in the suite; rec and reduced are also uptrained with the paper's recipe (`looplm train`: 0.5 CE + 0.5 forward KL from the original, online) for the
 # wall time their healing took (its heal.json) into OUT/FAMILY/kd/NAME, named NAME-kd. Then `looplm eval suite`
 # scores every model on the five out-of-domain domains, the real corpus's held-out split and the seven tasks (LIMIT
 # documents each), keeping every window's loss and every document's score, into RESULTS/FAMILY.json (committed:
@@ -124,6 +124,7 @@ for fam in $FAMILIES; do
   if has suite; then
     suite=$fam reproduce="FAMILIES=$fam OUT=$OUT"
     [ "$TASKS" = none ] && suite=$fam-perplexity reproduce+=" TASKS=none"
+    [ -n "${STUDENTS:-}" ] && reproduce+=" STUDENTS=\"$STUDENTS\" STEPS=\"data convert heal suite claims\""
     specs=("original=$model") names=()
     for s in $all_students; do  # every model healed here or scored in an earlier session (kept, not reloaded)
       { [ -f "$dir/heal/$s/final/config.json" ] || scored "$s-heal" "$suite"; } &&
