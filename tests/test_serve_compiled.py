@@ -80,6 +80,44 @@ def _serve(engine, prompts, n, scheduler):
     return [r.output for r in reqs]
 
 
+# The quantized ops take bfloat16 activations: a graph fuses the float work around them (norms, LoRA, attention)
+# and rounds it differently from the eager ops, moving a logit by a bfloat16 step or two (0.016-0.03 on this model).
+# Where the eager engine's two leading logits are closer than that, either token is the greedy one.
+TIE = 0.06
+
+
+def _serve_with_margins(engine, prompts, n):
+    """Tokens served by the eager ``engine`` (sequence scheduler), and for every token the gap between the two
+    leading logits it was chosen from."""
+    reqs = [Request(p, n) for p in prompts]
+    margins = {id(r): [] for r in reqs}
+    exit_logits = engine._exit_logits
+
+    def recording(h, pairs):
+        logits = exit_logits(h, pairs)
+        top = logits.float().topk(2, -1).values
+        for (item, _), gap in zip(pairs, (top[:, 0] - top[:, 1]).tolist()):
+            margins[id(item.req)].append(gap)
+        return logits
+
+    engine._exit_logits = recording
+    arrive_one_per_step(make_scheduler("sequence", engine), reqs)
+    return [r.output for r in reqs], [margins[id(r)] for r in reqs]
+
+
+def _assert_same_tokens_up_to_ties(got, want, margins):
+    """``got`` is ``want`` token for token, except that a sequence may part from it at a token the eager engine
+    chose from a tie (and then goes its own way); at most one sequence does."""
+    parted = 0
+    for g, w, m in zip(got, want, margins):
+        first = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if first is not None:
+            assert m[first] < TIE, f"tokens part at {first} ({g} vs {w}), leading logits {m[first]:.3f} apart"
+            parted += 1
+        assert len(g) == len(w)
+    assert parted <= 1, f"{parted} sequences part from the eager engine's"
+
+
 def _frames():
     return counters["frames"]["ok"]
 
@@ -135,19 +173,19 @@ def test_compiled_regions_match_the_eager_layer_outputs():
 def test_compiled_engine_on_quantized_weights_serves_the_eager_engines_tokens(fmt, lora):
     """Shared weights with the LoRA on top, or one merged weight per depth: the compiled engine (regional
     graphs, and the whole-loop graph at batch 1, where int8 products are the streamed reduction; a prompt of
-    ``DENSE_ROWS`` tokens or more, where they are dense) serves the eager engine's tokens and compiles nothing after
-    warm-up. At batch 1 the LM head (int8 under both formats) runs in a graph of its own."""
+    ``DENSE_ROWS`` tokens or more, where they are dense) serves the eager engine's tokens (up to bfloat16 ties) and
+    compiles nothing after warm-up. At batch 1 the LM head (int8 under both formats) runs in a graph of its own."""
     qm = Q.quantize_model(copy.deepcopy(_relaxed()), fmt, lora=lora)
     g = torch.Generator().manual_seed(2)
     prompts = _prompts() + [torch.randint(0, 256, (Q.DENSE_ROWS + 3,), generator=g).tolist()]
     for rows, batch in ((3, prompts), (1, prompts[:1] + prompts[-1:])):
-        want = _serve(Engine(qm, max_batch=rows, max_seq_len=64), batch, 5, "sequence")
+        want, margins = _serve_with_margins(Engine(qm, max_batch=rows, max_seq_len=64), batch, 5)
         engine = Engine(qm, max_batch=rows, max_seq_len=64, compile=True)
         warm_up(engine)
         before = _frames()
         heads, inner = [], engine.compiled.exit_logits
         engine.compiled.exit_logits = lambda *a: heads.append(a[1].shape[0]) or inner(*a)
-        assert _serve(engine, batch, 5, "sequence") == want
+        _assert_same_tokens_up_to_ties(_serve(engine, batch, 5, "sequence"), want, margins)
         assert _frames() == before, "serving after warm_up compiled again"
         if rows == 1:
             assert heads == [1] * 5 * len(batch)  # every token's head in the compiled graph
