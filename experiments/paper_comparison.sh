@@ -14,6 +14,12 @@
 # documents each), keeping every window's loss and every document's score, into RESULTS/FAMILY.json (committed:
 # a later session, whose out/ is new, scores only the models missing there); `looplm eval claims` decides the
 # paper's claims from the suites of every family in FAMILIES, into one table (CLAIMS_OUT).
+# The early-exit rows (step exits, smollm2): rec's healed model post-trained for EXIT_STEPS steps of the paper's
+# uptraining loss (0.5 CE + 0.5 KD) three ways, on the same rows: rec-exit (the paper's early-exit post-training:
+# every intermediate exit at 0.1 with distillation from the detached final exit), rec-exitctl (the control: the
+# same steps, no exit term) and rec-exitlora (a rank-128 LoRA on the LM head per intermediate exit, body frozen,
+# the exits taught by the original). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
+# loop and at loop 1 (MODEL@1, named NAME-loop1), with EXIT_WINDOWS windows.
 # Healing is the recipe as `looplm heal` ships it (the out-of-domain suite settled it: docs/RESULTS.md "Healed
 # quality off the corpus"): no --data, so it reads out/corpus-<teacher>-mix-512, the original's own text beside as
 # many real tokens, which the first heal of a family makes (the teacher writes 300,000 tokens: ~20 min for SmolLM2);
@@ -25,7 +31,7 @@
 # suite's rows scored so far) and resumes what was interrupted (--resume). Environment: OUT, FAMILIES, STUDENTS (a
 # subset of the family's), HEAL_BUDGET, HEAL_ARGS, LIMIT, WINDOWS, TASKS (paper7, or none: perplexity alone, into
 # RESULTS/FAMILY-perplexity.json, for a session with no time for the tasks: its models are gone in the next one),
-# STEPS (a subset of "data convert heal kd suite claims"), RESULTS, CLAIMS_OUT.
+# STEPS (a subset of "data convert heal kd suite exits claims"), EXIT_STEPS, EXIT_WINDOWS, RESULTS, CLAIMS_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOOPLM=${LOOPLM:-.venv/bin/looplm}
@@ -41,7 +47,9 @@ HEAL_ARGS=${HEAL_ARGS:-"--compile"}  # a token budget is not compiled by default
 LIMIT=${LIMIT:-500}
 TASKS=${TASKS:-paper7}
 WINDOWS=${WINDOWS:-32}
-STEPS=${STEPS:-"data convert heal kd suite claims"}
+STEPS=${STEPS:-"data convert heal kd suite exits claims"}
+EXIT_STEPS=${EXIT_STEPS:-40}
+EXIT_WINDOWS=${EXIT_WINDOWS:-16}
 RESULTS=${RESULTS:-docs/results/paper-comparison}
 CLAIMS_OUT=${CLAIMS_OUT:-docs/results/claims-small-scale.md}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -109,6 +117,33 @@ uptrain() {  # uptrain STUDENT RUN HEAL: the paper's recipe (experiments/paper_r
     --no-progress $resume
 }
 
+exits() {  # exits: the early-exit rows of this family, post-trained from rec's healed model, then their suite
+  local base=$dir/heal/rec/final e run args suite=$fam-exits
+  [ -f "$base/config.json" ] || { echo "skip exits: rec's healing ($base) has not finished" >&2; return 0; }
+  for e in exit exitctl exitlora; do
+    run=$dir/exits/$e
+    [ -d "$run/final" ] && continue
+    case $e in
+      exit) args="--early-exit aggressive --self-distill" ;;
+      exitctl) args="--early-exit none" ;;
+      exitlora) args="--early-exit aggressive --self-distill --exit-adapter head-lora:128 --freeze-body" ;;
+    esac
+    [ -f "$run/run.json" ] && args+=" --resume"
+    # shellcheck disable=SC2086  # a word list
+    $LOOPLM train "$base" --teacher "$model" --kd fkl --data "$heal_data" --data-rows new --out "$run" \
+      --batch-size 2 --seq-len 512 --max-steps "$EXIT_STEPS" --save-every-steps 10 --no-progress $args
+  done
+  [ "$TASKS" = none ] && suite+=-perplexity
+  $LOOPLM eval suite "original=$model" "rec-heal=$base" "rec-heal-loop1=$base@1" \
+    "rec-exit=$dir/exits/exit/final" "rec-exit-loop1=$dir/exits/exit/final@1" \
+    "rec-exitctl=$dir/exits/exitctl/final" "rec-exitctl-loop1=$dir/exits/exitctl/final@1" \
+    "rec-exitlora-loop1=$dir/exits/exitlora/final@1" --data "$real" --tasks "$TASKS" --limit "$LIMIT" \
+    --windows "$EXIT_WINDOWS" --compare rec-exit,rec-exitctl --compare rec-exit-loop1,rec-exitctl-loop1 \
+    --compare rec-exit-loop1,rec-exitlora-loop1 --resume --out "$RESULTS/$suite" \
+    --reproduce "FAMILIES=$fam OUT=$OUT STEPS=\"exits\" TASKS=$TASKS bash experiments/paper_comparison.sh" \
+    > "$dir/logs/suite-$suite.log"
+}
+
 for fam in $FAMILIES; do
   family "$fam"
   dir="$OUT/$fam"
@@ -143,11 +178,12 @@ for fam in $FAMILIES; do
       "${pairs[@]}" --resume --out "$RESULTS/$suite" \
       --reproduce "$reproduce bash experiments/paper_comparison.sh" > "$dir/logs/suite-$suite.log"
   fi
+  if has exits && [ "$fam" = smollm2 ]; then exits; fi
 done
 if has claims; then  # one table over every family's suite
   results=()
   for fam in $FAMILIES; do
-    for f in "$RESULTS/$fam.json" "$RESULTS/$fam-perplexity.json"; do [ -f "$f" ] && results+=("$f"); done
+    for f in "$RESULTS/$fam"{,-perplexity,-exits,-exits-perplexity}.json; do [ -f "$f" ] && results+=("$f"); done
   done
   [ ${#results[@]} -gt 0 ] || { echo "error: no suite results in $RESULTS yet: run the suite step first" >&2; exit 2; }
   $LOOPLM eval claims "${results[@]}" --out "$CLAIMS_OUT" > /dev/null

@@ -167,6 +167,23 @@ def test_claims_are_decided_from_the_saved_results(tmp_path):
     assert held["budget"].startswith("heal: 1,000") and held["se"] > 0 and held["command"] == result["command"]
     table = markdown(entries)
     assert "| **held** |" in table and "| not run |" in table and str(path) in table
+    # "keeps": no worse beyond two SE is held (inside the noise too), clearly worse is not held
+    keeps = synthetic_result(
+        {
+            "rec-exit": 0.10 + 0.3 * np.resize([1.0, -1.0], WINDOWS),
+            "rec-exitctl": 0.10 + noise(0.02, 4),
+            "rec-exit-loop1": 0.50 + noise(0.02, 5),
+            "rec-exitctl-loop1": noise(0.02, 6),
+        }
+    )
+    path.write_text(json.dumps(keeps))
+    by = {(e["better"], e["worse"], e.get("metric")): e for e in decide(CLAIMS, load_results([path]))}
+    assert by[("rec-exit", "rec-exitctl", "ood")]["decision"] == "held (no loss beyond two SE)"
+    assert by[("rec-exit-loop1", "rec-exitctl-loop1", "ood")]["decision"] == "not held"
+    keeps["rows"][1]["ood_windows"] = keeps["rows"][3]["ood_windows"]  # rec-exit clearly worse than its control
+    path.write_text(json.dumps(keeps))
+    by = {(e["better"], e["worse"], e.get("metric")): e for e in decide(CLAIMS, load_results([path]))}
+    assert by[("rec-exit", "rec-exitctl", "ood")]["decision"] == "not held"
     path.write_text(json.dumps({**result, "partial": True}))  # a suite cut short decides nothing
     with pytest.raises(UsageError, match="interrupted suite"):
         load_results([path])

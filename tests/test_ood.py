@@ -22,13 +22,13 @@ def setup(tmp_path_factory, one_torch_thread, ood_texts):  # noqa: F811 (the fix
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
 
 
-def forward_perplexity(model, windows) -> float:
-    """Perplexity of the final exit by the model's own forward pass, one window at a time."""
+def forward_perplexity(model, windows, loops=None) -> float:
+    """Perplexity of the final exit (or of loop ``loops``'s) by the model's own forward pass, one window at a time."""
     nll, n = 0.0, 0
     with torch.no_grad():
         for w in windows:
             ids = torch.tensor([w])
-            logits = model(ids).logits[0, :-1].double()
+            logits = model(ids, num_loops=loops).logits[0, :-1].double()
             nll += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
             n += len(w) - 1
     return math.exp(nll / n)
@@ -76,6 +76,23 @@ def test_suite_rows_equal_a_plain_forward_and_ratios_are_against_the_first(setup
     assert student["ood_ratio"] != 1.0
     table = markdown(res)
     assert table.count("\n| `") == 2 and "out-of-domain (x ref)" in table and f"{student['ood_ratio']:.3f}x" in table
+
+
+def test_a_model_at_loop_i_is_scored_at_that_exit(setup):
+    tmp, models, corpus = setup
+    student = str(models["student"])
+    res = run_suite(
+        [str(models["teacher"]), f"early={student}@1", student], domains="qa", windows=2, seq_len=24, log=print
+    )
+    early, final = res["rows"][1:]
+    model, tok = load_model(student)
+    assert model.config.num_loops == 2 and early["exit_loop"] == 1 and final["exit_loop"] == 2
+    wins = domain_windows(tok, ["qa"], 2, 24, False)["qa"]
+    assert early["ood"]["qa"] == pytest.approx(forward_perplexity(model, wins, loops=1), rel=1e-4)
+    assert early["ood"]["qa"] != pytest.approx(final["ood"]["qa"], rel=1e-3)
+    assert early["n_emb"] == final["n_emb"] and early["model"] == f"{student}@1"
+    with pytest.raises(UsageError, match="exit loop 3 is out of range"):
+        run_suite([str(models["teacher"]), f"{student}@3"], domains="qa", windows=1, seq_len=16, log=print)
 
 
 def test_suite_cli_writes_the_table_and_refuses_another_tokenizer(setup, tmp_path):

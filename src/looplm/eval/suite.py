@@ -3,7 +3,7 @@
 For each model: perplexity on every out-of-domain domain (data/ood.py), their geometric mean against the
 first model's (the reference, normally the original), optionally the held-out split of a training corpus
 (in-domain), and few-shot accuracy (LAMBADA and the paper's seven-task average) through lm-evaluation-harness.
-Every figure is the final exit's.
+Every figure is the final exit's, or loop i's for a model given as ``MODEL@i`` (a static exit after loop i).
 
 Every model is scored on the same windows and task documents, and the result keeps each window's mean token loss
 and each document's score: the ratios carry a paired-bootstrap standard error and 95% interval, and pairs of
@@ -24,6 +24,7 @@ from ..util import write_json_atomic, write_text_atomic
 from . import stats
 
 LABEL = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.+-]*)=(.+)$")
+EXIT = re.compile(r"^(.+)@([0-9]+)$")
 
 
 def score_model(
@@ -37,28 +38,32 @@ def score_model(
     limit: int | None = None,
     batch_size: int = 4,
     progress: bool = False,
+    exit_loop: int | None = None,
 ) -> dict:
-    """One model's row: {"ood": {domain: perplexity}, "ood_windows": {domain: {"loss", "tokens"}}, "in_domain" and
-    "in_domain_windows" (with a corpus), "tasks": {task: {value, stderr, n, docs: {ids, correct}}}, "average"}."""
+    """One model's row, every figure at the exit after loop ``exit_loop`` (default: the last): {"ood": {domain:
+    perplexity}, "ood_windows": {domain: {"loss", "tokens"}}, "in_domain" and "in_domain_windows" (with a corpus),
+    "tasks": {task: {value, stderr, n, docs: {ids, correct}}}, "average"}."""
     from .perplexity import score_windows
 
     add_bos = bool(getattr(model.config, "add_bos_token", False))
     row: dict = {"ood": {}, "ood_tokens": 0, "ood_windows": {}}
     for name, wins in domain_windows(tok, domains, windows, seq_len, add_bos).items():
-        r = score_windows(model, tok, wins, batch_size=batch_size, progress=False)
+        r = score_windows(model, tok, wins, batch_size=batch_size, exit_loop=exit_loop)
         row["ood"][name] = r["perplexity"]
         row["ood_tokens"] += r["tokens"]
         row["ood_windows"][name] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if corpus is not None:
         held = corpus.splits["heldout"][:windows, :seq_len]
-        r = score_windows(model, tok, [list(map(int, w)) for w in held], batch_size=batch_size, progress=False)
+        r = score_windows(model, tok, [list(map(int, w)) for w in held], batch_size=batch_size, exit_loop=exit_loop)
         row["in_domain"], row["in_domain_tokens"] = r["perplexity"], r["tokens"]
         row["in_domain_windows"] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if tasks:
         from .fewshot import run_fewshot
         from .tasks import PAPER7
 
-        res = run_fewshot(model, tok, tasks, limit=limit, batch_size=16, log_samples=True, progress=progress)
+        res = run_fewshot(
+            model, tok, tasks, limit=limit, exit_loop=exit_loop, batch_size=16, log_samples=True, progress=progress
+        )
         row["tasks"] = {
             name: {
                 "value": r["value"],
@@ -88,6 +93,14 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if m and not Path(spec).exists():
         return m.group(1), m.group(2)
     return spec, spec
+
+
+def split_exit(spec: str) -> tuple[str, int | None]:
+    """``MODEL@i`` -> (MODEL, i): the model exiting after loop i; a bare MODEL -> (MODEL, None), its last loop's."""
+    m = EXIT.match(spec)
+    if m and not Path(spec).exists():
+        return m.group(1), int(m.group(2))
+    return spec, None
 
 
 def run_budget(spec: str) -> str | None:
@@ -160,7 +173,12 @@ def run_suite(
             rows.append(row)
             log(f"{label}: scored before, kept")
             continue
-        model, tok = load_model(spec)
+        path, exit_loop = split_exit(spec)
+        model, tok = load_model(path)
+        try:
+            exit_loop = model.model.check_loops(exit_loop)
+        except ValueError as e:
+            raise UsageError(f"{spec}: {e}") from None
         if tok is None:
             raise UsageError(f"{spec} has no tokenizer files; save the model with its tokenizer")
         fp = tokenizer_fingerprint(tok)
@@ -179,10 +197,13 @@ def run_suite(
             "name": label,
             "model": spec,
             "loops": model.config.num_loops,
+            "exit_loop": exit_loop,
             "n_emb": count_parameters(model)["n_emb"],
-            "budget": run_budget(spec),
+            "budget": run_budget(path),
             "tokenizer": fp,
-            **score_model(model.eval(), tok, names, windows, seq_len, corpus, tasks, limit, batch_size),
+            **score_model(
+                model.eval(), tok, names, windows, seq_len, corpus, tasks, limit, batch_size, exit_loop=exit_loop
+            ),
         }
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
