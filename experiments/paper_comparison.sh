@@ -5,6 +5,8 @@
 #   reduced   (b) the reduced-size model of the same N-emb: the L/B layers Stepwise picks, run once, pretrained
 #                 (`python -m looplm.train.baselines stepwise`; 15 of SmolLM2's 30 layers, 6 of Gemma's 18)
 #   rel64, rel128  (c) relaxed: the same conversion with per-depth LoRA of rank 64 and 128 (smollm2 only)
+#   lora4, prefix71  rec's conversion relaxed at equal parameters (smollm2 only): per-depth LoRA of rank 4
+#                 (1,221,120) against 71 learned prefix vectors per depth (appendix G; 1,226,880)
 #   original  (d) the reference
 # Each student is healed (`looplm heal`) for the same budget (HEAL_BUDGET: the tokens a quarter hour of healing
 # reads, with its local share; one teacher cache per family, OUT/FAMILY/cache) into OUT/FAMILY/heal/NAME, named
@@ -18,7 +20,7 @@
 # uptraining loss (0.5 CE + 0.5 KD) three ways, on the same rows: rec-exit (the paper's early-exit post-training:
 # every intermediate exit at 0.1 with distillation from the detached final exit), rec-exitctl (the control: the
 # same steps, no exit term) and rec-exitlora (a rank-128 LoRA on the LM head per intermediate exit, body frozen,
-# the exits taught by the original). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
+# the exits taught by the original; in place of the affine exit adapter healing trained, OUT/FAMILY/models/rec-body). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
 # loop and at loop 1 (MODEL@1, named NAME-loop1), with EXIT_WINDOWS windows.
 # Healing is the recipe as `looplm heal` ships it (the out-of-domain suite settled it: docs/RESULTS.md "Healed
 # quality off the corpus"): no --data, so it reads out/corpus-<teacher>-mix-512, the original's own text beside as
@@ -56,7 +58,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 family() {  # family NAME: sets model, loops, students (healed) and kd_students (uptrained) of STUDENTS
   case $1 in
-    smollm2) model=smollm2-135m loops=2 students="rec reduced rel64 rel128" kd_students="rec reduced" ;;
+    smollm2) model=smollm2-135m loops=2 students="rec reduced rel64 rel128 lora4 prefix71" kd_students="rec reduced" ;;
     gemma3) model=gemma3-270m loops=3 students="rec reduced" kd_students="rec reduced" ;;
     *) echo "error: unknown family $1 in FAMILIES (use smollm2 and/or gemma3)" >&2; exit 2 ;;
   esac
@@ -92,6 +94,10 @@ convert() {  # convert NAME DIR: the student NAME of this family, built once
     reduced) $PYTHON -m looplm.train.baselines stepwise --model "$model" --loops "$loops" --out "$dir" ;;
     rec) $LOOPLM convert "$model" --loops "$loops" --lora-rank 0 --init aware --norms per-depth \
            --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
+    lora4) $LOOPLM convert "$model" --loops "$loops" --lora-rank 4 --init aware --lora-init aware-svd --norms per-depth \
+           --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
+    prefix71) $LOOPLM convert "$model" --loops "$loops" --relax prefix --prefix-length 71 --init aware \
+           --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
     rel*) $LOOPLM convert "$model" --loops "$loops" --lora-rank "${name#rel}" --init average --lora-init aware-svd \
            --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
   esac
@@ -118,19 +124,25 @@ uptrain() {  # uptrain STUDENT RUN HEAL: the paper's recipe (experiments/paper_r
 }
 
 exits() {  # exits: the early-exit rows of this family, post-trained from rec's healed model, then their suite
-  local base=$dir/heal/rec/final e run args suite=$fam-exits
+  local base=$dir/heal/rec/final e run start args suite=$fam-exits
   [ -f "$base/config.json" ] || { echo "skip exits: rec's healing ($base) has not finished" >&2; return 0; }
+  local body=$dir/models/rec-body  # the healed model without its exit adapter
+  [ -f "$body/config.json" ] || $PYTHON -c 'import sys
+from looplm.models import load_model, save_model
+model, tok = load_model(sys.argv[1])
+model.exit_adapter = model.config.exit_adapter = None
+save_model(model, tok, sys.argv[2])' "$base" "$body"
   for e in exit exitctl exitlora; do
     run=$dir/exits/$e
     [ -d "$run/final" ] && continue
     case $e in
-      exit) args="--early-exit aggressive --self-distill" ;;
-      exitctl) args="--early-exit none" ;;
-      exitlora) args="--early-exit aggressive --self-distill --exit-adapter head-lora:128 --freeze-body" ;;
+      exit) start=$base args="--early-exit aggressive --self-distill" ;;
+      exitctl) start=$base args="--early-exit none" ;;
+      exitlora) start=$body args="--early-exit aggressive --self-distill --exit-adapter head-lora:128 --freeze-body" ;;
     esac
     [ -f "$run/run.json" ] && args+=" --resume"
     # shellcheck disable=SC2086  # a word list
-    $LOOPLM train "$base" --teacher "$model" --kd fkl --data "$heal_data" --data-rows new --out "$run" \
+    $LOOPLM train "$start" --teacher "$model" --kd fkl --data "$heal_data" --data-rows new --out "$run" \
       --batch-size 2 --seq-len 512 --max-steps "$EXIT_STEPS" --save-every-steps 10 --no-progress $args
   done
   [ "$TASKS" = none ] && suite+=-perplexity
@@ -171,7 +183,7 @@ for fam in $FAMILIES; do
     done
     pairs=()  # the pairs the claims turn on, where both models exist
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rec-heal,rec-kd \
-             reduced-heal,reduced-kd; do
+             reduced-heal,reduced-kd lora4-heal,prefix71-heal; do
       [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
     done
     $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \

@@ -47,6 +47,7 @@ CLAIMS = (
     Claim("SVD init of the LoRA beats zero init", "rel-svd64", "rel-zero64"),
     Claim("Pretrained init is far better than random", "rec-average", "rec-random"),
     Claim("Relaxation beats the plain recursive model at equal init (Average)", "rel-svd64", "rec-average"),
+    Claim("LoRA relaxes better than learned prefixes at equal parameters (healed)", "lora4-heal", "prefix71-heal"),
     Claim(
         "Early-exit post-training keeps the final loop's quality (against the same steps without the exit term)",
         "rec-exit",
