@@ -20,7 +20,8 @@
 # uptraining loss (0.5 CE + 0.5 KD) three ways, on the same rows: rec-exit (the paper's early-exit post-training:
 # every intermediate exit at 0.1 with distillation from the detached final exit), rec-exitctl (the control: the
 # same steps, no exit term) and rec-exitlora (a rank-128 LoRA on the LM head per intermediate exit, body frozen,
-# the exits taught by the original; in place of the affine exit adapter healing trained, OUT/FAMILY/models/rec-body). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
+# the exits taught by the original; it replaces the affine exit adapter healing trained: OUT/FAMILY/models/rec-body
+# is the healed model without it). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
 # loop and at loop 1 (MODEL@1, named NAME-loop1), with EXIT_WINDOWS windows.
 # Healing is the recipe as `looplm heal` ships it (the out-of-domain suite settled it: docs/RESULTS.md "Healed
 # quality off the corpus"): no --data, so it reads out/corpus-<teacher>-mix-512, the original's own text beside as
@@ -152,7 +153,7 @@ save_model(model, tok, sys.argv[2])' "$base" "$body"
     "rec-exitlora-loop1=$dir/exits/exitlora/final@1" --data "$real" --tasks "$TASKS" --limit "$LIMIT" \
     --windows "$EXIT_WINDOWS" --compare rec-exit,rec-exitctl --compare rec-exit-loop1,rec-exitctl-loop1 \
     --compare rec-exit-loop1,rec-exitlora-loop1 --resume --out "$RESULTS/$suite" \
-    --reproduce "FAMILIES=$fam OUT=$OUT STEPS=\"exits\" TASKS=$TASKS bash experiments/paper_comparison.sh" \
+    --reproduce "FAMILIES=$fam OUT=$OUT STEPS=\"exits\" EXIT_STEPS=$EXIT_STEPS TASKS=$TASKS bash experiments/paper_comparison.sh" \
     > "$dir/logs/suite-$suite.log"
 }
 

@@ -125,7 +125,8 @@ def add_exit_adapters(model, kind: str, rank: int | None = None) -> ExitAdapter:
         if c.exit_adapter != spec:
             raise UsageError(
                 f"the model already has a {describe_spec(c.exit_adapter)} exit adapter, not "
-                f"{describe_spec(spec)}; start from a model without one"
+                f"{describe_spec(spec)}: leave out --exit-adapter to keep training it, or start from a model "
+                f"healed with `--exit-adapter none`"
             )
         return model.exit_adapter
     p = next(model.parameters())
