@@ -8,7 +8,7 @@
 #   lora4, prefix71  rec's conversion relaxed at equal parameters (smollm2 only): per-depth LoRA of rank 4
 #                 (1,221,120) against 71 learned prefix vectors per depth (appendix G; 1,226,880)
 #   original  (d) the reference
-# Each student is healed (`looplm heal`) for the same budget (HEAL_BUDGET: the tokens a quarter hour of healing
+# Each student is healed (`looplm heal`) for the same budget (the family's, below: the tokens a quarter hour of healing
 # reads, with its local share; one teacher cache per family, OUT/FAMILY/cache) into OUT/FAMILY/heal/NAME, named
 # NAME-heal in the suite; rec and reduced are also uptrained with the paper's recipe (`looplm train`: 0.5 CE + 0.5 forward KL from the original, online) for the
 # wall time their healing took (its heal.json) into OUT/FAMILY/kd/NAME, named NAME-kd. Then `looplm eval suite`
@@ -45,7 +45,9 @@ FAMILIES=${FAMILIES:-smollm2}
 # so that every student reads the same text whichever machine and whatever its speed. A quarter, not the hour: a
 # session here is three hours on a new machine, which must set up, make the recipe's corpus (20-35 minutes), heal
 # a pair and score it; on the AVX2-only EPYC that leaves about an hour for the pair's healing.
-HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 327452 --local-share 0.6395"}
+# Gemma gets half the tokens, about the same minutes: a Gemma-3-270M token costs about twice a SmolLM2 one (18 layer
+# passes 640 wide and a 262k-token head, against 30 passes 576 wide and a 49k one). HEAL_BUDGET sets both.
+smollm2_budget="--train-tokens 327452 --local-share 0.6395" gemma3_budget="--train-tokens 163726 --local-share 0.6395"
 HEAL_ARGS=${HEAL_ARGS:-"--compile"}  # a token budget is not compiled by default; everything else is the recipe's
 LIMIT=${LIMIT:-500}
 TASKS=${TASKS:-paper7}
@@ -57,10 +59,11 @@ RESULTS=${RESULTS:-docs/results/paper-comparison}
 CLAIMS_OUT=${CLAIMS_OUT:-docs/results/claims-small-scale.md}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
-family() {  # family NAME: sets model, loops, students (healed) and kd_students (uptrained) of STUDENTS
+family() {  # family NAME: sets model, loops, budget, students (healed) and kd_students (uptrained) of STUDENTS
   case $1 in
-    smollm2) model=smollm2-135m loops=2 students="rec reduced rel64 rel128 lora4 prefix71" kd_students="rec reduced" ;;
-    gemma3) model=gemma3-270m loops=3 students="rec reduced" kd_students="rec reduced" ;;
+    smollm2) model=smollm2-135m loops=2 students="rec reduced rel64 rel128 lora4 prefix71" kd_students="rec reduced"
+             budget=${HEAL_BUDGET:-$smollm2_budget} ;;
+    gemma3) model=gemma3-270m loops=3 students="rec reduced" kd_students="rec reduced" budget=${HEAL_BUDGET:-$gemma3_budget} ;;
     *) echo "error: unknown family $1 in FAMILIES (use smollm2 and/or gemma3)" >&2; exit 2 ;;
   esac
   all_students=$students all_kd_students=$kd_students  # the suite scores whatever of them exists
@@ -110,7 +113,7 @@ heal() {  # heal STUDENT RUN
   local resume=""; [ -f "$run/run.json" ] && resume="--resume"
   # shellcheck disable=SC2086  # the budget and options are word lists
   $LOOPLM heal "$student" --teacher "$model" --out "$run" --cache "$(dirname "$(dirname "$run")")/cache" \
-    --no-progress $HEAL_BUDGET $HEAL_ARGS $resume
+    --no-progress $budget $HEAL_ARGS $resume
 }
 
 uptrain() {  # uptrain STUDENT RUN HEAL: the paper's recipe (experiments/paper_runs.sh's) for the minutes HEAL took
