@@ -17,11 +17,11 @@
 # a later session, whose out/ is new, scores only the models missing there); `looplm eval claims` decides the
 # paper's claims from the suites of every family in FAMILIES, into one table (CLAIMS_OUT).
 # The early-exit rows (step exits, smollm2): rec's healed model post-trained for EXIT_STEPS steps of the paper's
-# uptraining loss (0.5 CE + 0.5 KD) three ways, on the same rows: rec-exit (the paper's early-exit post-training:
+# uptraining loss (0.5 CE + 0.5 KD) four ways, on the same rows: rec-exit (the paper's early-exit post-training:
 # every intermediate exit at 0.1 with distillation from the detached final exit), rec-exitctl (the control: the
-# same steps, no exit term) and rec-exitlora (a rank-128 LoRA on the LM head per intermediate exit, body frozen,
-# the exits taught by the original; it replaces the affine exit adapter healing trained: OUT/FAMILY/models/rec-body
-# is the healed model without it). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
+# same steps, no exit term), and from OUT/FAMILY/models/rec-body (the healed model without the affine exit adapter
+# healing trained) rec-exitbody (the same early-exit post-training, body trained, no adapter) against rec-exitlora
+# (a rank-128 LoRA on the LM head per intermediate exit, body frozen: the paper's appendix-I alternative). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
 # loop and at loop 1 (MODEL@1, named NAME-loop1), with EXIT_WINDOWS windows.
 # Healing is the recipe as `looplm heal` ships it (the out-of-domain suite settled it: docs/RESULTS.md "Healed
 # quality off the corpus"): no --data, so it reads out/corpus-<teacher>-mix-512, the original's own text beside as
@@ -136,12 +136,13 @@ from looplm.models import load_model, save_model
 model, tok = load_model(sys.argv[1])
 model.exit_adapter = model.config.exit_adapter = None
 save_model(model, tok, sys.argv[2])' "$base" "$body"
-  for e in exit exitctl exitlora; do
+  for e in exit exitctl exitbody exitlora; do
     run=$dir/exits/$e
     [ -d "$run/final" ] && continue
     case $e in
       exit) start=$base args="--early-exit aggressive --self-distill" ;;
       exitctl) start=$base args="--early-exit none" ;;
+      exitbody) start=$body args="--early-exit aggressive --self-distill" ;;
       exitlora) start=$body args="--early-exit aggressive --self-distill --exit-adapter head-lora:128 --freeze-body" ;;
     esac
     [ -f "$run/run.json" ] && args+=" --resume"
@@ -153,9 +154,9 @@ save_model(model, tok, sys.argv[2])' "$base" "$body"
   $LOOPLM eval suite "original=$model" "rec-heal=$base" "rec-heal-loop1=$base@1" \
     "rec-exit=$dir/exits/exit/final" "rec-exit-loop1=$dir/exits/exit/final@1" \
     "rec-exitctl=$dir/exits/exitctl/final" "rec-exitctl-loop1=$dir/exits/exitctl/final@1" \
-    "rec-exitlora-loop1=$dir/exits/exitlora/final@1" --data "$real" --tasks "$TASKS" --limit "$LIMIT" \
+    "rec-exitbody-loop1=$dir/exits/exitbody/final@1" "rec-exitlora-loop1=$dir/exits/exitlora/final@1" --data "$real" --tasks "$TASKS" --limit "$LIMIT" \
     --windows "$EXIT_WINDOWS" --compare rec-exit,rec-exitctl --compare rec-exit-loop1,rec-exitctl-loop1 \
-    --compare rec-exit-loop1,rec-exitlora-loop1 --resume --out "$RESULTS/$suite" \
+    --compare rec-exitbody-loop1,rec-exitlora-loop1 --resume --out "$RESULTS/$suite" \
     --reproduce "FAMILIES=$fam OUT=$OUT STEPS=\"exits\" EXIT_STEPS=$EXIT_STEPS TASKS=$TASKS bash experiments/paper_comparison.sh" \
     > "$dir/logs/suite-$suite.log"
 }

@@ -60,9 +60,9 @@ CLAIMS = (
         "rec-exitctl-loop1",
     ),
     Claim(
-        "Training the body for early exits beats a head-LoRA exit adapter on the frozen body (loop 1; the adapter "
-        "starts from the bare exit, the body's run from healing's affine adapter)",
-        "rec-exit-loop1",
+        "Training the body for early exits beats a head-LoRA exit adapter on the frozen body (loop 1, both from "
+        "the healed model without its exit adapter)",
+        "rec-exitbody-loop1",
         "rec-exitlora-loop1",
     ),
 )
