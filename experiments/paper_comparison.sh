@@ -7,6 +7,9 @@
 #   rel64, rel128  (c) relaxed: the same conversion with per-depth LoRA of rank 64 and 128 (smollm2 only)
 #   lora4, prefix71  rec's conversion relaxed at equal parameters (smollm2 only): per-depth LoRA of rank 4
 #                 (1,221,120) against 71 learned prefix vectors per depth (appendix G; 1,226,880)
+#   rec-average, rec-stepwise, rec-random, rel-stepwise64, rel-zero64  the paper's initialisations (smollm2 only):
+#                 rank 0 from Average, Stepwise or Random shared weights; rank 64 from Stepwise, or with zero LoRA
+#                 (rel64 is Average with SVD LoRA)
 #   original  (d) the reference
 # Each student is healed (`looplm heal`) for the same budget (the family's, below: the tokens a quarter hour of healing
 # reads, with its local share; one teacher cache per family, OUT/FAMILY/cache) into OUT/FAMILY/heal/NAME, named
@@ -61,7 +64,8 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 family() {  # family NAME: sets model, loops, budget, students (healed) and kd_students (uptrained) of STUDENTS
   case $1 in
-    smollm2) model=smollm2-135m loops=2 students="rec reduced rel64 rel128 lora4 prefix71" kd_students="rec reduced"
+    smollm2) model=smollm2-135m loops=2 kd_students="rec reduced"
+             students="rec reduced rel64 rel128 lora4 prefix71 rec-average rec-stepwise rec-random rel-stepwise64 rel-zero64"
              budget=${HEAL_BUDGET:-$smollm2_budget} ;;
     gemma3) model=gemma3-270m loops=3 students="rec reduced" kd_students="rec reduced" budget=${HEAL_BUDGET:-$gemma3_budget} ;;
     *) echo "error: unknown family $1 in FAMILIES (use smollm2 and/or gemma3)" >&2; exit 2 ;;
@@ -102,6 +106,12 @@ convert() {  # convert NAME DIR: the student NAME of this family, built once
            --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
     prefix71) $LOOPLM convert "$model" --loops "$loops" --relax prefix --prefix-length 71 --init aware \
            --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
+    rec-average|rec-stepwise|rec-random) $LOOPLM convert "$model" --loops "$loops" --lora-rank 0 --init "${name#rec-}" \
+           --norms per-depth --out "$dir" ;;
+    rel-stepwise64) $LOOPLM convert "$model" --loops "$loops" --lora-rank 64 --init stepwise --lora-init aware-svd \
+           --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
+    rel-zero64) $LOOPLM convert "$model" --loops "$loops" --lora-rank 64 --init average --lora-init zero \
+           --norms per-depth --out "$dir" ;;
     rel*) $LOOPLM convert "$model" --loops "$loops" --lora-rank "${name#rel}" --init average --lora-init aware-svd \
            --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
   esac
@@ -188,7 +198,9 @@ for fam in $FAMILIES; do
     done
     pairs=()  # the pairs the claims turn on, where both models exist
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rec-heal,rec-kd \
-             reduced-heal,reduced-kd lora4-heal,prefix71-heal; do
+             reduced-heal,reduced-kd lora4-heal,prefix71-heal rec-stepwise-heal,rec-average-heal \
+             rel64-heal,rel-stepwise64-heal rel64-heal,rel-zero64-heal rec-average-heal,rec-random-heal \
+             rel64-heal,rec-average-heal; do
       [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
     done
     $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \

@@ -34,19 +34,18 @@ class Claim:
     keeps: bool = False
 
 
-# Names as experiments/paper_comparison.sh (healed: -heal, the paper's uptraining: -kd) and
-# experiments/paper_runs.sh (the initialisation students) give them to `looplm eval suite`; -loop1: the exit after
-# loop 1 (MODEL@1).
+# Names as experiments/paper_comparison.sh gives them to `looplm eval suite` (healed: -heal, the paper's uptraining:
+# -kd); -loop1: the exit after loop 1 (MODEL@1).
 CLAIMS = (
     Claim("A recursive model beats a reduced-size model of the same N-emb (healed)", "rec-heal", "reduced-heal"),
     Claim("A recursive model beats a reduced-size model of the same N-emb (uptrained with KD)", "rec-kd", "reduced-kd"),
     Claim("Relaxation (LoRA rank 64) beats the plain recursive model", "rel64-heal", "rec-heal"),
     Claim("A larger LoRA rank moves further toward the original (128 against 64)", "rel128-heal", "rel64-heal"),
-    Claim("Stepwise is the best init without LoRA (against Average)", "rec-stepwise", "rec-average"),
-    Claim("Average is the best init with LoRA (against Stepwise, SVD rank 64)", "rel-svd64", "rel-stepwise-svd64"),
-    Claim("SVD init of the LoRA beats zero init", "rel-svd64", "rel-zero64"),
-    Claim("Pretrained init is far better than random", "rec-average", "rec-random"),
-    Claim("Relaxation beats the plain recursive model at equal init (Average)", "rel-svd64", "rec-average"),
+    Claim("Stepwise is the best init without LoRA (against Average)", "rec-stepwise-heal", "rec-average-heal"),
+    Claim("Average is the best init with LoRA (against Stepwise, SVD rank 64)", "rel64-heal", "rel-stepwise64-heal"),
+    Claim("SVD init of the LoRA beats zero init (rank 64)", "rel64-heal", "rel-zero64-heal"),
+    Claim("Pretrained init is far better than random", "rec-average-heal", "rec-random-heal"),
+    Claim("Relaxation beats the plain recursive model at equal init (Average)", "rel64-heal", "rec-average-heal"),
     Claim("LoRA relaxes better than learned prefixes at equal parameters (healed)", "lora4-heal", "prefix71-heal"),
     Claim(
         "Early-exit post-training keeps the final loop's quality (against the same steps without the exit term)",
