@@ -167,6 +167,9 @@ def test_claims_are_decided_from_the_saved_results(tmp_path):
     assert held["budget"].startswith("heal: 1,000") and held["se"] > 0 and held["command"] == result["command"]
     table = markdown(entries)
     assert "| **held** |" in table and "| not run |" in table and str(path) in table
+    again = tmp_path / "suite-perplexity.json"  # the same models scored again: each figure is given once
+    again.write_text(json.dumps(result))
+    assert len(decide(CLAIMS, load_results([path, again]))) == len(entries)
     # "keeps": no worse beyond two SE is held (inside the noise too), clearly worse is not held
     keeps = synthetic_result(
         {

@@ -1,7 +1,7 @@
 """`looplm eval claims`: the paper's claims decided from saved suite results, as one markdown table.
 
 Each claim names two models of a suite (by the NAME of `looplm eval suite NAME=MODEL ...`) and the model the
-paper says is better, or (``keeps``) no worse. For every results file holding both, and every metric the suite
+paper says is better, or (``keeps``) no worse. For the first results file holding both, and every metric the suite
 scored (out-of-domain and in-domain perplexity, the seven-task average), the table gives the gap with its paired
 standard error, each model's training budget, and the decision: held or not held when the gap is beyond two
 standard errors, else "not decided at this budget"; a claim that A keeps B's quality is held unless A is worse
@@ -105,18 +105,21 @@ def _number(c: dict) -> str:
 def decide(
     claims: tuple[Claim, ...], results: list[tuple[Path, dict]], resamples: int = stats.RESAMPLES, seed: int = 0
 ) -> list[dict]:
-    """One entry per claim, results file holding both its models, and metric; one "not run" entry per claim
-    that no file holds."""
+    """One entry per claim, original and metric, from the first results file holding both its models (a
+    perplexity-only suite of models that a fuller one also scored repeats its figures); one "not run" entry per
+    claim that no file holds."""
     out = []
     for claim in claims:
-        found = False
+        found, decided = False, set()
         for path, result in results:
             rows = {r["name"]: r for r in result["rows"]}
             if claim.better not in rows or claim.worse not in rows:
                 continue
             found = True
             scored = stats.metrics_of(result)
-            for metric in (m for m in CLAIM_METRICS if m in scored):
+            reference = result["rows"][0]["model"]
+            for metric in (m for m in CLAIM_METRICS if m in scored and (reference, m) not in decided):
+                decided.add((reference, metric))
                 c = stats.compare(result, claim.better, claim.worse, metric, resamples, seed)
                 budgets = [rows[n].get("budget") or "as given" for n in (claim.better, claim.worse)]
                 out.append(
@@ -124,7 +127,7 @@ def decide(
                         "claim": claim.text,
                         "better": claim.better,
                         "worse": claim.worse,
-                        "reference": result["rows"][0]["model"],
+                        "reference": reference,
                         "metric": metric,
                         "difference": c["difference"],
                         "se": c["se"],
