@@ -24,8 +24,9 @@
 # every intermediate exit at 0.1 with distillation from the detached final exit), rec-exitctl (the control: the
 # same steps, no exit term), and from OUT/FAMILY/models/rec-body (the healed model without the affine exit adapter
 # healing trained) rec-exitbody (the same early-exit post-training, body trained, no adapter) against rec-exitlora
-# (a rank-128 LoRA on the LM head per intermediate exit, body frozen: the paper's appendix-I alternative). Their suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final
-# loop and at loop 1 (MODEL@1, named NAME-loop1), with EXIT_WINDOWS windows.
+# (a rank-128 LoRA on the LM head per intermediate exit, body frozen: the paper's appendix-I alternative). Their
+# suite, RESULTS/FAMILY-exits[-perplexity].json, scores each at its final loop and at loop 1 (MODEL@1, named
+# NAME-loop1), with EXIT_WINDOWS windows.
 # Healing is the recipe as `looplm heal` ships it (the out-of-domain suite settled it: docs/RESULTS.md "Healed
 # quality off the corpus"): no --data, so it reads out/corpus-<teacher>-mix-512, the original's own text beside as
 # many real tokens, which the first heal of a family makes (the teacher writes 300,000 tokens: ~20 min for SmolLM2);
@@ -164,7 +165,8 @@ save_model(model, tok, sys.argv[2])' "$base" "$body"
   $LOOPLM eval suite "original=$model" "rec-heal=$base" "rec-heal-loop1=$base@1" \
     "rec-exit=$dir/exits/exit/final" "rec-exit-loop1=$dir/exits/exit/final@1" \
     "rec-exitctl=$dir/exits/exitctl/final" "rec-exitctl-loop1=$dir/exits/exitctl/final@1" \
-    "rec-exitbody-loop1=$dir/exits/exitbody/final@1" "rec-exitlora-loop1=$dir/exits/exitlora/final@1" --data "$real" --tasks "$TASKS" --limit "$LIMIT" \
+    "rec-exitbody-loop1=$dir/exits/exitbody/final@1" "rec-exitlora-loop1=$dir/exits/exitlora/final@1" \
+    --data "$real" --tasks "$TASKS" --limit "$LIMIT" \
     --windows "$EXIT_WINDOWS" --compare rec-exit,rec-exitctl --compare rec-exit-loop1,rec-exitctl-loop1 \
     --compare rec-exitbody-loop1,rec-exitlora-loop1 --resume --out "$RESULTS/$suite" \
     --reproduce "FAMILIES=$fam OUT=$OUT STEPS=\"exits\" EXIT_STEPS=$EXIT_STEPS TASKS=$TASKS bash experiments/paper_comparison.sh" \
