@@ -188,16 +188,18 @@ for fam in $FAMILIES; do
   if has suite; then
     suite=$fam reproduce="FAMILIES=$fam OUT=$OUT"
     [ "$TASKS" = none ] && suite=$fam-perplexity reproduce+=" TASKS=none"
-    [ -n "${STUDENTS:-}" ] && reproduce+=" STUDENTS=\"$STUDENTS\" STEPS=\"data convert heal suite claims\""
-    specs=("original=$model") names=()
+    specs=("original=$model") names=() scored_students=()
     for s in $all_students; do  # every model healed here or scored in an earlier session (kept, not reloaded)
       { [ -f "$dir/heal/$s/final/config.json" ] || scored "$s-heal" "$suite"; } &&
-        specs+=("$s-heal=$dir/heal/$s/final") && names+=("$s-heal")
+        specs+=("$s-heal=$dir/heal/$s/final") && names+=("$s-heal") && scored_students+=("$s")
     done
     for s in $all_kd_students; do
       { [ -f "$dir/kd/$s/final/config.json" ] || scored "$s-kd" "$suite"; } &&
         specs+=("$s-kd=$dir/kd/$s/final") && names+=("$s-kd")
     done
+    # the command that makes every row the file holds, whichever sessions scored them (not only this one's)
+    [ "${scored_students[*]}" != "$all_students" ] &&
+      reproduce+=" STUDENTS=\"${scored_students[*]}\" STEPS=\"data convert heal suite claims\""
     pairs=()  # the pairs the claims turn on, where both models exist
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rec-heal,rec-kd \
              reduced-heal,reduced-kd lora4-heal,prefix71-heal rec-stepwise-heal,rec-average-heal \
