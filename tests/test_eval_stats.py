@@ -163,10 +163,20 @@ def test_claims_are_decided_from_the_saved_results(tmp_path):
     assert by[("rel64-heal", "rec-heal", "ood")]["decision"] == "not held"
     assert by[("rel128-heal", "rel64-heal", "ood")]["decision"] == "not decided at this budget"
     assert by[("rec-kd", "reduced-kd", None)]["decision"] == "not run"
+    # a claim not run yet names the command that runs it, once per original it is tested on
+    assert by[("rec-kd", "reduced-kd", None)]["command"] == (
+        'FAMILIES=smollm2 STUDENTS="rec reduced" STEPS="data convert heal kd suite claims" '
+        "bash experiments/paper_comparison.sh"
+    )
+    missing = [
+        (e["reference"], e["command"]) for e in entries if e["decision"] == "not run" and e["better"] == "rec-heal"
+    ]
+    assert [r for r, _ in missing] == ["smollm2-135m", "gemma3-270m"] and missing[1][1].startswith("FAMILIES=gemma3 ")
     held = by[("rec-heal", "reduced-heal", "ood")]
     assert held["budget"].startswith("heal: 1,000") and held["se"] > 0 and held["command"] == result["command"]
     table = markdown(entries)
     assert "| **held** |" in table and "| not run |" in table and str(path) in table
+    assert f"| not run | `{by[('rec-kd', 'reduced-kd', None)]['command']}` |" in table
     again = tmp_path / "suite-perplexity.json"  # the same models scored again: each figure is given once
     again.write_text(json.dumps(result))
     assert len(decide(CLAIMS, load_results([path, again]))) == len(entries)

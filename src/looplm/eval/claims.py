@@ -5,8 +5,9 @@ paper says is better, or (``keeps``) no worse. For the first results file holdin
 scored (out-of-domain and in-domain perplexity, the seven-task average), the table gives the gap with its paired
 standard error, each model's training budget, and the decision: held or not held when the gap is beyond two
 standard errors, else "not decided at this budget"; a claim that A keeps B's quality is held unless A is worse
-beyond two standard errors. Claims whose models no results file holds read "not run". Nothing is rescored: the
-suite's JSON keeps every window's loss and every document's score.
+beyond two standard errors. A claim no results file holds for one of the originals it is tested on reads "not
+run", with the command that runs it. Nothing is rescored: the suite's JSON keeps every window's loss and every
+document's score.
 """
 
 from __future__ import annotations
@@ -24,45 +25,110 @@ CLAIM_METRICS = ("ood", "in_domain", "average")
 METRIC_NAMES = {"ood": "out-of-domain log-ppl", "in_domain": "held-out log-ppl", "average": "7-task accuracy"}
 
 
+# the family experiments/paper_comparison.sh names each original by (its FAMILIES)
+FAMILIES = {"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}
+HEAL_STEPS = "data convert heal suite claims"
+
+
 @dataclass(frozen=True)
 class Claim:
-    """The paper says model ``better`` beats model ``worse`` (suite names), or with ``keeps`` that it is no worse."""
+    """The paper says model ``better`` beats model ``worse`` (suite names), or with ``keeps`` that it is no worse.
+    ``runs``: experiments/paper_comparison.sh's settings that make and score both, and ``originals`` the models it
+    is tested on (each a "not run" row until a results file holds it)."""
 
     text: str
     better: str
     worse: str
+    runs: str
     keeps: bool = False
+    originals: tuple[str, ...] = ("smollm2-135m",)
+
+    def command(self, original: str) -> str:
+        return f"FAMILIES={FAMILIES.get(original, original)} {self.runs} bash experiments/paper_comparison.sh"
+
+
+def _students(names: str, steps: str = HEAL_STEPS) -> str:
+    return f'STUDENTS="{names}" STEPS="{steps}"'
 
 
 # Names as experiments/paper_comparison.sh gives them to `looplm eval suite` (healed: -heal, the paper's uptraining:
 # -kd); -loop1: the exit after loop 1 (MODEL@1).
+EXITS = _students("rec", "data convert heal exits claims")
 CLAIMS = (
-    Claim("A recursive model beats a reduced-size model of the same N-emb (healed)", "rec-heal", "reduced-heal"),
-    Claim("A recursive model beats a reduced-size model of the same N-emb (uptrained with KD)", "rec-kd", "reduced-kd"),
-    Claim("Relaxation (LoRA rank 64) beats the plain recursive model", "rel64-heal", "rec-heal"),
-    Claim("A larger LoRA rank moves further toward the original (128 against 64)", "rel128-heal", "rel64-heal"),
-    Claim("Stepwise is the best init without LoRA (against Average)", "rec-stepwise-heal", "rec-average-heal"),
-    Claim("Average is the best init with LoRA (against Stepwise, SVD rank 64)", "rel64-heal", "rel-stepwise64-heal"),
-    Claim("SVD init of the LoRA beats zero init (rank 64)", "rel64-heal", "rel-zero64-heal"),
-    Claim("Pretrained init is far better than random", "rec-average-heal", "rec-random-heal"),
-    Claim("Relaxation beats the plain recursive model at equal init (Average)", "rel64-heal", "rec-average-heal"),
-    Claim("LoRA relaxes better than learned prefixes at equal parameters (healed)", "lora4-heal", "prefix71-heal"),
+    Claim(
+        "A recursive model beats a reduced-size model of the same N-emb (healed)",
+        "rec-heal",
+        "reduced-heal",
+        _students("rec reduced"),
+        originals=("smollm2-135m", "gemma3-270m"),
+    ),
+    Claim(
+        "A recursive model beats a reduced-size model of the same N-emb (uptrained with KD)",
+        "rec-kd",
+        "reduced-kd",
+        _students("rec reduced", "data convert heal kd suite claims"),
+    ),
+    Claim(
+        "Relaxation (LoRA rank 64) beats the plain recursive model", "rel64-heal", "rec-heal", _students("rec rel64")
+    ),
+    Claim(
+        "A larger LoRA rank moves further toward the original (128 against 64)",
+        "rel128-heal",
+        "rel64-heal",
+        _students("rel64 rel128"),
+    ),
+    Claim(
+        "Stepwise is the best init without LoRA (against Average)",
+        "rec-stepwise-heal",
+        "rec-average-heal",
+        _students("rec-stepwise rec-average"),
+    ),
+    Claim(
+        "Average is the best init with LoRA (against Stepwise, SVD rank 64)",
+        "rel64-heal",
+        "rel-stepwise64-heal",
+        _students("rel64 rel-stepwise64"),
+    ),
+    Claim(
+        "SVD init of the LoRA beats zero init (rank 64)", "rel64-heal", "rel-zero64-heal", _students("rel64 rel-zero64")
+    ),
+    Claim(
+        "Pretrained init is far better than random",
+        "rec-average-heal",
+        "rec-random-heal",
+        _students("rec-average rec-random"),
+    ),
+    Claim(
+        "Relaxation beats the plain recursive model at equal init (Average)",
+        "rel64-heal",
+        "rec-average-heal",
+        _students("rel64 rec-average"),
+    ),
+    Claim(
+        "LoRA relaxes better than learned prefixes at equal parameters (healed)",
+        "lora4-heal",
+        "prefix71-heal",
+        _students("lora4 prefix71"),
+    ),
     Claim(
         "Early-exit post-training keeps the final loop's quality (against the same steps without the exit term)",
         "rec-exit",
         "rec-exitctl",
+        EXITS,
         keeps=True,
     ),
     Claim(
         "Early-exit post-training raises loop 1's quality (against the same steps without it)",
         "rec-exit-loop1",
         "rec-exitctl-loop1",
+        EXITS,
     ),
     Claim(
         "Training the body for early exits beats a head-LoRA exit adapter on the frozen body (loop 1, both from "
         "the healed model without its exit adapter)",
         "rec-exitbody-loop1",
         "rec-exitlora-loop1",
+        EXITS,
     ),
 )
 
@@ -106,18 +172,18 @@ def decide(
     claims: tuple[Claim, ...], results: list[tuple[Path, dict]], resamples: int = stats.RESAMPLES, seed: int = 0
 ) -> list[dict]:
     """One entry per claim, original and metric, from the first results file holding both its models (a
-    perplexity-only suite of models that a fuller one also scored repeats its figures); one "not run" entry per
-    claim that no file holds."""
+    perplexity-only suite of models that a fuller one also scored repeats its figures); one "not run" entry, with
+    the command that runs it, per original of the claim that no file holds it for."""
     out = []
     for claim in claims:
-        found, decided = False, set()
+        found, decided = set(), set()
         for path, result in results:
             rows = {r["name"]: r for r in result["rows"]}
             if claim.better not in rows or claim.worse not in rows:
                 continue
-            found = True
             scored = stats.metrics_of(result)
             reference = result["rows"][0]["model"]
+            found.add(reference)
             for metric in (m for m in CLAIM_METRICS if m in scored and (reference, m) not in decided):
                 decided.add((reference, metric))
                 c = stats.compare(result, claim.better, claim.worse, metric, resamples, seed)
@@ -138,8 +204,17 @@ def decide(
                         "command": result.get("reproduce") or result.get("command") or "",
                     }
                 )
-        if not found:
-            out.append({"claim": claim.text, "better": claim.better, "worse": claim.worse, "decision": "not run"})
+        for original in (o for o in claim.originals if o not in found):
+            out.append(
+                {
+                    "claim": claim.text,
+                    "better": claim.better,
+                    "worse": claim.worse,
+                    "reference": original,
+                    "decision": "not run",
+                    "command": claim.command(original),
+                }
+            )
     return out
 
 
@@ -153,7 +228,7 @@ def markdown(entries: list[dict], title: str = "The paper's claims") -> str:
     for e in entries:
         pair = f"`{e['better']}` against `{e['worse']}`" + (f" ({e['reference']})" if e.get("reference") else "")
         if e["decision"] == "not run":
-            lines.append(f"| {e['claim']} | {pair} | - | - | - | not run | - |")
+            lines.append(f"| {e['claim']} | {pair} | - | - | - | not run | `{e['command']}` |")
             continue
         reproduce = f"`{e['command']}` ([results]({e['results']}))" if e["command"] else f"[results]({e['results']})"
         lines.append(
