@@ -201,7 +201,7 @@ for fam in $FAMILIES; do
     [ "${scored_students[*]}" != "$all_students" ] &&
       reproduce+=" STUDENTS=\"${scored_students[*]}\" STEPS=\"data convert heal suite claims\""
     pairs=()  # the pairs the claims turn on, where both models exist
-    for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rec-heal,rec-kd \
+    for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rel64-heal,reduced-heal rel128-heal,reduced-heal rec-heal,rec-kd \
              reduced-heal,reduced-kd lora4-heal,prefix71-heal rec-stepwise-heal,rec-average-heal \
              rel64-heal,rel-stepwise64-heal rel64-heal,rel-zero64-heal rec-average-heal,rec-random-heal \
              rel64-heal,rec-average-heal; do
