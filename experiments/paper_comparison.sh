@@ -197,9 +197,12 @@ for fam in $FAMILIES; do
       { [ -f "$dir/kd/$s/final/config.json" ] || scored "$s-kd" "$suite"; } &&
         specs+=("$s-kd=$dir/kd/$s/final") && names+=("$s-kd")
     done
-    # the command that makes every row the file holds, whichever sessions scored them (not only this one's)
-    [ "${scored_students[*]}" != "$all_students" ] &&
-      reproduce+=" STUDENTS=\"${scored_students[*]}\" STEPS=\"data convert heal suite claims\""
+    # the command that makes every row the file holds, whichever sessions scored them (not only this one's), and
+    # no more: the uptraining step only where the file holds an uptrained row
+    steps="data convert heal suite claims"
+    [[ " ${names[*]} " == *-kd" "* ]] && steps="data convert heal kd suite claims"
+    [ "${scored_students[*]}" != "$all_students" ] && reproduce+=" STUDENTS=\"${scored_students[*]}\""
+    reproduce+=" STEPS=\"$steps\""
     pairs=()  # the pairs the claims turn on, where both models exist
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rel64-heal,reduced-heal rel128-heal,reduced-heal rec-heal,rec-kd \
              reduced-heal,reduced-kd lora4-heal,prefix71-heal rec-stepwise-heal,rec-average-heal \
