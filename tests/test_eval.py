@@ -415,3 +415,27 @@ def test_exit_losses_score_each_exit_of_each_window_and_skip_padding(recursive):
     assert agree[-1].item() == 17 and 0 <= agree[0].item() <= 17
     last, _, _ = recursive.exit_losses(ids, mask, final_only=True)
     assert torch.equal(last[0], torch.zeros(2)) and torch.allclose(last[1], nll[1])
+
+
+def test_final_only_perplexity_is_the_final_exit_of_the_full_pass(recursive, monkeypatch):
+    """The suite's perplexity (``final_only``) equals the final exit of the every-exit pass, window by window,
+    and runs the LM head once per window instead of once per loop."""
+    from looplm.eval.perplexity import score_windows
+
+    class Tok:  # score_windows decodes the scored tokens to count bytes
+        def decode(self, ids):
+            return "x" * len(ids)
+
+    torch.manual_seed(2)
+    windows = [torch.randint(0, 49152, (n,)).tolist() for n in (12, 7, 12)]
+    tokenizer = Tok()
+    every = score_windows(recursive, tokenizer, windows, batch_size=2)
+    heads = []
+    exit_logits = recursive.exit_logits
+    monkeypatch.setattr(recursive, "exit_logits", lambda h, loop=None: heads.append(loop) or exit_logits(h, loop))
+    final = score_windows(recursive, tokenizer, windows, batch_size=2, final_only=True)
+    assert heads == [1, 1, 1]
+    assert [r["loop"] for r in final["per_loop"]] == [2] and len(every["per_loop"]) == 2
+    assert final["perplexity"] == pytest.approx(every["perplexity"], rel=1e-6)
+    assert final["window_losses"] == pytest.approx(every["window_losses"], rel=1e-6)
+    assert final["window_tokens"] == every["window_tokens"] and final["tokens"] == every["tokens"] == 28

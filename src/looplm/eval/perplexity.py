@@ -45,9 +45,14 @@ def score_windows(
     exit_loop: int | None = None,
     max_tokens: int | None = None,
     progress: bool = False,
+    final_only: bool = False,
 ) -> dict:
     """``perplexity`` on token windows given directly (e.g. the rows of a packed corpus's held-out split), plus the
-    final exit's mean token loss and scored tokens of each window (``window_losses``, ``window_tokens``)."""
+    final exit's mean token loss and scored tokens of each window (``window_losses``, ``window_tokens``).
+
+    ``final_only``: score the exit after loop ``exit_loop`` alone (``per_loop`` then holds that loop only), for
+    callers that report no earlier exit: each exit is an LM head over the whole vocabulary, the larger part of a
+    small model's cost (Gemma's 262k-token head)."""
     if not windows:
         raise ValueError("nothing to score: no window holds two or more tokens")
     if max_tokens:
@@ -72,7 +77,7 @@ def score_windows(
         for i, w in enumerate(batch):
             ids[i, : len(w)] = torch.tensor(w)
             mask[i, : len(w)] = 1
-        w_nll, _, w_tokens = model.exit_losses(ids.to(device), mask.to(device), num_loops=loops)
+        w_nll, _, w_tokens = model.exit_losses(ids.to(device), mask.to(device), num_loops=loops, final_only=final_only)
         nll += w_nll.sum(1)
         window_nll.extend(w_nll[-1].tolist())
         window_tokens.extend(w_tokens.tolist())
@@ -86,7 +91,7 @@ def score_windows(
             "perplexity": math.exp(nll[i] / count),
             "bits_per_byte": float(nll[i] / math.log(2) / max(n_bytes, 1)),
         }
-        for i in range(loops)
+        for i in range(loops - 1 if final_only else 0, loops)
     ]
     return {
         "perplexity": per_loop[-1]["perplexity"],

@@ -48,13 +48,14 @@ def score_model(
     add_bos = bool(getattr(model.config, "add_bos_token", False))
     row: dict = {"ood": {}, "ood_tokens": 0, "ood_windows": {}}
     for name, wins in domain_windows(tok, domains, windows, seq_len, add_bos).items():
-        r = score_windows(model, tok, wins, batch_size=batch_size, exit_loop=exit_loop)
+        r = score_windows(model, tok, wins, batch_size=batch_size, exit_loop=exit_loop, final_only=True)
         row["ood"][name] = r["perplexity"]
         row["ood_tokens"] += r["tokens"]
         row["ood_windows"][name] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if corpus is not None:
         held = corpus.splits["heldout"][:windows, :seq_len]
-        r = score_windows(model, tok, [list(map(int, w)) for w in held], batch_size=batch_size, exit_loop=exit_loop)
+        held = [list(map(int, w)) for w in held]
+        r = score_windows(model, tok, held, batch_size=batch_size, exit_loop=exit_loop, final_only=True)
         row["in_domain"], row["in_domain_tokens"] = r["perplexity"], r["tokens"]
         row["in_domain_windows"] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if tasks:
