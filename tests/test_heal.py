@@ -321,10 +321,12 @@ def test_kill9_resumes_and_heals(setup):
     assert (out / "cache" / "states.bin").stat().st_mtime_ns == stamp  # the cache was reused, not rebuilt
     summary = json.loads((out / "heal.json").read_text())
     # 3,840 tokens: half local (30 steps of 2 rows x 2 depths), of the rest 90% end to end (27 steps), 10%
-    # exit adapters (3 steps)
-    assert summary["tokens"] == 27 * 2 * 32 and summary["local_tokens"] == 30 * 2 * 32 * 2
+    # exit adapters (3 steps); the summary's tokens are both stages' (the budget's share after the local stage)
+    assert summary["tokens"] == (27 + 3) * 2 * 32 and summary["local_tokens"] == 30 * 2 * 32 * 2
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r.get("stage") == "exit"] == [1, 2, 3]
+    exits = [r for r in records if r.get("stage") == "exit"]
+    assert [r["step"] for r in exits] == [1, 2, 3]
+    assert [r["tokens"] for r in exits] == [(27 + i) * 2 * 32 for i in (1, 2, 3)]
     assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
     # the healed model is a looplm model the other commands read
     model, _ = load_model(out / "final")

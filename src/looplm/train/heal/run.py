@@ -44,7 +44,7 @@ class Progress:
     visit: int = 0  # local visits done
     step: int = 0  # steps done in the stage (end to end or exit)
     time: float = 0.0  # run clock, seconds
-    tokens: int = 0  # end-to-end tokens trained on
+    tokens: int = 0  # tokens trained on after the local stage: its end-to-end steps, then the exit adapters'''s
     local_tokens: int = 0  # tokens of the local stage's steps
 
     @classmethod

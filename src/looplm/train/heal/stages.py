@@ -199,6 +199,8 @@ def exit_stage(run: HealRun) -> None:
             lambda *a: steps.exit_step(inputs, run.cache, c, *a),
             synced(run, steps.exit_loss),
             total,
+            # its steps read the budget's tokens as the end-to-end ones do (plan.py: its share of --train-tokens)
+            tokens_per_step=c.e2e_batch * c.seq_len,
         )
     inputs.student.requires_grad_(False)
 
