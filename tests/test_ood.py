@@ -118,6 +118,9 @@ def test_suite_cli_writes_the_table_and_refuses_another_tokenizer(setup, tmp_pat
     saved = json.loads(out.with_suffix(".json").read_text())
     assert [row["model"] for row in saved["rows"]] == [str(models["teacher"]), str(models["student"])]
     assert out.with_suffix(".md").read_text() in r.stdout
+    # a model's scoring is announced and shows its progress, domain by domain
+    assert f"{models['student']}: scoring {models['student']}" in r.stdout
+    assert "perplexity: qa" in r.stderr and "perplexity: tech-docs" in r.stderr
     from looplm.models import save_model
 
     other = save_model(tiny_vanilla(vocab=261), byte_tokenizer(extra="<sep>"), tmp_path / "other-tokenizer")

@@ -376,6 +376,7 @@ def cmd_eval_suite(args) -> int:
             scored=scored,
             on_row=save_partial if js is not None else None,
             log=log,
+            progress=not args.json,
         )
     result["command"] = _suite_command(args)
     if args.reproduce:

@@ -46,6 +46,7 @@ def score_windows(
     max_tokens: int | None = None,
     progress: bool = False,
     final_only: bool = False,
+    desc: str = "perplexity",
 ) -> dict:
     """``perplexity`` on token windows given directly (e.g. the rows of a packed corpus's held-out split), plus the
     final exit's mean token loss and scored tokens of each window (``window_losses``, ``window_tokens``).
@@ -69,7 +70,7 @@ def score_windows(
     count = 0
     window_nll, window_tokens = [], []  # the final exit's, per window: paired comparisons resample windows
     scored_text = []
-    for start in tqdm(range(0, len(windows), batch_size), desc="perplexity", disable=not progress):
+    for start in tqdm(range(0, len(windows), batch_size), desc=desc, disable=not progress):
         batch = windows[start : start + batch_size]
         width = max(len(w) for w in batch)
         ids = torch.full((len(batch), width), 0, dtype=torch.long)

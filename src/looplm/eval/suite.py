@@ -48,14 +48,18 @@ def score_model(
     add_bos = bool(getattr(model.config, "add_bos_token", False))
     row: dict = {"ood": {}, "ood_tokens": 0, "ood_windows": {}}
     for name, wins in domain_windows(tok, domains, windows, seq_len, add_bos).items():
-        r = score_windows(model, tok, wins, batch_size=batch_size, exit_loop=exit_loop, final_only=True)
+        r = score_windows(
+            model, tok, wins, batch_size, exit_loop, final_only=True, progress=progress, desc=f"perplexity: {name}"
+        )
         row["ood"][name] = r["perplexity"]
         row["ood_tokens"] += r["tokens"]
         row["ood_windows"][name] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if corpus is not None:
         held = corpus.splits["heldout"][:windows, :seq_len]
         held = [list(map(int, w)) for w in held]
-        r = score_windows(model, tok, held, batch_size=batch_size, exit_loop=exit_loop, final_only=True)
+        r = score_windows(
+            model, tok, held, batch_size, exit_loop, final_only=True, progress=progress, desc="perplexity: held out"
+        )
         row["in_domain"], row["in_domain_tokens"] = r["perplexity"], r["tokens"]
         row["in_domain_windows"] = {"loss": r["window_losses"], "tokens": r["window_tokens"]}
     if tasks:
@@ -135,13 +139,15 @@ def run_suite(
     scored: list[dict] | None = None,
     on_row=None,
     log=print,
+    progress: bool = False,
 ) -> dict:
     """Score every model (``specs``: MODEL or NAME=MODEL, the reference first) and compare them: each ratio with
     its standard error and interval, and ``compare``'s pairs of names (default: the first non-reference model
     against every later one) on every metric scored.
 
     ``scored``: rows of an earlier run with the same settings (``settings``); a row of the same name and model is
-    kept instead of scored again. ``on_row(rows)`` is called after each model, e.g. to save a partial result."""
+    kept instead of scored again. ``on_row(rows)`` is called after each model, e.g. to save a partial result;
+    ``progress``: a bar per domain and per task on stderr."""
     from ..convert.recursive import count_parameters
     from ..models import load_model
     from ..models.loading import tokenizer_fingerprint
@@ -174,6 +180,7 @@ def run_suite(
             rows.append(row)
             log(f"{label}: scored before, kept")
             continue
+        log(f"{label}: scoring {spec}")
         path, exit_loop = split_exit(spec)
         model, tok = load_model(path)
         try:
@@ -203,7 +210,17 @@ def run_suite(
             "budget": run_budget(path),
             "tokenizer": fp,
             **score_model(
-                model.eval(), tok, names, windows, seq_len, corpus, tasks, limit, batch_size, exit_loop=exit_loop
+                model.eval(),
+                tok,
+                names,
+                windows,
+                seq_len,
+                corpus,
+                tasks,
+                limit,
+                batch_size,
+                progress=progress,
+                exit_loop=exit_loop,
             ),
         }
         row["seconds"] = round(time.perf_counter() - t0, 1)
