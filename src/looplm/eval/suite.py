@@ -387,26 +387,29 @@ def plot(result: dict, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     tasks = len(result.get("tasks") or []) > 1
-    fig, axes = plt.subplots(1, 2 if tasks else 1, figsize=(11 if tasks else 6, 4.5), squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 if tasks else 1, figsize=(12.5 if tasks else 7.5, 4.5), squeeze=False, layout="constrained"
+    )
+    # one legend, not a label beside each point: models of the same N-emb sit on top of each other
+    styles = [{"color": f"C{i % 10}", "marker": "osD^v"[i // 10 % 5]} for i in range(len(rows))]
     x = [r["n_emb"] / 1e6 for r in rows]
     ax = axes[0][0]
-    for xi, r in zip(x, rows):
+    for xi, r, style in zip(x, rows, styles):
         st = r.get("ood_ratio_stats") or {"ratio_low": r["ood_ratio"], "ratio_high": r["ood_ratio"]}
         err = [[r["ood_ratio"] - st["ratio_low"]], [st["ratio_high"] - r["ood_ratio"]]]
-        ax.errorbar([xi], [r["ood_ratio"]], yerr=err, fmt="o", capsize=3)
-        ax.annotate(r.get("name", r["model"]), (xi, r["ood_ratio"]), textcoords="offset points", xytext=(4, 4))
+        ax.errorbar([xi], [r["ood_ratio"]], yerr=err, ls="none", capsize=3, label=r.get("name", r["model"]), **style)
     ax.set_yscale("log")
     ax.set_ylabel("out-of-domain perplexity (x the reference)")
     if tasks:
         ax2 = axes[0][1]
-        for xi, r in zip(x, rows):
-            ax2.errorbar([xi], [100 * r["average"]], yerr=[100 * (r.get("average_stderr") or 0)], fmt="o", capsize=3)
-            ax2.annotate(r.get("name", r["model"]), (xi, 100 * r["average"]), textcoords="offset points", xytext=(4, 4))
+        for xi, r, style in zip(x, rows, styles):
+            se = 100 * (r.get("average_stderr") or 0)
+            ax2.errorbar([xi], [100 * r["average"]], yerr=[se], ls="none", capsize=3, **style)
         ax2.set_ylabel("average task accuracy (%)")
     for a in axes[0]:
         a.set_xlabel("non-embedding parameters (M)")
         a.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.legend(loc="outside right center", fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
