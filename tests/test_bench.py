@@ -26,6 +26,21 @@ def run(capsys, *args):
     return captured.out
 
 
+def test_the_machine_is_named_with_its_widest_instructions(tmp_path):
+    """Two parts of one model name (AMD EPYC with and without AVX-512) run our kernels at different speeds: the
+    name a result carries tells them apart."""
+    info = tmp_path / "cpuinfo"
+    for flags, named in [
+        ("fpu sse2 avx2 fma", "AMD EPYC (AVX2)"),
+        ("avx2 avx512f avx512bw", "AMD EPYC (AVX-512)"),
+        ("avx2 avx512f avx512_bf16", "AMD EPYC (AVX-512 BF16)"),
+        ("avx512f avx512_bf16 amx_bf16 amx_tile", "AMD EPYC (AMX)"),
+        ("fpu sse2", "AMD EPYC"),
+    ]:
+        info.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+        assert cpu_model(str(info)).rsplit(",", 1)[0] == named
+
+
 def test_serve(setup, tmp_path, capsys):
     _, models, _ = setup
     out = tmp_path / "serve.json"

@@ -309,9 +309,21 @@ def test_each_row_records_the_training_budget_of_its_run(tmp_path):
     healed.mkdir(parents=True)
     trained.mkdir(parents=True)
     (healed.parent / "heal.json").write_text(json.dumps({"tokens": 1200, "local_tokens": 3400, "minutes": 60.1}))
-    (trained.parent / "run.json").write_text("{}")
-    records = [{"step": 1, "tokens": 1024}, {"step": 2, "tokens": 2048, "eval": True}, {"step": 2, "loss": 1.0}]
+    (healed.parent / "run.json").write_text(json.dumps({"machines": ["AMD EPYC (AVX2), 2 cores"]}))
+    # a run resumed on another machine names both
+    machines = ["AMD EPYC (AVX2), 2 cores", "AMD EPYC (AVX-512 BF16), 2 cores"]
+    (trained.parent / "run.json").write_text(json.dumps({"machines": machines}))
+    records = [
+        {"step": 1, "tokens": 1024, "loss": 2.0, "time": 30.0},
+        {"step": 2, "tokens": 2048, "loss": 1.0, "time": 90.0},
+        {"step": 2, "tokens": 2048, "eval": True, "ppl": 9.0},
+    ]
     (trained.parent / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    assert run_budget(str(healed)) == "heal: 1,200 end-to-end + 3,400 local tokens, 60.1 min"
-    assert run_budget(str(trained)) == "uptrain: 2,048 tokens"
+    heal = "heal: 1,200 end-to-end + 3,400 local tokens, 60.1 min on AMD EPYC (AVX2), 2 cores"
+    assert run_budget(str(healed)) == heal
+    assert run_budget(str(trained)) == (
+        "uptrain: 2,048 tokens, 1.50 min on AMD EPYC (AVX2), 2 cores, then AMD EPYC (AVX-512 BF16), 2 cores"
+    )
+    (trained.parent / "run.json").write_text("{}")  # a run from before runs named their machines
+    assert run_budget(str(trained)) == "uptrain: 2,048 tokens, 1.50 min"
     assert run_budget("smollm2-135m") is None and run_budget(str(tmp_path)) is None

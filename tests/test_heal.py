@@ -39,6 +39,7 @@ from looplm.train.heal import steps as heal_steps
 from looplm.train.heal.inputs import step_batch, teacher_spans
 from looplm.train.losses import HIDDEN_LOSSES
 from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
+from looplm.util import cpu_model
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +324,7 @@ def test_kill9_resumes_and_heals(setup):
     # 3,840 tokens: half local (30 steps of 2 rows x 2 depths), of the rest 90% end to end (27 steps), 10%
     # exit adapters (3 steps); the summary's tokens are both stages' (the budget's share after the local stage)
     assert summary["tokens"] == (27 + 3) * 2 * 32 and summary["local_tokens"] == 30 * 2 * 32 * 2
+    assert summary["machines"] == [cpu_model()]  # resumed on the machine it began on: named once
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     exits = [r for r in records if r.get("stage") == "exit"]
     assert [r["step"] for r in exits] == [1, 2, 3]

@@ -14,6 +14,7 @@ from test_train_fixtures import SRC, build_corpus, free_port, make_models, run_c
 
 from looplm.models import load_model
 from looplm.train.loop import TrainConfig, batch_indices, lr_lambda_factory, train
+from looplm.util import cpu_model
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,8 @@ def test_time_budget_becomes_a_step_count_that_resume_keeps(setup):
         assert r["lr"] == pytest.approx(1e-3 * f(r["step"] - 1))
     assert (tmp / "budget" / "final" / "config.json").exists()
     train(_cfg(setup, "budget", max_steps=None, budget_minutes=0.02, lr=1e-3, resume=True), quiet)
-    assert json.loads((tmp / "budget" / "run.json").read_text())["max_steps"] == total
+    run = json.loads((tmp / "budget" / "run.json").read_text())
+    assert run["max_steps"] == total and run["machines"] == [cpu_model()]  # the minutes' machine, named once
     assert len([r for r in metrics(tmp / "budget") if not r.get("eval")]) == total
 
 

@@ -36,17 +36,57 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-def cpu_model() -> str:
-    """The CPU's model name and core count, as benchmark results name the machine."""
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name, its widest matrix/vector instructions and its core count, as results name the machine:
+    one model name covers parts with and without AVX-512, whose speeds differ by half."""
     import platform
 
-    name = ""
+    name, flags = "", set()
     try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return f"{name or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    isa = next((label for flag, label in _ISA if flag in flags), None)
+    name = name or platform.processor() or platform.machine()
+    return f"{name}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores"
+
+
+# the widest first: the first flag the CPU has names it
+_ISA = (
+    ("amx_tile", "AMX"),
+    ("avx512_bf16", "AVX-512 BF16"),
+    ("avx512f", "AVX-512"),
+    ("avx2", "AVX2"),
+    ("asimd", "NEON"),
+)
+
+
+def machine() -> dict:
+    """The machine a result was measured on: CPU model, torch threads, device (and GPU), torch version, time (UTC)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "cpu": cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+        "device": "cuda" if cuda else "cpu",
+        **({"gpu": torch.cuda.get_device_name()} if cuda else {}),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def with_this_machine(machines: list[str]) -> list[str]:
+    """A run's ``machines`` (run.json), with the one this process runs on added where it is not the last: the
+    minutes a run reports are those machines' (a resumed run may have moved)."""
+    m = machine()
+    here = m.get("gpu") or m["cpu"]
+    return machines if machines[-1:] == [here] else [*machines, here]
 
 
 def write_json_atomic(path: Path, obj) -> None:

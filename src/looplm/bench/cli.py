@@ -83,8 +83,8 @@ def cmd_speculate(args) -> int:
 
     import torch
 
-    from ..util import print_json
-    from .report import finish, machine
+    from ..util import machine, print_json
+    from .report import finish
     from .speculate import bench_speculate
 
     if args.threads:
@@ -247,8 +247,8 @@ def cmd_serve(args) -> int:
 
     from ..serve.bench import bench_serve
     from ..serve.cli import check_engine_args
-    from ..util import print_json
-    from .report import finish, machine
+    from ..util import machine, print_json
+    from .report import finish
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,8 +11,8 @@ from pathlib import Path
 from ..train.heal import HealConfig, prepare
 from ..train.heal.inputs import open_cache
 from ..train.heal.plan import time_steps
-from ..util import keep_freed_host_memory
-from .report import machine, median
+from ..util import keep_freed_host_memory, machine
+from .report import median
 
 
 def heal_step(cfg: HealConfig, rounds: int, log=print) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
-from .report import machine
+from ..util import machine
 
 MISSING = (
     "`looplm bench llamacpp` needs llama-cpp-python, the optional `bench` extra: pip install -e .[bench] "

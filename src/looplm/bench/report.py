@@ -4,23 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
-
-from ..util import cpu_model
-
-
-def machine() -> dict:
-    """The machine a result was measured on: CPU model, torch threads, device, torch version, time (UTC)."""
-    import torch
-
-    return {
-        "cpu": cpu_model(),
-        "torch_threads": torch.get_num_threads(),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
 
 
 def median(xs) -> float:

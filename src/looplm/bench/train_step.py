@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..train.loop import TrainConfig, train
 from ..train.run_dir import RunDir
-from .report import machine, median
+from ..util import machine
+from .report import median
 
 
 def train_step(cfg: TrainConfig, warmup: int, log=print) -> dict:

@@ -110,18 +110,24 @@ def split_exit(spec: str) -> tuple[str, int | None]:
 
 def run_budget(spec: str) -> str | None:
     """What training the model had, from the run directory it is the ``final/`` of: `looplm heal`'s heal.json or
-    `looplm train`'s metrics.jsonl; None for a model that is no run's output (e.g. the original)."""
-    run = Path(spec).parent
-    heal = run / "heal.json"
-    if Path(spec).is_dir() and heal.exists():
+    `looplm train`'s metrics, its minutes with the machines they were spent on (run.json); None for a model that
+    is no run's output (e.g. the original)."""
+    from ..train.run_dir import RunDir
+
+    run = RunDir(Path(spec).parent)
+    settings = run.settings() if Path(spec).is_dir() else None
+    if settings is None:
+        return None
+    on = f" on {', then '.join(settings['machines'])}" if settings.get("machines") else ""
+    heal = run.out / "heal.json"
+    if heal.exists():
         h = json.loads(heal.read_text())
-        return f"heal: {h['tokens']:,} end-to-end + {h['local_tokens']:,} local tokens, {h['minutes']} min"
-    metrics = run / "metrics.jsonl"
-    if Path(spec).is_dir() and (run / "run.json").exists() and metrics.exists():
-        tokens = [json.loads(line).get("tokens") for line in metrics.read_text().splitlines() if line.strip()]
-        tokens = [t for t in tokens if t is not None]
-        return f"uptrain: {tokens[-1]:,} tokens" if tokens else None
-    return None
+        return f"heal: {h['tokens']:,} end-to-end + {h['local_tokens']:,} local tokens, {h['minutes']} min{on}"
+    steps = [r for r in run.records() if not r.get("eval") and r.get("tokens") is not None]
+    if not steps:
+        return None
+    minutes = f", {steps[-1]['time'] / 60:.2f} min" if "time" in steps[-1] else ""
+    return f"uptrain: {steps[-1]['tokens']:,} tokens{minutes}{on}"
 
 
 def run_suite(

@@ -25,7 +25,7 @@ import torch
 
 from ..data.generated import FORMAT, KIND, degenerate, read_manifest, read_samples, text_key
 from ..errors import UsageError
-from ..util import write_json_atomic, write_text_atomic
+from ..util import machine, write_json_atomic, write_text_atomic
 
 PROMPT_KINDS = ("start", "corpus")
 
@@ -310,27 +310,9 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
             manifest[k] += v
         gen_total = sum(s["generated_tokens"] for s in manifest["shards"])
         manifest["tokens_per_second"] = round(gen_total / max(manifest["seconds"], 1e-9), 1)
-        manifest["machine"] = _machine()
+        manifest["machine"] = machine()
         write_json_atomic(out / "manifest.json", manifest)  # the commit marker of this shard
         bar.update(kept_tokens if budget_tokens else int(seconds))
         bar.set_postfix(tok_s=manifest["tokens_per_second"], kept=manifest["kept"])
     bar.close()
     return manifest
-
-
-def _machine() -> dict:
-    import platform
-
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": model or platform.processor(),
-        "threads": torch.get_num_threads(),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-    }

@@ -38,6 +38,7 @@ from ..errors import UsageError
 from ..models.exit_adapter import add_exit_adapters
 from ..models.loading import tokenizer_fingerprint
 from ..models.quantized import has_bf16_matmuls
+from ..util import with_this_machine
 from .budget import steps_to_fill
 from .checkpoints import Checkpoints, tensorboard_writer
 from .data_order import batch_indices, micro_batch
@@ -430,6 +431,10 @@ class Trainer(Checkpoints):
                         "precision": self.precision,
                     },
                 )
+            settings = run_dir.settings()
+            machines = with_this_machine(settings.get("machines", []))
+            if machines != settings.get("machines"):  # the run's minutes are these machines'
+                run_dir.write_settings({**settings, "machines": machines})
         acc.wait_for_everyone()
         return step, tokens, elapsed, created
 

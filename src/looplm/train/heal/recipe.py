@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ...errors import UsageError
-from ...util import keep_freed_host_memory, write_json_atomic
+from ...util import keep_freed_host_memory, with_this_machine, write_json_atomic
 from ..plot import plot_heal
 from ..run_dir import RunDir, check_resume_settings
 from . import plan, stages
@@ -100,6 +100,10 @@ def heal(cfg: HealConfig, log=print) -> dict:
             "rows": len(inputs.rows),
         }
         run.write_settings()
+    machines = with_this_machine(run.settings.get("machines", []))
+    if machines != run.settings.get("machines"):  # the minutes are these machines' (heal.json names them)
+        run.settings["machines"] = machines
+        run.write_settings()
     run.start_clock()
     run.cache = open_cache(inputs, c, cache_dir, run.log, run.processes)
     if inputs.sharded:
@@ -159,6 +163,7 @@ def heal(cfg: HealConfig, log=print) -> dict:
         "out": str(out),
         "final": str(out / "final"),
         "minutes": round(progress.time / 60, 2),
+        "machines": run.settings["machines"],
         "tokens": progress.tokens,
         "local_tokens": progress.local_tokens,
         "teacher": run.settings["teacher_eval"],
