@@ -1,8 +1,8 @@
 """A run's budget, by time or by tokens (or steps), and the step count that fills what is left of a time budget.
 
 A time budget cannot be planned before steps are timed, and the speed of a shared machine moves during a run: both
-recipes time a few steps, fix the step count from them, and keep the count in run.json so that a resumed run
-follows it."""
+recipes time a few steps, fix the step count from them (`looplm train` corrects it once, halfway), and keep the
+count in run.json so that a resumed run follows it."""
 
 from __future__ import annotations
 

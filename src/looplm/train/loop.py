@@ -113,7 +113,7 @@ class TrainConfig(RunSettings):
         RunSettings,
         "budget_minutes",
         help="instead: minutes of step time (evaluations and saves not counted): the step count is fixed after "
-        "the first steps are timed, and kept on --resume",
+        "the first steps are timed, corrected once halfway, and kept on --resume",
     )
     batch_size: int = setting(2, "sequences per process per micro-step")
     grad_accum: int = setting(1, "micro-steps per optimizer step")
@@ -311,8 +311,11 @@ class Trainer(Checkpoints):
             )
         tokens_per_step = self.global_batch * seq
         # A time budget becomes a step count once the first steps are timed (stored in run.json, so that a
-        # resumed run keeps it); until then the count is open.
+        # resumed run keeps it); until then the count is open. The first steps run slower than the rest (a run
+        # of 6.7-second steps timed its first at 9.0 and filled 74% of its minutes), so the count is corrected
+        # once, halfway, from the steps timed since.
         self.budget_open = c.budget_minutes is not None and not (prev_run or {}).get("budget_fixed")
+        self.budget_corrected = c.budget_minutes is None or bool((prev_run or {}).get("budget_corrected"))
         if c.budget_minutes is not None:
             self.max_steps = prev_run["max_steps"] if not self.budget_open else 10**9
         else:
@@ -364,24 +367,25 @@ class Trainer(Checkpoints):
         warmup = c.warmup_steps if c.warmup_steps is not None else max(1, round(0.05 * self.max_steps))
         return lr_lambda_factory(warmup, self.max_steps, c.min_lr_ratio)(step)
 
-    def _fix_budget(self, step: int, elapsed: float, seconds_per_step: float) -> None:
-        """Turn --budget-minutes into a step count from the steps just timed; every process takes the main
-        process's count, and run.json keeps it for --resume."""
+    def _fix_budget(self, step: int, elapsed: float, seconds_per_step: float, correct: bool = False) -> None:
+        """Turn --budget-minutes into a step count from the steps just timed (``correct``: the count fixed before,
+        corrected); every process takes the main process's count, and run.json keeps it for --resume."""
         left = self.cfg.budget_minutes * 60 - elapsed
-        total = torch.tensor([steps_to_fill(step, left, seconds_per_step)], device=self.acc.device)
+        total = torch.tensor([steps_to_fill(step, left, seconds_per_step, at_least=1)], device=self.acc.device)
         from accelerate.utils import broadcast
 
         self.max_steps = int(broadcast(total, from_process=0).item())
-        self.budget_open = False
-        # the scheduler already set the next step's rate under the open budget: set it under the fixed one
+        self.budget_open, self.budget_corrected = False, correct
+        # the scheduler already set the next step's rate under the open (or the first) count: set it under this one
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
         if self.acc.is_main_process:
             run_dir = RunDir(self.cfg.out)
-            run_dir.write_settings({**run_dir.settings(), "max_steps": self.max_steps, "budget_fixed": True})
+            fixed = {"max_steps": self.max_steps, "budget_fixed": True, "budget_corrected": correct}
+            run_dir.write_settings({**run_dir.settings(), **fixed})
             self.log(
-                f"budget: {seconds_per_step:.2f} s per step, {self.max_steps} steps fill "
-                f"{self.cfg.budget_minutes:g} minutes"
+                f"budget{f' corrected at step {step}' if correct else ''}: {seconds_per_step:.2f} s per step, "
+                f"{self.max_steps} steps fill {self.cfg.budget_minutes:g} minutes"
             )
 
     # ----- the run itself
@@ -509,6 +513,10 @@ class Trainer(Checkpoints):
                 timed.append(dt)
                 if self.budget_open and len(timed) > BUDGET_TIMED:  # the first step warms up
                     self._fix_budget(step, elapsed, sum(timed[1:]) / (len(timed) - 1))
+                    bar.total = self.max_steps
+                elif not self.budget_corrected and step >= self.max_steps // 2 and len(timed) > 2 * BUDGET_TIMED:
+                    since = timed[len(timed) // 2 :]  # this process's later steps: past the slow first ones
+                    self._fix_budget(step, elapsed, sum(since) / len(since), correct=True)
                     bar.total = self.max_steps
                 keys = sorted(sums)
                 vals = acc.reduce(torch.stack([sums[k] for k in keys]).to(acc.device), reduction="mean")
