@@ -207,7 +207,7 @@ for fam in $FAMILIES; do
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rel64-heal,reduced-heal rel128-heal,reduced-heal rec-heal,rec-kd \
              reduced-heal,reduced-kd lora4-heal,prefix71-heal rec-stepwise-heal,rec-average-heal \
              rel64-heal,rel-stepwise64-heal rel64-heal,rel-zero64-heal rec-average-heal,rec-random-heal \
-             rel64-heal,rec-average-heal; do
+             rel64-heal,rec-average-heal rec-average-heal,rec-heal; do
       [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
     done
     $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \
