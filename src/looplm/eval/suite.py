@@ -112,18 +112,17 @@ def run_budget(spec: str) -> str | None:
     """What training the model had, from the run directory it is the ``final/`` of: `looplm heal`'s heal.json or
     `looplm train`'s metrics, its minutes with the machines they were spent on (run.json); None for a model that
     is no run's output (e.g. the original)."""
-    from ..train.run_dir import RunDir
-
-    run = RunDir(Path(spec).parent)
-    settings = run.settings() if Path(spec).is_dir() else None
-    if settings is None:
+    run = Path(spec).parent  # eval reads the run directory's files itself: it does not import train
+    if not Path(spec).is_dir() or not (run / "run.json").exists():
         return None
-    on = f" on {', then '.join(settings['machines'])}" if settings.get("machines") else ""
-    heal = run.out / "heal.json"
+    machines = json.loads((run / "run.json").read_text()).get("machines")
+    on = f" on {', then '.join(machines)}" if machines else ""
+    heal = run / "heal.json"
     if heal.exists():
         h = json.loads(heal.read_text())
         return f"heal: {h['tokens']:,} end-to-end + {h['local_tokens']:,} local tokens, {h['minutes']} min{on}"
-    steps = [r for r in run.records() if not r.get("eval") and r.get("tokens") is not None]
+    lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+    steps = [r for r in map(json.loads, filter(str.strip, lines)) if not r.get("eval") and r.get("tokens") is not None]
     if not steps:
         return None
     minutes = f", {steps[-1]['time'] / 60:.2f} min" if "time" in steps[-1] else ""
