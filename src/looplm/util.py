@@ -47,7 +47,7 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
             for line in f:
                 if line.startswith("model name") and not name:
                     name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
+                elif line.startswith(("flags", "Features")) and not flags:  # x86, Arm
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
