@@ -38,7 +38,7 @@ class Timer:
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name, its widest matrix/vector instructions and its core count, as results name the machine:
-    one model name covers parts with and without AVX-512, whose speeds differ by half."""
+    one model name covers parts with and without AVX-512, which train at different speeds."""
     import platform
 
     name, flags = "", set()

@@ -311,9 +311,8 @@ class Trainer(Checkpoints):
             )
         tokens_per_step = self.global_batch * seq
         # A time budget becomes a step count once the first steps are timed (stored in run.json, so that a
-        # resumed run keeps it); until then the count is open. The first steps run slower than the rest (a run
-        # of 6.7-second steps timed its first at 9.0 and filled 74% of its minutes), so the count is corrected
-        # once, halfway, from the steps timed since.
+        # resumed run keeps it); until then the count is open. The first steps run slower than the rest, so the
+        # count is corrected once, halfway, from the steps timed since.
         self.budget_open = c.budget_minutes is not None and not (prev_run or {}).get("budget_fixed")
         self.budget_corrected = c.budget_minutes is None or bool((prev_run or {}).get("budget_corrected"))
         if c.budget_minutes is not None:
