@@ -89,6 +89,19 @@ def with_this_machine(machines: list[str]) -> list[str]:
     return machines if machines[-1:] == [here] else [*machines, here]
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file such as a run's metrics.jsonl (none when it is missing); a line cut by a
+    kill is skipped."""
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 def write_json_atomic(path: Path, obj) -> None:
     """Write JSON so that a reader (or a run killed meanwhile) sees the old file or the new one, never half."""
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))

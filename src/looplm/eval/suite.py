@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..data.ood import domain_windows, geometric_ratio, parse_domains
 from ..errors import UsageError
-from ..util import write_json_atomic, write_text_atomic
+from ..util import read_jsonl, write_json_atomic, write_text_atomic
 from . import stats
 
 LABEL = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.+-]*)=(.+)$")
@@ -121,8 +121,7 @@ def run_budget(spec: str) -> str | None:
     if heal.exists():
         h = json.loads(heal.read_text())
         return f"heal: {h['tokens']:,} end-to-end + {h['local_tokens']:,} local tokens, {h['minutes']} min{on}"
-    lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-    steps = [r for r in map(json.loads, filter(str.strip, lines)) if not r.get("eval") and r.get("tokens") is not None]
+    steps = [r for r in read_jsonl(run / "metrics.jsonl") if not r.get("eval") and r.get("tokens") is not None]
     if not steps:
         return None
     minutes = f", {steps[-1]['time'] / 60:.2f} min" if "time" in steps[-1] else ""

@@ -20,19 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UsageError
-from ..util import write_json_atomic, write_text_atomic
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of a metrics file (none when it is missing); a line cut by a kill is skipped."""
-    records = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
+from ..util import read_jsonl, write_json_atomic, write_text_atomic
 
 
 def append_record(path: Path, record: dict, tb=None) -> None:
@@ -170,7 +158,7 @@ class RunDir:
 
     # ----- metrics
     def records(self) -> list[dict]:
-        return read_records(self.metrics)
+        return read_jsonl(self.metrics)
 
     def append(self, record: dict, tb=None) -> None:
         append_record(self.metrics, record, tb)
