@@ -105,6 +105,20 @@ def test_all_loops_pass_serves_every_exit_from_one_forward(recursive, tokenizer)
 
 
 @pytest.mark.real
+def test_one_exit_runs_the_head_at_that_exit_alone(recursive, tokenizer, monkeypatch):
+    """The LM head is most of a scored token's cost for a large vocabulary: scoring the last exit must not run
+    it at the earlier ones too."""
+    heads = []
+    exit_logits = recursive.exit_logits
+    monkeypatch.setattr(recursive, "exit_logits", lambda h, loop=None: heads.append(loop) or exit_logits(h, loop))
+    LoopLMEval(pretrained=recursive, tokenizer=tokenizer, exit_loop=2).loglikelihood(requests(None, PAIRS))
+    assert heads and set(heads) == {1}
+    heads.clear()
+    LoopLMEval(pretrained=recursive, tokenizer=tokenizer, all_loops=True).loglikelihood(requests(None, PAIRS))
+    assert set(heads) == {0, 1}
+
+
+@pytest.mark.real
 def test_exit_rule_scores_each_token_at_its_own_exit(recursive, tokenizer):
     """Dynamic exit: a rule that always leaves after loop 1 gives loop 1's scores, one that never does
     gives loop 2's, and a per-token rule mixes them token by token (checked against the plain forward)."""

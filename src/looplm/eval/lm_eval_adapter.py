@@ -18,7 +18,8 @@ Loglikelihood scoring (the speed-critical part):
   positions from the mask when a sliding window could bind; answers are sorted by length and run in
   chunks that keep padding small, masking the padded cache slots;
 * an answer's last token is never fed to the model, and the LM head runs only on the positions
-  whose next token is scored, not on every position;
+  whose next token is scored, not on every position, and only at the exit asked for (with a
+  262k-token vocabulary, as Gemma 3's, the head costs more than the loops' layers);
 * with ``all_loops=True`` one pass scores the request at every loop exit 1..B; later calls with another
   ``exit_loop`` (set ``lm.exit_loop``) are served from that memo, so per-loop accuracy costs one pass.
 
@@ -297,12 +298,17 @@ class LoopLMEval(TemplateLM):
                 start += n
 
         rule = self.exit_rule is not None  # then loops == B
+        # The head runs at every exit only when every exit is kept; otherwise at the last alone (the memo's
+        # earlier entries stay None: the memo is cleared after the call).
+        heads = range(loops) if (self.all_loops or rule) else [loops - 1]
+        for res in results:
+            res.extend([None] * (loops - len(heads)))
         if rule:  # each token's log-prob, greedy hit and argmax at the loop it leaves after
             left = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
             dyn_ll = torch.zeros(len(tgt), dtype=torch.float64, device=dev)
             dyn_hit = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
             dyn_arg = torch.zeros(len(tgt), dtype=torch.long, device=dev)
-        for li in range(loops):
+        for li in heads:
             h = states1[li][g_idx, t_idx]
             if cont_h is not None:
                 h = torch.cat([h, cont_h[li]], dim=0)
