@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_train_fixtures import build_corpus, make_models, ood_texts, tiny_vanilla  # noqa: F401 (fixture)
 
+from looplm.data.corpus import PackedCorpus
 from looplm.errors import UsageError
 from looplm.eval import stats
 from looplm.eval.claims import CLAIMS, decide, load_results, markdown
@@ -154,6 +155,7 @@ def test_claims_are_decided_from_the_saved_results(tmp_path):
     )
     result["rows"][1]["budget"] = result["rows"][2]["budget"] = "heal: 1,000 end-to-end + 2,000 local tokens, 60 min"
     result["command"] = "looplm eval suite ..."
+    result["in_domain_sources"] = {"austen": 30, "kjv": 2}  # what its held-out windows read
     path = tmp_path / "suite.json"
     path.write_text(json.dumps(result))
     entries = decide(CLAIMS, load_results([path]))
@@ -176,6 +178,7 @@ def test_claims_are_decided_from_the_saved_results(tmp_path):
     assert held["budget"].startswith("heal: 1,000") and held["se"] > 0 and held["command"] == result["command"]
     table = markdown(entries)
     assert "| **held** |" in table and "| not run |" in table and str(path) in table
+    assert "| held-out log-ppl (austen, kjv) |" in table and "| out-of-domain log-ppl |" in table
     assert f"| not run | `{by[('rec-kd', 'reduced-kd', None)]['command']}` |" in table
     again = tmp_path / "suite-perplexity.json"  # the same models scored again: each figure is given once
     again.write_text(json.dumps(result))
@@ -241,6 +244,11 @@ def test_suite_cli_keeps_window_losses_and_compares_named_models(tiny, tmp_path,
     assert pairs == {("rec", "orig", "ood"), ("rec", "orig", "in_domain")}
     assert saved["command"].startswith("looplm eval suite orig=")
     assert "| `rec` | `orig` | ood |" in stdout and "95% paired-bootstrap interval" in stdout
+    # the held-out figures name the text they read: the sources of the corpus's first 3 held-out rows
+    sources = saved["in_domain_sources"]
+    assert sum(sources.values()) == 3 and sources == PackedCorpus(corpus).sources_of("heldout", 3)
+    named = ", ".join(f"{n} {k}" for n, k in sources.items())
+    assert f"in-domain: the first 3 windows of the held-out split of {corpus} ({named})" in stdout
     assert out.with_suffix(".png").stat().st_size > 1000  # quality against N-emb
     # --resume keeps the models scored before (saved after each model) and scores the new one
     (saved := json.loads(out.with_suffix(".json").read_text())).update(partial=True, rows=saved["rows"][:2])

@@ -49,6 +49,13 @@ def test_build_packs_tokens_of_the_text_and_splits_per_source(tmp_path, model_di
     held_text = tok.decode([int(t) for t in held_rows[0]])
     train_text = tok.decode([int(t) for t in corpus.splits["train"].reshape(-1)])
     assert held_text[:60] not in train_text
+    # the held-out split holds its sources one after another: its first rows are all the first source's
+    n0 = meta["sources"]["src0"]["heldout"]["seqs"]
+    src0 = lines((texts / "src0.txt").read_text())
+    assert lines(tok.decode([int(t) for t in held_rows[n0 - 1] if t != tok.eos_token_id])[5:-5]) in src0
+    assert corpus.sources_of("heldout", n0) == {"src0": n0}
+    assert corpus.sources_of("heldout", n0 + 1) == {"src0": n0, "src1": 1}
+    assert corpus.sources_of("heldout", 10**6) == {n: s["heldout"]["seqs"] for n, s in meta["sources"].items()}
 
 
 def test_split_is_deterministic_and_order_independent():

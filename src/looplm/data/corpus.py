@@ -280,5 +280,16 @@ class PackedCorpus:
     def tokenizer(self) -> str:
         return self.meta["tokenizer"]
 
+    def sources_of(self, split: str, rows: int) -> dict[str, int]:
+        """{source: rows} of the first ``rows`` rows of ``split``: a split holds its sources one after another, so
+        its first rows may all be one source's."""
+        out, left = {}, rows
+        for name in self.meta["splits"].get(split, {}).get("sources", []):
+            n = min(left, self.meta["sources"][name][split]["seqs"])
+            if n > 0:
+                out[name] = n
+            left -= n
+        return out
+
     def __len__(self) -> int:
         return len(self.splits["train"])

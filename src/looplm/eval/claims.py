@@ -162,6 +162,12 @@ def load_results(paths: list[str | Path]) -> list[tuple[Path, dict]]:
     return out
 
 
+def metric_name(metric: str, result: dict) -> str:
+    """The metric as the table names it; held-out perplexity names the sources its windows hold."""
+    sources = result.get("in_domain_sources") if metric == "in_domain" else None
+    return METRIC_NAMES[metric] + (f" ({', '.join(sources)})" if sources else "")
+
+
 def _number(c: dict) -> str:
     if c["metric"] == "average":
         return f"{100 * c['difference']:+.1f} ± {100 * c['se']:.1f} points"
@@ -195,6 +201,7 @@ def decide(
                         "worse": claim.worse,
                         "reference": reference,
                         "metric": metric,
+                        "metric_name": metric_name(metric, result),
                         "difference": c["difference"],
                         "se": c["se"],
                         "number": _number(c),
@@ -232,7 +239,7 @@ def markdown(entries: list[dict], title: str = "The paper's claims") -> str:
             continue
         reproduce = f"`{e['command']}` ([results]({e['results']}))" if e["command"] else f"[results]({e['results']})"
         lines.append(
-            f"| {e['claim']} | {pair} | {METRIC_NAMES[e['metric']]} | {e['number']} | {e['budget']} | "
+            f"| {e['claim']} | {pair} | {e['metric_name']} | {e['number']} | {e['budget']} | "
             f"**{e['decision']}** | {reproduce} |"
         )
     lines += [

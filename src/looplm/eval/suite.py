@@ -246,6 +246,8 @@ def run_suite(
     result = {
         "reference": ref["name"],
         **settings(names, windows, seq_len, data, tasks, limit),
+        # the text the held-out figures are measured on
+        **({"in_domain_sources": corpus.sources_of("heldout", windows)} if corpus is not None else {}),
         "rows": rows,
         "resamples": resamples,
         "seed": seed,
@@ -334,7 +336,7 @@ def markdown(result: dict) -> str:
     lines.append(
         f"\nPerplexity of the final exit on the first {result['windows']} windows of "
         f"{result['seq_len']} tokens of each domain; ratios are geometric means against `{ref}`"
-        + (f"; in-domain: the held-out split of {result['data']}" if has_in else "")
+        + (f"; in-domain: {heldout_text(result)}" if has_in else "")
         + (f"; tasks: first {result['limit']} documents each" if tasks and result["limit"] else "")
         + (
             f". Brackets: 95% paired-bootstrap interval over windows ({result['resamples']} resamples, seed "
@@ -358,6 +360,13 @@ def markdown(result: dict) -> str:
             "accuracy, ± its paired standard error; a verdict names the better model only beyond two standard errors."
         )
     return "\n".join(lines) + "\n"
+
+
+def heldout_text(result: dict) -> str:
+    """What the in-domain figures read, e.g. "the first 32 windows of the held-out split of DIR (austen 32)"."""
+    sources = result.get("in_domain_sources")
+    held = f" ({', '.join(f'{name} {n}' for name, n in sources.items())})" if sources else ""
+    return f"the first {result['windows']} windows of the held-out split of {result['data']}{held}"
 
 
 def task_table(result: dict) -> list[str]:
