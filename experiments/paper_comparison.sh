@@ -11,6 +11,8 @@
 #                 rank 0 from Average, Stepwise or Random shared weights; rank 64 from Stepwise, or with zero LoRA
 #                 (rel64 is Average with SVD LoRA)
 #   original  (d) the reference
+#   NAME-seedN  NAME healed again with seed N (its cached rows, data order and new parameters; its own teacher cache,
+#                 OUT/FAMILY/cache-seedN): the pair that decides, rec-seed1 and reduced-seed1, for Gemma-3-270M
 # Each student is healed (`looplm heal`) for the same budget (the family's, below: the tokens a quarter hour of healing
 # reads, with its local share; one teacher cache per family, OUT/FAMILY/cache) into OUT/FAMILY/heal/NAME, named
 # NAME-heal in the suite; rec and reduced are also uptrained with the paper's recipe (`looplm train`: 0.5 CE + 0.5 forward KL from the original, online) for the
@@ -68,7 +70,7 @@ family() {  # family NAME: sets model, loops, budget, students (healed) and kd_s
     smollm2) model=smollm2-135m loops=2 kd_students="rec reduced"
              students="rec reduced rel64 rel128 lora4 prefix71 rec-average rec-stepwise rec-random rel-stepwise64 rel-zero64"
              budget=${HEAL_BUDGET:-$smollm2_budget} ;;
-    gemma3) model=gemma3-270m loops=3 students="rec reduced" kd_students="rec reduced" budget=${HEAL_BUDGET:-$gemma3_budget} ;;
+    gemma3) model=gemma3-270m loops=3 students="rec reduced rec-seed1 reduced-seed1" kd_students="rec reduced" budget=${HEAL_BUDGET:-$gemma3_budget} ;;
     *) echo "error: unknown family $1 in FAMILIES (use smollm2 and/or gemma3)" >&2; exit 2 ;;
   esac
   all_students=$students all_kd_students=$kd_students  # the suite scores whatever of them exists
@@ -118,12 +120,14 @@ convert() {  # convert NAME DIR: the student NAME of this family, built once
   esac
 }
 
-heal() {  # heal STUDENT RUN
-  local student=$1 run=$2
+heal() {  # heal STUDENT RUN SEED
+  local student=$1 run=$2 seed=$3 cache
   [ -f "$run/heal.json" ] && return 0
   local resume=""; [ -f "$run/run.json" ] && resume="--resume"
+  cache="$(dirname "$(dirname "$run")")/cache"
+  [ "$seed" = 0 ] || cache+="-seed$seed"  # another seed caches other rows
   # shellcheck disable=SC2086  # the budget and options are word lists
-  $LOOPLM heal "$student" --teacher "$model" --out "$run" --cache "$(dirname "$(dirname "$run")")/cache" \
+  $LOOPLM heal "$student" --teacher "$model" --out "$run" --cache "$cache" --seed "$seed" \
     --no-progress $budget $HEAL_ARGS $resume
 }
 
@@ -179,8 +183,10 @@ for fam in $FAMILIES; do
   mkdir -p "$dir/logs"
   corpora "$fam"
   for s in $students; do
-    has convert && convert "$s" "$dir/models/$s"
-    has heal && heal "$dir/models/$s" "$dir/heal/$s"
+    base=${s%-seed*} seed=0  # NAME-seedN: NAME's conversion, healed with seed N
+    [ "$base" = "$s" ] || seed=${s##*-seed}
+    has convert && convert "$base" "$dir/models/$base"
+    has heal && heal "$dir/models/$base" "$dir/heal/$s" "$seed"
   done
   if has kd; then
     for s in $kd_students; do uptrain "$dir/models/$s" "$dir/kd/$s" "$dir/heal/$s"; done
@@ -207,7 +213,8 @@ for fam in $FAMILIES; do
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rel64-heal,reduced-heal rel128-heal,reduced-heal rec-heal,rec-kd \
              reduced-heal,reduced-kd lora4-heal,prefix71-heal rec-stepwise-heal,rec-average-heal \
              rel64-heal,rel-stepwise64-heal rel64-heal,rel-zero64-heal rec-average-heal,rec-random-heal \
-             rel64-heal,rec-average-heal rec-average-heal,rec-heal; do
+             rel64-heal,rec-average-heal rec-average-heal,rec-heal rec-seed1-heal,reduced-seed1-heal \
+             rec-heal,rec-seed1-heal reduced-heal,reduced-seed1-heal; do
       [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
     done
     $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \

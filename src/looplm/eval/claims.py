@@ -63,6 +63,13 @@ CLAIMS = (
         originals=("smollm2-135m", "gemma3-270m"),
     ),
     Claim(
+        "A recursive model beats a reduced-size model of the same N-emb (healed again, seed 1)",
+        "rec-seed1-heal",
+        "reduced-seed1-heal",
+        _students("rec-seed1 reduced-seed1"),
+        originals=("gemma3-270m",),
+    ),
+    Claim(
         "A recursive model beats a reduced-size model of the same N-emb (uptrained with KD)",
         "rec-kd",
         "reduced-kd",
