@@ -213,7 +213,8 @@ for fam in $FAMILIES; do
     for p in rec-heal,reduced-heal rec-kd,reduced-kd rel64-heal,rec-heal rel128-heal,rel64-heal rel64-heal,reduced-heal rel128-heal,reduced-heal rec-heal,rec-kd \
              reduced-heal,reduced-kd lora4-heal,prefix71-heal rec-stepwise-heal,rec-average-heal \
              rel64-heal,rel-stepwise64-heal rel64-heal,rel-zero64-heal rec-average-heal,rec-random-heal \
-             rel64-heal,rec-average-heal rec-average-heal,rec-heal rec-seed1-heal,reduced-seed1-heal \
+             rel64-heal,rec-average-heal rel-stepwise64-heal,rec-stepwise-heal rec-average-heal,rec-heal \
+             rec-seed1-heal,reduced-seed1-heal \
              rec-heal,rec-seed1-heal reduced-heal,reduced-seed1-heal; do
       [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
     done

@@ -112,6 +112,12 @@ CLAIMS = (
         _students("rel64 rec-average"),
     ),
     Claim(
+        "Relaxation beats the plain recursive model at equal init (Stepwise)",
+        "rel-stepwise64-heal",
+        "rec-stepwise-heal",
+        _students("rel-stepwise64 rec-stepwise"),
+    ),
+    Claim(
         "LoRA relaxes better than learned prefixes at equal parameters (healed)",
         "lora4-heal",
         "prefix71-heal",
