@@ -366,7 +366,8 @@ def heldout_text(result: dict) -> str:
     """What the in-domain figures read, e.g. "the first 32 windows of the held-out split of DIR (austen 32)"."""
     sources = result.get("in_domain_sources")
     held = f" ({', '.join(f'{name} {n}' for name, n in sources.items())})" if sources else ""
-    return f"the first {result['windows']} windows of the held-out split of {result['data']}{held}"
+    n = sum(sources.values()) if sources else result["windows"]  # fewer when the split is shorter
+    return f"the first {n} windows of the held-out split of {result['data']}{held}"
 
 
 def task_table(result: dict) -> list[str]:
