@@ -5,7 +5,15 @@ import torch
 from conftest import FAMILIES, make_hf_model
 
 from looplm.convert import convert, count_parameters, parse_lora_ranks, stepwise_layers, svd_factors, unroll
-from looplm.models import ConfigError, from_hf_model, layer_map, slot_map
+from looplm.models import ConfigError, DepthPlan, from_hf_model
+
+
+def layer_map(num_layers, num_loops, sharing="cycle"):
+    return DepthPlan(num_layers, num_loops, sharing).layer_map
+
+
+def slot_map(num_layers, num_loops, sharing="cycle"):
+    return DepthPlan(num_layers, num_loops, sharing).slot_map
 
 
 def test_layer_maps():
@@ -15,8 +23,8 @@ def test_layer_maps():
     # B >= 3: cycle up to L - K, then only the last block reversed (Takase & Kasai, paper appendix B)
     assert layer_map(6, 3, "cycle-rev") == [0, 1, 0, 1, 1, 0]
     assert layer_map(9, 3, "cycle-rev") == [0, 1, 2, 0, 1, 2, 2, 1, 0]
-    assert slot_map(layer_map(6, 2, "cycle")) == [0, 0, 0, 1, 1, 1]
-    assert slot_map(layer_map(6, 2, "sequence")) == [0, 1, 0, 1, 0, 1]
+    assert slot_map(6, 2, "cycle") == [0, 0, 0, 1, 1, 1]
+    assert slot_map(6, 2, "sequence") == [0, 1, 0, 1, 0, 1]
     with pytest.raises(ConfigError, match="does not divide"):
         layer_map(30, 7)
 

@@ -26,20 +26,29 @@ def _model(**kw):
     return LoopLMForCausalLM(LoopLMConfig(**{**SMALL, **kw})).eval()
 
 
+GEMMA_LIKE = dict(
+    family="gemma3",
+    norm_type="rms_plus1",
+    sandwich_norms=True,
+    qk_norm=True,
+    hidden_act="gelu_pytorch_tanh",
+    sliding_window_size=4,
+    depth_attention=["sliding", "full", "sliding", "full"],
+    rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
+)
+
+
 @pytest.fixture(scope="module")
 def models():
     vanilla = _model()
-    gemma_like = _model(
-        family="gemma3",
-        norm_type="rms_plus1",
-        sandwich_norms=True,
-        qk_norm=True,
-        hidden_act="gelu_pytorch_tanh",
-        sliding_window_size=4,
-        depth_attention=["sliding", "full", "sliding", "full"],
-        rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
-    )
+    gemma_like = _model(**GEMMA_LIKE)
+    six = _model(num_hidden_layers=6)
+    gemma_six = _model(**{**GEMMA_LIKE, "num_hidden_layers": 6, "depth_attention": ["sliding", "full"] * 3})
     return {
+        # plans with unique layers (models/plan.py): 1 + 2 x 2 + 1, and a core of 2 x 2 before a coda of 2
+        "middle": convert(six, loops=2, strategy="middle-cycle", init="average", lora_ranks=8, norms="per-depth"),
+        "coda": convert(six, loops=2, coda=2, init="average", lora_ranks=8, norms="per-depth"),
+        "gemma_middle": convert(gemma_six, loops=2, strategy="middle-cycle", lora_ranks=8, norms="per-depth"),
         "vanilla": vanilla,
         "recursive": convert(vanilla, loops=2, init="average", lora_ranks=0),
         "relaxed": convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth"),
@@ -67,7 +76,9 @@ def run(model, ps, max_tokens, scheduler, stagger=True, **engine_kw):
     return engine, reqs
 
 
-@pytest.mark.parametrize("name", ["vanilla", "recursive", "relaxed", "relaxed4", "gemma_relaxed"])
+@pytest.mark.parametrize(
+    "name", ["vanilla", "recursive", "relaxed", "relaxed4", "gemma_relaxed", "middle", "coda", "gemma_middle"]
+)
 @pytest.mark.parametrize("scheduler", ["static", "sequence", "depth"])
 def test_exits_off_equals_full_depth_greedy(models, name, scheduler):
     model, ps = models[name], prompts()
@@ -82,7 +93,7 @@ def test_exits_off_equals_full_depth_greedy(models, name, scheduler):
         assert engine.stats["mixed_stages"] > 0  # some steps really mixed loops (and LoRA slots)
 
 
-@pytest.mark.parametrize("name", ["relaxed", "relaxed4", "gemma_relaxed"])
+@pytest.mark.parametrize("name", ["relaxed", "relaxed4", "gemma_relaxed", "gemma_middle"])
 def test_decode_attention_in_place_and_gathered_agree(models, name, monkeypatch):
     """Decode attention reads the cache in place (every step: fraction 0) or through a gather (never in
     place: fraction 2): with exits off both equal full-depth greedy decoding, and with every token exiting
@@ -110,8 +121,8 @@ def test_decode_with_every_row_busy_in_order_reads_in_place_without_a_scatter(mo
     monkeypatch.setattr(
         Engine,
         "_attend_in_place",
-        lambda self, attn, qd, groups, k, t: (
-            taken.append(groups[0][1] is None) or original(self, attn, qd, groups, k, t)
+        lambda self, attn, qd, groups, k, t, depth_at: (
+            taken.append(groups[0][1] is None) or original(self, attn, qd, groups, k, t, depth_at)
         ),
     )
     _, reqs = run(model, ps, [6], "sequence", max_batch=1)
@@ -227,13 +238,33 @@ def test_early_exit_paths(models, kv_mode, scheduler):
     assert sum(sec.values()) == pytest.approx(engine.stats["stage_seconds"], rel=1e-6)
 
 
-def test_exit_policies_threshold_one_is_full_depth(models):
-    model, ps = models["relaxed"], prompts()
+@pytest.mark.parametrize("kv_mode", ["copy", "later"])
+@pytest.mark.parametrize("name", ["middle", "coda"])
+def test_an_early_exit_runs_the_coda_on_the_cache(models, name, kv_mode):
+    """With unique layers after the core, a token leaving after loop 1 runs the coda (reading the coda's cached
+    keys and values of the tokens before it), then the head: the first exited token is the static exit of that
+    one token after an exact prompt."""
+    model, ps = models[name], prompts()
+    engine, reqs = run(model, ps, [6] * 6, "depth", exit_policy=ExitPolicy("softmax", 0.0), kv_mode=kv_mode)
+    assert all(r.status == "done" and set(r.exit_loops[1:]) == {1} for r in reqs)
+    assert engine.cache.free_rows == engine.cache.num_rows
+    with torch.no_grad():
+        for p, r in zip(ps, reqs):
+            out = model(torch.tensor([p]), use_cache=True)
+            step = model(torch.tensor([r.output[:1]]), past_key_values=out.past_key_values, num_loops=1)
+            assert r.output[1] == int(step.logits[0, -1].argmax())
+
+
+@pytest.mark.parametrize("name", ["relaxed", "middle"])
+def test_exit_policies_threshold_one_is_full_depth(models, name):
+    model, ps = models[name], prompts()
     want = [full_depth_greedy(model, p, 6) for p in ps]
     for kind, thr in [("softmax", 1.01), ("margin", 1.01), ("entropy", -1.0), ("cosine", 1.01), ("oracle", None)]:
         engine, reqs = run(model, ps, [6] * 6, "depth", exit_policy=ExitPolicy(kind, thr))
         assert [r.output for r in reqs] == want, kind
         assert engine.stats["exits_per_loop"][0] == 0
+    if model.config.plan.coda:  # the reference below runs every token's coda on loop 1, the engine on its cache
+        return
     # the oracle records the first loop whose argmax equals the final one
     for r in reqs:
         assert len(r.oracle_loops) == 6 and set(r.oracle_loops) <= {1, 2}

@@ -18,7 +18,7 @@ from looplm.serve import Engine, ExitPolicy, Request, SamplingParams, make_sched
 from looplm.serve.speculative import ContextDrafter, accept_greedy, accept_sampled
 
 SMALL = engine_tests.SMALL
-models = engine_tests.models  # the engine tests' fixture: vanilla, recursive, relaxed, relaxed4, gemma_relaxed
+models = engine_tests.models  # the engine tests' fixture: its models of every kind and plan
 
 
 def prompts():
@@ -47,7 +47,7 @@ MODES = {"vanilla": ["context", "both"]}
     "name,mode",
     [
         (n, m)
-        for n in ["vanilla", "recursive", "relaxed", "relaxed4", "gemma_relaxed"]
+        for n in ["vanilla", "recursive", "relaxed", "relaxed4", "gemma_relaxed", "middle", "coda"]
         for m in MODES.get(n, ["context", "loop1", "both"])
     ],
 )

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..cli_args import HelpFormatter, add_deprecated, add_model, advanced, renamed_choices
 from ..data import sample_text
 from ..errors import UsageError
+from ..models.plan import SHARING_STRATEGIES
 from ..util import Timer, print_json, read_text_arg
 from .recursive import INITS, LORA_INITS, NORMS
 
@@ -20,7 +21,7 @@ def register(sub) -> None:
         formatter_class=HelpFormatter,
     )
     add_model(p, "embedded name, HF/looplm directory or .gguf file", default="smollm2-135m")
-    p.add_argument("--loops", type=int, default=2, help="B, the number of loops (must divide the layer count)")
+    p.add_argument("--loops", type=int, default=2, help="B, the number of loops of the core")
     p.add_argument(
         "--lora-rank",
         default=None,
@@ -55,19 +56,37 @@ def register(sub) -> None:
     p.add_argument("--text", default=None, help="held-out text for that perplexity (default: a Milton sample)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_deprecated(p, "--ppl-tokens", "--scored-tokens", "ppl_tokens", type=int, metavar="N")
+    add_deprecated(p, "--strategy", "--sharing", "strategy", choices=list(SHARING_STRATEGIES))
     a = advanced(p, "the defaults are the conversion that heals best")
     a.add_argument(
-        "--strategy",
+        "--sharing",
+        dest="strategy",
         default="cycle",
-        choices=["cycle", "sequence", "cycle-rev"],
-        help="which pretrained layers each shared layer comes from",
+        choices=list(SHARING_STRATEGIES),
+        help="the core's pattern: depth d runs shared layer d mod K (cycle), d div B (sequence) or cycle with the "
+        "last loop reversed (cycle-rev); middle-cycle and middle-sequence keep the first and the last layer unique",
+    )
+    a.add_argument(
+        "--prelude",
+        type=int,
+        default=0,
+        metavar="P",
+        help="the original's first P layers run once, unique and exact, before the looped core",
+    )
+    a.add_argument(
+        "--coda",
+        type=int,
+        default=0,
+        metavar="C",
+        help="the original's last C layers run once, unique and exact, after the looped core (and after every "
+        "exit); a remainder of core layers that B does not divide joins them",
     )
     a.add_argument(
         "--init",
         default="average",
         choices=list(INITS),
         help="shared weights from the layers they replace (average, aware: needs calibration) or "
-        "from one of them (stepwise, stepwise-start, lower), or random",
+        "from one of them (stepwise, stepwise-start, lower, upper: the core's last K), or random",
     )
     a.add_argument(
         "--lora-init",
@@ -244,6 +263,8 @@ def cmd_convert(args) -> int:
             seed=args.seed,
             calibration=calibration,
             prefix_length=prefix,
+            prelude=args.prelude,
+            coda=args.coda,
         )
     for group, (asked, used) in model.config.conversion.get("capped_ranks", {}).items():
         print(
@@ -276,7 +297,7 @@ def cmd_convert(args) -> int:
         print_json(result)
         return 0
     print(
-        f"converted {args.model}: B={args.loops} {args.strategy}, init {args.init}, "
+        f"converted {args.model}: {model.config.plan.describe()}, init {args.init}, "
         f"norms {model.config.conversion['norms']}, "
         f"LoRA {model.config.lora_ranks} ({args.lora_init if model.config.is_relaxed else 'none'})"
         + (f", prefix {prefix} per depth ({after['prefix']:,} parameters)" if prefix else "")
@@ -371,8 +392,8 @@ def cmd_info(args) -> int:
         print_json(info)
         return 0
     print(
-        f"{args.model}: {info['family']}, depth {info['depth']} = {info['shared_layers']} shared layers x "
-        f"{info['loops']} loops ({info['sharing']})"
+        f"{args.model}: {info['family']}, depth {info['depth']} = {info['plan']}: "
+        f"{info['shared_layers']} shared layers x {info['loops']} loops, {info['unique_layers']} unique"
     )
     print(f"N-emb      {info['n_emb']:>13,}   (LoRA {info['lora']:,}, prefixes {info['prefix']:,})")
     print(f"embedding  {info['embedding']:>13,}")

@@ -1,8 +1,10 @@
 """Vanilla model -> Recursive Transformer -> Relaxed Recursive Transformer (paper sections 2.2-2.3).
 
-``convert`` builds a model of K = L / B shared layers from a vanilla (B = 1) looplm model:
-1. choose, per shared layer k, the pretrained depths tied to it (the sharing strategy);
-2. initialise the shared weights from them (Stepwise, Average, Lower or Random);
+``convert`` builds a looped model from a vanilla (B = 1) looplm model by a sharing plan (models/plan.py): a
+prelude and a coda of unique layers, copied from the original exactly, around a core of K shared blocks looped B
+times:
+1. choose, per shared block k, the pretrained depths tied to it (the plan);
+2. initialise the shared weights from them (Stepwise, Average, Lower, Upper or Random);
 3. initialise norm weights (tied: avg, choice, zero; or kept per depth); by default they follow the
    init: a selecting init (Stepwise, Lower) copies the norms of the layer it copies, Average and aware
    average them, Random keeps fresh ones (it uses no pretrained weight at all, paper appendix E);
@@ -21,9 +23,9 @@ import torch
 from ..models import LORA_GROUPS, ConfigError, LoopLMConfig, LoopLMForCausalLM
 from ..models.layers import DepthNorm, LoopLinear
 
-INITS = ("stepwise", "stepwise-start", "average", "lower", "random", "aware")
+INITS = ("stepwise", "stepwise-start", "average", "lower", "upper", "random", "aware")
 NORMS = ("tied-avg", "tied-choice", "tied-zero", "per-depth")
-SELECTING_INITS = ("stepwise", "stepwise-start", "lower")
+SELECTING_INITS = ("stepwise", "stepwise-start", "lower", "upper")
 LORA_INITS = ("svd", "zero", "aware-svd")
 # Which linears each LoRA rank group covers (paper appendix F: Q, KV, Out, FFN).
 GROUP_OF = {
@@ -104,11 +106,25 @@ def _resolve_ranks(config: LoopLMConfig, ranks: dict) -> tuple[dict, dict]:
 
 
 def tied_depths(config: LoopLMConfig) -> list[list[int]]:
-    """For each shared layer k, the depths that run it, in slot order."""
-    groups: list[list[int]] = [[] for _ in range(config.num_shared_layers)]
-    for d, k in enumerate(config.layer_map):
-        groups[k].append(d)
-    return groups
+    """For each block of the plan, the depths that run it, in slot order (one depth for a unique block)."""
+    return config.plan.block_depths
+
+
+def selected_layers(config: LoopLMConfig, init: str) -> list[int] | None:
+    """The pretrained layer each shared block of the core copies under a selecting init, or None for the others:
+    Stepwise spreads them over the core's depths keeping its ends (MoR's middle plans: layers 1 and L-2), its
+    fixed-start variant takes the core's first and then every B-th, Lower the core's first K, Upper its last K."""
+    plan = config.plan
+    K, start, stop = plan.num_shared, plan.prelude_layers, plan.num_layers - plan.coda_layers
+    if init == "stepwise":
+        return [start + d for d in stepwise_layers(stop - start, K, True)]
+    if init == "stepwise-start":
+        return [start + d for d in stepwise_layers(stop - start, K, False)]
+    if init == "lower":
+        return list(range(start, start + K))
+    if init == "upper":
+        return list(range(stop - K, stop))
+    return None
 
 
 def _linears(block) -> dict[str, LoopLinear]:
@@ -154,11 +170,15 @@ def convert(
     seed: int = 0,
     calibration=None,
     prefix_length: int = 0,
+    prelude: int = 0,
+    coda: int = 0,
 ) -> LoopLMForCausalLM:
     """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model, relaxed by
     per-depth LoRA (``lora_ranks``), per-depth prefixes (``prefix_length``, paper appendix G) or both.
 
-    ``norms`` None follows the init (``default_norms``). ``calibration`` (an ``aware.Calibration`` of
+    ``strategy`` is the core's pattern or a named plan (middle-cycle); ``prelude`` and ``coda`` keep that many of
+    the original's first and last layers unique, exactly as they were. ``norms`` None follows the init
+    (``default_norms``). ``calibration`` (an ``aware.Calibration`` of
     the vanilla model) is needed by init "aware" and lora_init "aware-svd" (convert/aware.py)."""
     src_cfg = vanilla.config
     if src_cfg.num_loops != 1:
@@ -183,13 +203,21 @@ def convert(
     started = time.perf_counter()
 
     config = _derived_config(
-        src_cfg, num_loops=loops, sharing=strategy, per_depth_vectors=norms == "per-depth", prefix_length=prefix_length
+        src_cfg,
+        num_loops=loops,
+        sharing=strategy,
+        prelude_layers=prelude,
+        coda_layers=coda,
+        per_depth_vectors=norms == "per-depth",
+        prefix_length=prefix_length,
     )
     config.lora_ranks, capped = _resolve_ranks(config, lora_ranks)
     config.conversion = {
         **src_cfg.conversion,
         "loops": loops,
         "strategy": strategy,
+        "prelude": config.prelude_layers,
+        "coda": config.coda_layers,
         "init": init,
         "norms": norms,
         "lora_ranks": dict(config.lora_ranks),
@@ -209,20 +237,20 @@ def convert(
 
 
 def _init_layers(vanilla, model, init: str, norms: str, lora_init: str, calibration) -> None:
-    """Shared weights, biases, norms and LoRAs of every shared layer from the pretrained layers."""
+    """Unique blocks copied from their pretrained layer; the shared weights, biases, norms and LoRAs of every
+    shared block from the pretrained layers tied to it."""
     from . import aware
 
     config = model.config
-    L, K = vanilla.config.num_hidden_layers, config.num_shared_layers
-    chosen = {
-        "stepwise": stepwise_layers(L, K, True),
-        "stepwise-start": stepwise_layers(L, K, False),
-        "lower": list(range(K)),
-    }.get(init)
+    plan = config.plan
+    chosen = selected_layers(config, init)
     src_layers = vanilla.model.layers
     for k, depths in enumerate(tied_depths(config)):
         block = model.model.layers[k]
-        pick = chosen[k] if chosen else depths[0]  # the "one layer" for Norm-choice
+        if plan.is_unique(k):
+            _copy_layer(src_layers[depths[0]], block)
+            continue
+        pick = chosen[plan.shared_blocks.index(k)] if chosen else depths[0]  # the "one layer" for Norm-choice
         src_lin = [_linears(src_layers[d]) for d in depths]
         for name, lin in _linears(block).items():
             stack = torch.stack([s[name].weight for s in src_lin])
@@ -264,6 +292,13 @@ def _init_layers(vanilla, model, init: str, norms: str, lora_init: str, calibrat
                     dst.zero_()
 
 
+def _copy_layer(src, dst) -> None:
+    """A pretrained layer into a unique block of one slot: the same parameters, exactly."""
+    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
+    if unexpected or any(not key.endswith("attn.prefix") for key in missing):  # a prefix is the relaxation's own
+        raise ConfigError(f"a unique layer does not match its pretrained one: missing {missing}, extra {unexpected}")
+
+
 def _copy_outer(vanilla: LoopLMForCausalLM, model: LoopLMForCausalLM) -> None:
     """Embeddings, final norm and (untied) LM head: the parts outside the looped layers."""
     model.model.embed_tokens.weight.copy_(vanilla.model.embed_tokens.weight)
@@ -303,7 +338,16 @@ def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
     norm weights and its own prefix. Used for export and to check that conversion is exact where it should
     be. An exit adapter is dropped: the unrolled model has no intermediate loop to exit after."""
     c = model.config
-    config = _derived_config(c, num_loops=1, sharing="cycle", per_depth_vectors=False, lora_ranks={}, exit_adapter=None)
+    config = _derived_config(
+        c,
+        num_loops=1,
+        sharing="cycle",
+        prelude_layers=0,
+        coda_layers=0,
+        per_depth_vectors=False,
+        lora_ranks={},
+        exit_adapter=None,
+    )
     out = LoopLMForCausalLM(config).to(next(model.parameters()).dtype)
     out.load_state_dict(
         {k: v for k, v in model.state_dict().items() if not k.startswith(("model.layers.", "exit_adapter."))},
@@ -370,6 +414,8 @@ def describe(model: LoopLMForCausalLM) -> dict:
         "loops": c.num_loops,
         "shared_layers": c.num_shared_layers,
         "sharing": c.sharing,
+        "plan": c.plan.describe(),
+        "unique_layers": sum(c.plan.is_unique(b) for b in range(c.num_blocks)),
         "per_depth_vectors": c.per_depth_vectors,
         "lora_ranks": c.lora_ranks,
         "exit_adapter_spec": copy.deepcopy(c.exit_adapter),

@@ -1,19 +1,23 @@
 """One config for every family and every looping setting.
 
 Family differences are plain switches (norm type, MLP type, residual layout, ...), in the manner of
-litgpt. Looping is described by three numbers and a name: ``num_hidden_layers`` is the effective
-depth L, ``num_loops`` is B, ``sharing`` maps each depth to one of the K = L / B shared layers.
+litgpt. Looping is described by four numbers and a name: ``num_hidden_layers`` is the effective
+depth L, ``num_loops`` is B, ``prelude_layers`` and ``coda_layers`` are the unique layers before and after
+the looped core, and ``sharing`` (the core's pattern) maps each core depth to one of its K shared blocks
+(models/plan.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 from transformers import PretrainedConfig
 
 from ..errors import ConfigError
 from .exit_adapter import check_exit_adapter
+from .plan import DepthPlan, resolve_sharing
 
 LORA_GROUPS = ("q", "kv", "out", "ffn")
-SHARING_STRATEGIES = ("cycle", "sequence", "cycle-rev")
 NORM_TYPES = ("rms", "rms_plus1", "layer")
 # config keys that record where a model came from, not what it computes
 PROVENANCE_KEYS = ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype")
@@ -28,32 +32,10 @@ def architecture(config: PretrainedConfig, ignore: tuple[str, ...] = ()) -> dict
     return d
 
 
-def layer_map(num_layers: int, num_loops: int, sharing: str = "cycle") -> list[int]:
-    """s(d): the shared layer that depth d runs, for d = 0..L-1."""
-    if num_loops < 1 or num_layers % num_loops:
-        raise ConfigError(
-            f"--loops {num_loops} does not divide the model's {num_layers} layers; "
-            f"pick one of {[b for b in range(1, num_layers + 1) if num_layers % b == 0]}"
-        )
-    k = num_layers // num_loops
-    if sharing == "cycle":
-        return [d % k for d in range(num_layers)]
-    if sharing == "sequence":
-        return [d // num_loops for d in range(num_layers)]
-    if sharing == "cycle-rev":  # Takase & Kasai: cycle, then only the last block in reverse order
-        return [d % k if d < num_layers - k else k - 1 - d % k for d in range(num_layers)]
-    raise ConfigError(f"unknown sharing strategy {sharing!r}; use one of {', '.join(SHARING_STRATEGIES)}")
-
-
-def slot_map(layers: list[int]) -> list[int]:
-    """For each depth, how many earlier depths run the same shared layer: its index into that layer's
-    per-depth parameters (LoRA stacks, per-depth norms). For cycle sharing this is the loop index."""
-    seen: dict[int, int] = {}
-    slots = []
-    for k in layers:
-        slots.append(seen.get(k, 0))
-        seen[k] = slots[-1] + 1
-    return slots
+@functools.lru_cache(maxsize=64)
+def _plan(num_layers: int, num_loops: int, sharing: str, prelude: int, coda: int, kinds: tuple) -> DepthPlan:
+    """Plans are read per step and built from a few numbers: one per distinct config."""
+    return DepthPlan(num_layers, num_loops, sharing, prelude, coda, list(kinds))
 
 
 class LoopLMConfig(PretrainedConfig):
@@ -96,6 +78,8 @@ class LoopLMConfig(PretrainedConfig):
         add_bos_token: bool = False,
         num_loops: int = 1,
         sharing: str = "cycle",
+        prelude_layers: int = 0,
+        coda_layers: int = 0,
         per_depth_vectors: bool = False,
         lora_ranks: dict | None = None,
         prefix_length: int = 0,
@@ -148,7 +132,10 @@ class LoopLMConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.add_bos_token = add_bos_token
         self.num_loops = num_loops
-        self.sharing = sharing
+        # a named plan (middle-cycle) is stored as its core pattern and ends; checkpoints without ends are P = C = 0
+        self.sharing, self.prelude_layers, self.coda_layers = resolve_sharing(
+            sharing, int(prelude_layers), int(coda_layers)
+        )
         # Norm weights and linear biases kept per depth instead of shared: a few thousand numbers,
         # and the only way a full-rank relaxed model reproduces the original exactly.
         self.per_depth_vectors = per_depth_vectors
@@ -166,20 +153,42 @@ class LoopLMConfig(PretrainedConfig):
 
     # --- derived structure -------------------------------------------------------------------
     @property
+    def plan(self) -> DepthPlan:
+        """The depth lookup (models/plan.py): block, slot, attention kind and loop of every depth."""
+        return _plan(
+            self.num_hidden_layers,
+            self.num_loops,
+            self.sharing,
+            self.prelude_layers,
+            self.coda_layers,
+            tuple(self.depth_attention),
+        )
+
+    @property
     def num_shared_layers(self) -> int:
-        return self.num_hidden_layers // self.num_loops
+        """K: the shared blocks of the core (every block for a model of one loop)."""
+        return self.plan.num_shared if self.num_loops > 1 else self.num_hidden_layers
+
+    @property
+    def num_blocks(self) -> int:
+        """The blocks the decoder holds: prelude, the core's shared blocks, coda."""
+        return self.plan.num_blocks
 
     @property
     def layer_map(self) -> list[int]:
-        return layer_map(self.num_hidden_layers, self.num_loops, self.sharing)
+        return self.plan.layer_map
 
     @property
     def slot_map(self) -> list[int]:
-        return slot_map(self.layer_map)
+        return self.plan.slot_map
 
-    @property
-    def num_vector_slots(self) -> int:
-        return self.num_loops if self.per_depth_vectors else 1
+    def block_slots(self, block: int) -> int:
+        """The per-depth rows of block ``block``'s LoRA and prefix: one per depth it runs."""
+        return self.plan.block_slots[block]
+
+    def vector_slots(self, block: int) -> int:
+        """The rows of a block's norms and biases: one per depth it runs when kept per depth, else one."""
+        return self.block_slots(block) if self.per_depth_vectors else 1
 
     @property
     def is_relaxed(self) -> bool:
@@ -190,14 +199,12 @@ class LoopLMConfig(PretrainedConfig):
             raise ConfigError(f"unknown norm_type {self.norm_type!r}; use one of {NORM_TYPES}")
         if self.mlp_type not in ("glu", "plain"):
             raise ConfigError(f"unknown mlp_type {self.mlp_type!r}; use 'glu' or 'plain'")
-        if self.sharing not in SHARING_STRATEGIES:
-            raise ConfigError(f"unknown sharing {self.sharing!r}; use one of {SHARING_STRATEGIES}")
-        layer_map(self.num_hidden_layers, self.num_loops, self.sharing)
         if len(self.depth_attention) != self.num_hidden_layers:
             raise ConfigError(
                 f"depth_attention lists {len(self.depth_attention)} depths but the model has "
                 f"{self.num_hidden_layers}; give one 'full'/'sliding' entry per depth"
             )
+        self.plan  # noqa: B018  (builds the plan: a plan that does not fit fails here, naming the fix)
         if len(self.depth_rope) != self.num_hidden_layers:
             raise ConfigError(
                 f"depth_rope lists {len(self.depth_rope)} depths but the model has {self.num_hidden_layers}; "

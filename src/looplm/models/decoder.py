@@ -1,8 +1,8 @@
-"""The looped decoder: K shared blocks run over L = K * B depths.
+"""The looped decoder: a prelude of unique layers, K shared blocks looped B times, a coda of unique layers.
 
-``LoopLMModel.forward`` is the whole method in one loop: depth d runs shared layer s(d) with the
-per-depth parameters of slot(d), attention kind (full or sliding) of depth d, and KV cache entry d.
-With B = 1 and no LoRA it is exactly the pretrained decoder.
+``LoopLMModel.forward`` is the whole method in one loop over the plan's path (models/plan.py): depth d runs
+block s(d) with the per-depth parameters of slot(d), attention kind (full or sliding) of depth d, and KV cache
+entry d. With B = 1 and no LoRA it is exactly the pretrained decoder.
 """
 
 from __future__ import annotations
@@ -83,12 +83,10 @@ class LoopLMModel(LoopLMPreTrainedModel):
         super().__init__(config)
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c, k) for k in range(c.num_shared_layers))
+        self.layers = nn.ModuleList(Block(c, k) for k in range(c.num_blocks))
         self.norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps)
         self.rotary = Rotary(c)
         self.gradient_checkpointing = False
-        # Plain lists, read once per step: which shared layer, slot and attention kind each depth uses.
-        self._layer_map, self._slot_map = c.layer_map, c.slot_map
         self.post_init()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -117,12 +115,14 @@ class LoopLMModel(LoopLMPreTrainedModel):
         output_depth_states: bool = False,
         **kwargs,
     ):
-        """Returns (hidden after the last depth run, [hidden after each loop] or None, cache).
+        """Returns (hidden after the last depth run, [hidden after each loop's exit] or None, cache).
 
-        num_loops < B is a static exit: every token leaves after that many loops. With
-        ``output_depth_states`` the second item holds the hidden state after every depth instead
-        (healing matches each one against the original model's)."""
+        num_loops < B is a static exit: every token leaves after that many loops of the core, then runs the coda.
+        The state after loop i's exit is the core's state after loop i through the coda (run without the cache:
+        only the path taken writes it). With ``output_depth_states`` the second item holds the hidden state after
+        every depth of the path instead (healing matches each one against the original model's)."""
         c = self.config
+        plan = c.plan
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = h.shape[:2]
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -131,19 +131,47 @@ class LoopLMModel(LoopLMPreTrainedModel):
         tables = self.rotary(position_ids, h.dtype)
         masks = attention_masks(set(c.depth_attention), b, t, past_len, attention_mask, c.sliding_window_size, h.device)
         loops = self.check_loops(num_loops)
-        K = c.num_shared_layers
-        loop_states = [] if output_loop_states or output_depth_states else None
-        for d in range(loops * K):
-            kind = c.depth_attention[d]
-            cos, sin = tables[kind]
-            layer, slot = self.layers[self._layer_map[d]], self._slot_map[d]
+
+        def run(h, depths, cache):
+            return self._run(h, depths, tables, masks, cache, output_depth_states)
+
+        h, depth_states = run(h, plan.prelude, past_key_values)
+        loop_states = [] if output_loop_states else None
+        for i in range(loops if plan.looped else 1):
+            h, states = run(h, plan.loop(i), past_key_values)
+            depth_states += states
+            if loop_states is not None and i < loops - 1:
+                loop_states.append(run(h, plan.coda, None)[0] if plan.coda else h)
+        h, states = run(h, plan.coda, past_key_values)
+        depth_states += states
+        if loop_states is not None:
+            loop_states.append(h)
+        return h, depth_states if output_depth_states else loop_states, past_key_values
+
+    def _run(self, h, depths, tables, masks, cache, collect: bool):
+        """``depths`` (models/plan.py ``Depth``s) in order from state ``h``: the last state and, with ``collect``,
+        the state after each."""
+        states = []
+        for dep in depths:
+            cos, sin = tables[dep.kind]
+            layer, args = self.layers[dep.block], (dep.slot, cos, sin, masks[dep.kind], cache, dep.index)
             if self.gradient_checkpointing and self.training:
-                h = checkpoint(layer, h, slot, cos, sin, masks[kind], past_key_values, d, use_reentrant=False)
+                h = checkpoint(layer, h, *args, use_reentrant=False)
             else:
-                h = layer(h, slot, cos, sin, masks[kind], past_key_values, d)
-            if loop_states is not None and (output_depth_states or (d + 1) % K == 0):
-                loop_states.append(h)
-        return h, loop_states, past_key_values
+                h = layer(h, *args)
+            if collect:
+                states.append(h)
+        return h, states
+
+    def run_depths(self, h: torch.Tensor, depths) -> torch.Tensor:
+        """``depths`` alone on whole sequences ``h`` [rows, seq, hidden] from position 0, without a cache: one
+        depth in healing's layer-local stage, or a plan's coda on an intermediate loop's state (an exit)."""
+        c = self.config
+        rows, seq = h.shape[:2]
+        pos = torch.arange(seq, device=h.device)[None].expand(rows, -1)
+        tables = self.rotary(pos, h.dtype)
+        masks = attention_masks(set(c.depth_attention), rows, seq, 0, None, c.sliding_window_size, h.device)
+        return self._run(h, depths, tables, masks, None, False)[0]
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None):
         self.gradient_checkpointing = enable

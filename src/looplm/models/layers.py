@@ -1,9 +1,9 @@
 """Building blocks of the looped decoder: per-depth norms and linears, rotary embeddings, attention,
 MLP and the block.
 
-Every parametrised piece takes a ``slot`` argument: the index, among the B depths that run a shared
-layer, of the depth being computed. It is an ``int`` when all tokens are at the same depth
-(training, evaluation) or a LongTensor with one entry per token when a batch mixes depths
+Every parametrised piece takes a ``slot`` argument: the index, among the depths that run a block (B for a
+shared block, one for a unique one; models/plan.py), of the depth being computed. It is an ``int`` when all
+tokens are at the same depth (training, evaluation) or a LongTensor with one entry per token when a batch mixes depths
 (continuous depth-wise batching). Slots select per-depth LoRA matrices and per-depth vectors.
 """
 
@@ -240,22 +240,26 @@ def prefix_columns(mask: torch.Tensor, P: int) -> torch.Tensor:
 
 
 def rotary_off_slots(config: LoopLMConfig, layer: int) -> list[bool] | None:
-    """For shared layer ``layer``, per slot: True where that slot's depth takes no rotary embedding
+    """For block ``layer``, per slot: True where that slot's depth takes no rotary embedding
     (SmolLM3's NoPE layers); None when every depth rotates."""
     if all(config.depth_rope):
         return None
-    off = [False] * config.num_loops
-    for d, (k, s) in enumerate(zip(config.layer_map, config.slot_map)):
-        if k == layer:
-            off[s] = not config.depth_rope[d]
-    return off
+    return [not config.depth_rope[d] for d in config.plan.block_depths[layer]]
+
+
+def block_ranks(config: LoopLMConfig, layer: int) -> dict:
+    """LoRA ranks of block ``layer``: the config's for a shared block, none for a unique one (it is the
+    original's own layer, exact without one)."""
+    if config.plan.is_unique(layer):
+        return {g: 0 for g in config.lora_ranks}
+    return config.lora_ranks
 
 
 class Attention(nn.Module):
     def __init__(self, config: LoopLMConfig, layer: int = 0):
         super().__init__()
         c = config
-        B, S, r = c.num_loops, c.num_vector_slots, c.lora_ranks
+        B, S, r = c.block_slots(layer), c.vector_slots(layer), block_ranks(c, layer)
         H, KV, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, d
         self.q_proj = LoopLinear(c.hidden_size, H * d, c.attention_bias, B, S, r["q"])
@@ -271,7 +275,7 @@ class Attention(nn.Module):
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
         self.softcap = c.attn_logit_softcap
         # Per-depth prefix (paper appendix G): P learned vectors per depth in the attention's input space,
-        # [B, P, hidden]; their keys and values come from that depth's k/v projections (``prefix_kv``).
+        # [slots, P, hidden]; their keys and values come from that depth's k/v projections (``prefix_kv``).
         self.prefix = nn.Parameter(torch.empty(B, c.prefix_length, c.hidden_size)) if c.prefix_length else None
         self.qkv = None  # the stacked q|k|v weight of quantized serving (models/quantized.py), never saved
 
@@ -383,12 +387,12 @@ ACTIVATIONS = {
 class MLP(nn.Module):
     """GLU (down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward."""
 
-    def __init__(self, config: LoopLMConfig):
+    def __init__(self, config: LoopLMConfig, layer: int = 0):
         super().__init__()
         c = config
         if c.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {c.hidden_act!r} is not supported; use one of {sorted(ACTIVATIONS)}")
-        B, S, r = c.num_loops, c.num_vector_slots, c.lora_ranks["ffn"]
+        B, S, r = c.block_slots(layer), c.vector_slots(layer), block_ranks(c, layer)["ffn"]
         self.act = ACTIVATIONS[c.hidden_act]
         self.gate_proj = (
             LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r) if c.mlp_type == "glu" else None
@@ -405,15 +409,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Shared transformer layer ``layer``. Residual layouts: sequential (Llama, Gemma), sandwich norms
-    (Gemma 2/3: norms before and after each sublayer; OLMo-2: only after), parallel (GPT-NeoX)."""
+    """Transformer block ``layer`` of the plan (shared by the depths that run it, or unique). Residual layouts:
+    sequential (Llama, Gemma), sandwich norms (Gemma 2/3: norms before and after each sublayer; OLMo-2: only
+    after), parallel (GPT-NeoX)."""
 
     def __init__(self, config: LoopLMConfig, layer: int = 0):
         super().__init__()
-        c, S = config, config.num_vector_slots
+        c, S = config, config.vector_slots(layer)
         self.parallel = c.parallel_residual
         self.attn = Attention(c, layer)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, layer)
         pre = c.norm_type if c.pre_norms else "scale"
         self.attn_norm = DepthNorm(c.hidden_size, pre, c.norm_eps, S)
         self.mlp_norm = DepthNorm(c.hidden_size, pre, c.norm_eps, S)

@@ -178,7 +178,11 @@ class Engine:
         )
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.layers = model.model.layers
+        self.plan = c.plan  # the depth lookup (models/plan.py): block, slot, attention kind and loop of each depth
         self.layer_map, self.slot_map, self.kinds = c.layer_map, c.slot_map, list(c.depth_attention)
+        # core[i][k]: the depth loop i runs at its k-th step; a model of one loop is one "loop" of every depth
+        self.core = [[d.index for d in self.plan.loop(i)] for i in range(self.B)]
+        self.core_t = torch.tensor(self.core, device=self.device)
         if self.P:  # the served weights are frozen: each depth's prefix keys/values are computed once
             with torch.no_grad():
                 for d in range(self.L):
@@ -188,7 +192,7 @@ class Engine:
         self.sliding_t = torch.tensor([k == "sliding" for k in self.kinds], device=self.device)
         self.window = c.sliding_window_size
         self.has_sliding = "sliding" in self.kinds
-        self.mixable = self.B == 1 or c.sharing == "cycle"  # loops share layer k at every step
+        self.mixable = self.plan.mixable  # loops run the same block at their k-th step (cycle cores)
         self.policy = (exit_policy or ExitPolicy()).bind(model)
         # speculative decoding (serve/speculative.py): off, context, loop1 or both; schedulers.make_scheduler then
         # serves in speculative rounds
@@ -336,14 +340,28 @@ class Engine:
                 it.h = part
 
     def execute(self, items: list[Item]) -> torch.Tensor:
-        """One loop (the K shared layers) over ``items`` in ``schedule`` order: their hidden states after it,
-        [tokens, hidden], the items' tokens in order; every token's keys and values at the loop's depths are
-        written to its cache row. An item without ``h`` starts from its tokens' embeddings."""
+        """One loop of the core over ``items`` in ``schedule`` order (an item at loop 0 runs the plan's prelude
+        first): their hidden states after it, [tokens, hidden], the items' tokens in order; every token's keys and
+        values at the loop's depths are written to its cache row. An item without ``h`` starts from its tokens'
+        embeddings."""
         self._embed_missing(items)
-        dev, R, K = self.device, self.cache.num_rows, self.K
+        first = [it for it in items if it.loop == 0 and it.kind != "kv"]
+        if self.plan.prelude and first:  # once per token, before its first loop
+            for it, part in zip(first, self.run_depths(first, self.plan.prelude).split([it.length for it in first])):
+                it.h = part
+        return self.run_depths(items)
+
+    def run_depths(self, items: list[Item], depths=None) -> torch.Tensor:
+        """``depths`` (models/plan.py ``Depth``s: a plan's prelude or coda) over every item, or, with None, each
+        item's next loop of the core (loops mixed in one batch where the plan allows). Returns the states after
+        them, [tokens, hidden], and writes every token's keys and values at those depths to its cache row."""
+        dev, R = self.device, self.cache.num_rows
         n_dec = sum(1 for it in items if it.length == 1)
-        loops = {it.loop for it in items}
+        loops = {it.loop for it in items} if depths is None else {0}
         uniform = len(loops) == 1
+        K = self.K if depths is None else len(depths)
+        # the depth that items at ``loop`` run at step k
+        depth_at = (lambda loop, k: self.core[loop][k]) if depths is None else (lambda loop, k: depths[k].index)
         if not uniform and not self.mixable:
             raise ConfigError(
                 "mixing loops in one batch needs cycle sharing (every loop runs shared layer k "
@@ -379,11 +397,11 @@ class Engine:
         ar = self._arange[:t_dec]
         base_mask = (ar[None] <= pos_dec[:, None]) if n_dec else None
         win_mask = ((pos_dec[:, None] - ar[None]) < self.window) if (n_dec and self.has_sliding) else None
-        in_place = self._in_place_groups(items[:n_dec], base_mask, win_mask) if n_dec else None
+        in_place = self._in_place_groups(items[:n_dec], base_mask, win_mask, depths is None) if n_dec else None
         seg_starts = list(itertools.accumulate([n_dec] + [it.length for it in segs]))[:-1]
         route = self._route(uniform, in_place, bool(segs), t_dec)
         if route == "compiled-loop":
-            ds = [next(iter(loops)) * K + k for k in range(K)]
+            ds = [depth_at(next(iter(loops)), k) for k in range(K)]
             return self.compiled.decode_loop(
                 [self.layers[self.layer_map[d]] for d in ds],
                 [self.slot_map[d] for d in ds],
@@ -397,14 +415,14 @@ class Engine:
             )[0]
         for k in range(K):
             if uniform:
-                d = next(iter(loops)) * K + k
+                d = depth_at(next(iter(loops)), k)
                 layer, slot, kind = self.layers[self.layer_map[d]], self.slot_map[d], self.kinds[d]
                 depth = torch.full_like(pos, d)
                 cos, sin = tables[kind]
                 sliding_tok = None if kind == "full" else torch.ones_like(pos, dtype=torch.bool)
-            else:
-                depth = loop * K + k
-                layer, slot = self.layers[k], self.slot_map_t[depth][None]
+            else:  # a cycle core: every loop runs block layer_map[core[0][k]] at step k, each token its own slot
+                depth = self.core_t[loop, k]
+                layer, slot = self.layers[self.layer_map[self.core[0][k]]], self.slot_map_t[depth][None]
                 if self.has_sliding:
                     sliding_tok = self.sliding_t[depth]
                     sel = sliding_tok[None, :, None]
@@ -420,7 +438,7 @@ class Engine:
                 if n_dec:
                     qd = q[0, :, :n_dec].transpose(0, 1).unsqueeze(2)  # [n_dec, H, 1, d]
                     if in_place is not None:
-                        o = self._attend_in_place(attn, qd, in_place, k, t_dec)
+                        o = self._attend_in_place(attn, qd, in_place, k, t_dec, depth_at)
                     else:
                         kd, vd = self.cache.gather(flat[:n_dec], t_dec)
                         mask = base_mask
@@ -468,15 +486,15 @@ class Engine:
     # and keeps the outputs of the rows present: idle rows cost a little arithmetic and no copy.
     in_place_min_fraction = 0.5
 
-    def _in_place_groups(self, dec_items, base_mask, win_mask):
+    def _in_place_groups(self, dec_items, base_mask, win_mask, by_item_loop: bool = True):
         """Per loop present among the single-token items: their indices (None when the single loop's
         tokens fill rows 0..R-1 in order), cache rows and [R, 1, 1, t] masks (full and sliding; idle rows
         see position 0 only, so no softmax row is empty); None when some loop has too few rows for
         in-place reading to pay."""
         R, dev = self.cache.num_rows, self.device
         by_loop: dict[int, list[int]] = {}
-        for i, it in enumerate(dec_items):
-            by_loop.setdefault(it.loop, []).append(i)
+        for i, it in enumerate(dec_items):  # a prelude or coda: every item at the same depths, one group
+            by_loop.setdefault(it.loop if by_item_loop else 0, []).append(i)
         if any(len(ix) < self.in_place_min_fraction * R for ix in by_loop.values()):
             return None
         groups = []
@@ -496,17 +514,17 @@ class Engine:
             groups.append((loop, sel, rows, masks))
         return groups
 
-    def _attend_in_place(self, attn, qd, groups, k, t_dec):
-        """Decode attention for layer k of every group, reading each depth's cache rows in place."""
+    def _attend_in_place(self, attn, qd, groups, k, t_dec, depth_at):
+        """Decode attention for step k of every group, reading each depth's cache rows in place."""
         R = self.cache.num_rows
         if groups[0][1] is None:  # one group, every row busy, token i in row i: no scatter needed
             loop, _, _, masks = groups[0]
-            d = loop * self.K + k
+            d = depth_at(loop, k)
             kf, vf = self.cache.depth_rows(d, t_dec)
             return attn.attend_one(qd, kf, vf, masks[self.kinds[d]])
         out = torch.empty_like(qd)
         for loop, sel, rows, masks in groups:
-            d = loop * self.K + k
+            d = depth_at(loop, k)
             kf, vf = self.cache.depth_rows(d, t_dec)
             qf = qd.new_zeros((R,) + qd.shape[1:]).index_copy_(0, rows, qd.index_select(0, sel))
             o = attn.attend_one(qf, kf, vf, masks[self.kinds[d]])
@@ -541,6 +559,10 @@ class Engine:
                 cont.append(it)
         exit_mask = None
         logit_rows = emit[:]  # (item, row) pairs whose exit logits are needed
+        # an exit runs the plan's coda (once per token that leaves, over all of its item's tokens: their keys and
+        # values at the coda's depths are the cache's), then the head; a confidence read from logits needs it too
+        span_of = {id(it): (s, it.length) for it, s in zip(items, starts)}
+        h_exit = self._through_coda(h_out, [it for it, _ in emit + (inter if policy.needs_logits else [])], span_of)
         if inter:
             rows_t = torch.tensor([r for _, r in inter], device=self.device)
             h_prev = loops = None
@@ -551,9 +573,11 @@ class Engine:
                 logit_rows = logit_rows + inter
             else:  # cosine, hidden-state probe: from h after this loop and h before it
                 exit_mask = policy.decide(None, h_out.index_select(0, rows_t), h_prev, loops, self.model)
-                logit_rows = logit_rows + [x for x, e in zip(inter, exit_mask.tolist()) if e]
+                leaving = [x for x, e in zip(inter, exit_mask.tolist()) if e]
+                logit_rows = logit_rows + leaving
+                h_exit = self._through_coda(h_exit, [it for it, _ in leaving], span_of)
         t_head = time.perf_counter()
-        logits = self._exit_logits(h_out, logit_rows) if logit_rows else None
+        logits = self._exit_logits(h_exit, logit_rows) if logit_rows else None
         self._charge("head", t_head)
         n_emit = len(emit)
         if inter and policy.needs_logits:
@@ -585,6 +609,28 @@ class Engine:
             self._fill_skipped(exited, h_out, cont)
             self._charge("kv_fill", t_kv)
         return Decision(cont, emit + exited, logits)
+
+    def _through_coda(self, h_out: torch.Tensor, items: list[Item], span_of: dict) -> torch.Tensor:
+        """``h_out`` with the rows of ``items`` (their spans ``span_of``) run through the plan's coda, or
+        ``h_out`` itself when the plan has none (the items' continuing states stay views of ``h_out``)."""
+        if not self.plan.coda or not items:
+            return h_out
+        items = sorted(items, key=lambda it: span_of[id(it)][0])  # schedule order: single tokens first
+        parts = self.exit_states(items, [h_out[slice(s, s + n)] for s, n in (span_of[id(it)] for it in items)])
+        out = h_out.clone()
+        for it, part in zip(items, parts.split([it.length for it in items])):
+            s, n = span_of[id(it)]
+            out[s : s + n] = part
+        return out
+
+    def exit_states(self, items: list[Item], states: list[torch.Tensor]) -> torch.Tensor:
+        """What the exit head reads for ``items`` (in ``schedule`` order) whose core states are ``states``: those
+        states through the plan's coda (writing the coda's keys and values), [tokens, hidden]; public for
+        speculative decoding."""
+        if not self.plan.coda:
+            return torch.cat(states)
+        exiting = [Item(it.req, it.pos, it.length, it.loop, it.kind, h=h) for it, h in zip(items, states)]
+        return self.run_depths(exiting, self.plan.coda)
 
     def _charge(self, part: str, since: float) -> None:
         self.stats["seconds"][part] += time.perf_counter() - since
@@ -670,7 +716,7 @@ class Engine:
         """KV ``copy``: the cache entries of every depth after ``loop`` for tokens that left after it, their
         exit states h [1, n, hidden] projected through each skipped depth's k/v (one compiled call when the
         engine is compiled)."""
-        ds = list(range((loop + 1) * self.K, self.L))
+        ds = [d for later in self.core[loop + 1 :] for d in later]  # the core's later loops (the coda runs for real)
         tables = self.model.model.rotary(pos[None], h.dtype)
         layers, slots, kinds = (
             [self.layers[self.layer_map[d]] for d in ds],

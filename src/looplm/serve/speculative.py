@@ -193,7 +193,7 @@ class Speculator:
                 work.append(w)
             order = eng.schedule(work)
             h = self._run(order)
-            logits = eng.exit_logits(h, [0] * len(order))
+            logits = eng.exit_logits(eng.exit_states(order, list(h.split(1))), [0] * len(order))
             params = [w.req.sampling for w in order]
             greedy = all(p.greedy for p in params)
             q = None if greedy else filtered_probs(logits, params)
@@ -227,10 +227,13 @@ class Speculator:
             h = self._run(order)
             for v, part in zip(order, h.split([v.length for v in order])):
                 v.h, v.loop = part, loop + 1
-        rows = torch.cat([pl["verify"].h for pl in plans])
-        logits = eng.exit_logits(rows, [eng.B - 1] * rows.shape[0])
-        for pl, part in zip(plans, logits.split([pl["verify"].length for pl in plans])):
-            pl["logits"] = part
+        order = eng.schedule(todo)
+        rows = eng.exit_states(order, [v.h for v in order])
+        logits = dict(
+            zip(map(id, order), eng.exit_logits(rows, [eng.B - 1] * rows.shape[0]).split([v.length for v in order]))
+        )
+        for pl in plans:  # a request cancelled meanwhile has none (and is not accepted)
+            pl["logits"] = logits.get(id(pl["verify"]))
 
     def _run(self, order: list[Item]) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -7,11 +7,12 @@ weights (the reduced-size model "trained from scratch on the same recipe"); the 
 embedding size are the source model's. Train it with `looplm train` like any other student.
 
     python -m looplm.train.baselines stepwise --model smollm2-135m --loops 2 --out out/m/stepwise-noloop
+    python -m looplm.train.baselines stepwise --model smollm2-135m --layers 16 --out out/m/reduced-16l
 
-writes the "pretrained Stepwise layers without looping" baseline of the paper's individual-contributions
-table (appendix E): the K = L / B layers Stepwise selects, with their norms, run once each (B = 1), and
-the pretrained embeddings, final norm and head: the recursive Stepwise model's parameters without the
-looping.
+writes the reduced-size model: the "pretrained Stepwise layers without looping" baseline of the paper's
+individual-contributions table (appendix E): the K = L / B layers Stepwise selects (or ``--layers`` of them,
+the reduced-size model of a plan with unique layers, at its N-emb), the first and the last kept, with their
+norms, run once each (B = 1), and the pretrained embeddings, final norm and head.
 The other baselines are conversion options (`looplm convert --init random`, or the full-size model
 itself as `--model`); see docs/guides/heal.md.
 """
@@ -54,17 +55,21 @@ def scratch_model(vanilla, layers: int, seed: int = 0):
 
 
 @torch.no_grad()
-def stepwise_model(vanilla, loops: int):
-    """The Stepwise-selected layers of ``vanilla`` without looping; every other weight pretrained."""
+def stepwise_model(vanilla, loops: int | None = None, layers: int | None = None):
+    """``layers`` (or L / ``loops``) Stepwise-selected layers of ``vanilla`` without looping, the first and the
+    last among them; every other weight pretrained."""
     from ..convert import stepwise_layers
-    from ..models import ConfigError, layer_map
 
     L = vanilla.config.num_hidden_layers
-    try:
-        layer_map(L, loops)
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
-    chosen = stepwise_layers(L, L // loops)
+    if (loops is None) == (layers is None):
+        raise UsageError("give --loops B (L / B layers) or --layers N, not both")
+    if layers is None:
+        if loops < 1 or L % loops:
+            raise UsageError(f"--loops {loops} does not divide the model's {L} layers; give --layers N instead")
+        layers = L // loops
+    if not 1 <= layers <= L:
+        raise UsageError(f"--layers {layers} must be in 1..{L}")
+    chosen = stepwise_layers(L, layers)
     model = _shallower(vanilla, chosen, "stepwise-noloop")
     src = vanilla.state_dict()
     for name, p in model.state_dict().items():
@@ -87,7 +92,10 @@ def main(argv=None) -> int:
     s.add_argument("--seed", type=int, default=0)
     w = sub.add_parser("stepwise", help="the Stepwise-selected pretrained layers without looping")
     w.add_argument("--model", default="smollm2-135m")
-    w.add_argument("--loops", type=int, required=True, help="B of the recursive model it is the baseline of")
+    w.add_argument(
+        "--loops", type=int, default=None, help="B of the recursive model it is the baseline of (L / B layers)"
+    )
+    w.add_argument("--layers", type=int, default=None, help="how many layers to keep (instead of --loops)")
     w.add_argument("--out", required=True)
     args = p.parse_args(argv)
     vanilla, tok = load_model(args.model)
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
         model = (
             scratch_model(vanilla, args.layers, args.seed)
             if args.cmd == "scratch"
-            else stepwise_model(vanilla, args.loops)
+            else stepwise_model(vanilla, args.loops, args.layers)
         )
     except UsageError as e:
         p.error(str(e))

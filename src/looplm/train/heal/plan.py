@@ -17,7 +17,7 @@ from ..budget import steps_to_fill
 from ..optim import adamw
 from .config import HealConfig
 from .sharding import sharded_copy
-from .steps import body_params, compile_layers, e2e_step, eager, exit_params, exit_step, local_step
+from .steps import body_params, compile_layers, e2e_step, eager, exit_params, exit_step, local_step, local_visits
 
 # Steps of the end-to-end and exit stages after which a time budget's step count is fixed again from the
 # steps since the last fix: steps get faster after the first few (and the plan timed them before they were
@@ -56,7 +56,7 @@ def plan_steps(c: HealConfig, model_config, exit_spec, seconds_left: float | Non
         local_steps = int(max(0.0, c.local_share * left - propagate) / t_local / K) if c.local_share else 0
         e2e_steps = steps_to_fill(0, (1 - c.local_share - exit_share) * left, t_e2e)
         exit_steps = steps_to_fill(0, exit_share * left, t_exit) if exit_share else 0
-    visits = model_config.num_hidden_layers if c.local_mode == "sequential" else K
+    visits = len(local_visits(model_config, c.local_mode == "sequential"))
     per_visit = math.ceil(local_steps / (visits // K)) if local_steps else 0
     plan = {
         "local_steps_per_layer": local_steps,

@@ -51,28 +51,32 @@ def round_base(run: HealRun) -> None:
 
 
 def local_stage(run: HealRun) -> None:
-    """Each shared layer alone (``--local-mode parallel``), or each depth in order on the student's own inputs
-    (``sequential``), for the planned steps of each visit; a checkpoint after every visit. A resumed run draws the
-    rows of its next steps as the uninterrupted run does (``local_rows``)."""
+    """Each shared block alone (``--local-mode parallel``), or each depth of a shared block in order on the
+    student's own inputs (``sequential``), for the planned steps of each visit; a checkpoint after every visit.
+    Unique blocks (a plan's prelude and coda) are the original's layers, exact already: they get no visit. A
+    resumed run draws the rows of its next steps as the uninterrupted run does (``local_rows``)."""
     from tqdm import tqdm
 
     c, p, inputs, progress = run.cfg, run.plan, run.inputs, run.progress
     model, cache, n_rows = inputs.student, run.cache, len(inputs.rows)
     cfg = model.config
-    K, L = cfg.num_shared_layers, cfg.num_hidden_layers
+    K = cfg.num_shared_layers
     per_visit = p["local_steps_per_visit"]
     if per_visit == 0:
         return
     sequential = c.local_mode == "sequential"
-    order = list(range(L)) if sequential else list(range(K))
+    order = steps.local_visits(cfg, sequential)
     states: dict[int, torch.Tensor] = {}  # sequential: the student's inputs of the depths reached
-    if sequential and progress.visit > 0:
-        # resume: recompute the student's inputs of the depths already reached
-        h = steps.first_inputs(cache, n_rows)
-        for d in range(progress.visit):
-            states[d] = h
-            h = steps.propagate(model, d, h, inputs.autocast, inputs.device)
-        states[progress.visit] = h
+
+    def reach(d: int) -> None:  # sequential: the student's inputs of depth d, propagated from the last reached
+        if not states:
+            states[0] = steps.first_inputs(cache, n_rows)
+        while max(states) < d:
+            top = max(states)
+            states[top + 1] = steps.propagate(model, top, states[top], inputs.autocast, inputs.device)
+
+    if sequential and progress.visit > 0:  # resume: recompute the student's inputs of the depths already reached
+        reach(order[min(progress.visit, len(order) - 1)])
     if c.compile:
         steps.compile_layers(model)
     model.requires_grad_(False)
@@ -90,10 +94,7 @@ def local_stage(run: HealRun) -> None:
             started, d = run.clock(), order[v]
             layer = cfg.layer_map[d] if sequential else d
             if sequential:
-                if d == 0:
-                    states[0] = steps.first_inputs(cache, n_rows)
-                elif d not in states:
-                    states[d] = steps.propagate(model, d - 1, states[d - 1], inputs.autocast, inputs.device)
+                reach(d)
             block = model.model.layers[layer]
             opt = adamw(steps.unfreeze(block, c.base_weights), lr=c.local_lr, weight_decay=0.0)
             first = last = None

@@ -23,8 +23,6 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ...convert.recursive import tied_depths
-from ...models.decoder import attention_masks
 from ...models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter
 from ...models.quantized import linears
 from ..losses import HIDDEN_LOSSES, head_kd_loss, kd_loss, relative_error
@@ -132,16 +130,19 @@ def loss_of(model, loss):
 # ----- layer-local
 
 
+def local_visits(cfg, sequential: bool) -> list[int]:
+    """What the layer-local stage visits in order: the shared blocks (parallel), or the depths that run them
+    (sequential). A plan's unique blocks are the original's layers: exact from the start, they get no visit. A
+    model of one loop (the reduced-size baseline) is all unique blocks, and each is visited."""
+    plan = cfg.plan
+    if sequential:
+        return [dep.index for dep in plan.depths if not plan.is_unique(dep.block)]
+    return [b for b in range(plan.num_blocks) if not plan.is_unique(b)]
+
+
 def run_depth(model, d: int, h: torch.Tensor) -> torch.Tensor:
     """Depth ``d`` of ``model`` alone on states ``h`` [rows, seq, hidden]."""
-    cfg = model.config
-    rows, seq = h.shape[0], h.shape[1]
-    pos = torch.arange(seq, device=h.device)[None].expand(rows, -1)
-    tables = model.model.rotary(pos, torch.float32)
-    masks = attention_masks(set(cfg.depth_attention), rows, seq, 0, None, cfg.sliding_window_size, h.device)
-    kind = cfg.depth_attention[d]
-    cos, sin = tables[kind]
-    return model.model.layers[cfg.layer_map[d]](h, cfg.slot_map[d], cos, sin, masks[kind], None, d)
+    return model.model.run_depths(h, [model.config.plan.depths[d]])
 
 
 def local_loss(
@@ -151,7 +152,7 @@ def local_loss(
     maps the original's states at the start of its span of layers (``spans[d]``, inputs.teacher_spans) onto those at
     its end, its error weighing the channels by ``channels`` (None: uniformly). ``inputs[d]`` holds the student's
     inputs of a depth already reached (sequential mode)."""
-    depths = tied_depths(model.config)[layer]
+    depths = model.config.plan.block_depths[layer]
     loss = 0.0
     for d in depths:
         start, end = spans[d]
@@ -231,30 +232,35 @@ def e2e_loss(model, teacher, ids, boundary, spans, c: HealConfig, autocast, chan
     of the student ends where its span of the original's layers ends, ``spans[d]``; ``channels``: as in ``local_loss``)
     and its parts."""
     cfg = model.config
-    L, K = cfg.num_hidden_layers, cfg.num_shared_layers
+    plan = cfg.plan
     with torch.no_grad():
         teacher_z = teacher.exit_states(boundary(spans[-1][1]))
     with autocast():
         _, depth_states, _ = model.model(ids, output_depth_states=True)
     parts = {"kd": exit_kd(model, depth_states[-1], None, teacher_z, teacher, autocast, c.compile)}
     loss = parts["kd"]
+    # the depths after which an intermediate loop's exit leaves (through the coda, if the plan has one)
+    loop_ends = [plan.loop(i)[-1].index for i in range(cfg.num_loops - 1)] if plan.looped else []
     if c.hidden_weight:
         # The state after an intermediate loop is an exit too: with an exit term it is left free to
         # become predictive instead of copying the original's mid-network state.
-        matched = [d for d in range(L) if not (c.exit_weight and (d + 1) % K == 0 and d < L - 1)]
+        L = len(depth_states)
+        matched = [d for d in range(L) if not (c.exit_weight and d in loop_ends)]
         error = HIDDEN_LOSSES[c.hidden_loss]
         hid = sum(error(depth_states[d], boundary(spans[d][1]), channels) for d in matched) / len(matched)
         parts["hidden"] = hid
         loss = loss + c.hidden_weight * hid
-    if c.exit_weight and cfg.num_loops > 1:
+    if c.exit_weight and loop_ends:
         # "final": each exit learns the student's own full-depth output, the one its tokens must agree with
         target_z, target = (
             (teacher_z, teacher)
             if c.exit_target == "teacher"
             else (model.exit_states(depth_states[-1]).detach(), model)
         )
-        for i in range(1, cfg.num_loops):
-            parts[f"kd_exit{i}"] = exit_kd(model, depth_states[i * K - 1], i - 1, target_z, target, autocast, c.compile)
+        for i, d in enumerate(loop_ends, start=1):
+            with autocast():
+                h = model.model.run_depths(depth_states[d], plan.coda) if plan.coda else depth_states[d]
+            parts[f"kd_exit{i}"] = exit_kd(model, h, i - 1, target_z, target, autocast, c.compile)
             loss = loss + c.exit_weight * parts[f"kd_exit{i}"]
     return loss, parts
 
