@@ -335,3 +335,18 @@ def test_each_row_records_the_training_budget_of_its_run(tmp_path):
     (trained.parent / "run.json").write_text("{}")  # a run from before runs named their machines
     assert run_budget(str(trained)) == "uptrain: 2,048 tokens, 1.50 min"
     assert run_budget("smollm2-135m") is None and run_budget(str(tmp_path)) is None
+
+
+def test_claims_table_links_results_relative_to_its_own_folder(tmp_path):
+    """The table sits in one folder and its results files in another: each link must resolve from the table."""
+    results = tmp_path / "docs" / "results" / "paper-comparison" / "smollm2.json"
+    results.parent.mkdir(parents=True)
+    results.write_text("{}")
+    entry = {
+        "claim": "c", "better": "a", "worse": "b", "reference": None, "decision": "held", "metric_name": "m",
+        "number": "1", "budget": "x", "command": "cmd", "results": str(results),
+    }  # fmt: skip
+    table = tmp_path / "docs" / "results" / "claims.md"
+    text = markdown([entry], base=table.parent)
+    link = text.split("([results](")[1].split(")")[0]
+    assert link == "paper-comparison/smollm2.json" and (table.parent / link).exists()

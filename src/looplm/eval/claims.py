@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,7 +239,9 @@ def decide(
     return out
 
 
-def markdown(entries: list[dict], title: str = "The paper's claims") -> str:
+def markdown(entries: list[dict], title: str = "The paper's claims", base: str | Path | None = None) -> str:
+    """The claims table; links to results files are relative to ``base``, the folder the table is written to
+    (None: as the entries name them)."""
     lines = [
         f"# {title}",
         "",
@@ -250,7 +253,8 @@ def markdown(entries: list[dict], title: str = "The paper's claims") -> str:
         if e["decision"] == "not run":
             lines.append(f"| {e['claim']} | {pair} | - | - | - | not run | `{e['command']}` |")
             continue
-        reproduce = f"`{e['command']}` ([results]({e['results']}))" if e["command"] else f"[results]({e['results']})"
+        link = Path(os.path.relpath(e["results"], base)).as_posix() if base is not None else e["results"]
+        reproduce = f"`{e['command']}` ([results]({link}))" if e["command"] else f"[results]({link})"
         lines.append(
             f"| {e['claim']} | {pair} | {e['metric_name']} | {e['number']} | {e['budget']} | "
             f"**{e['decision']}** | {reproduce} |"
@@ -269,5 +273,5 @@ def write_claims(results: list[str | Path], out: str | Path, resamples: int = st
     entries = decide(CLAIMS, load_results(results), resamples, seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, markdown(entries))
+    write_text_atomic(out, markdown(entries, base=out.parent))
     return entries
