@@ -8,8 +8,9 @@
 #   reducedN   the reduced-size model of N layers (Stepwise picks, the first and last kept), each plan's N-emb
 #   def        `looplm convert`'s defaults before this comparison: cycle, rank 64 (N-emb 72.7M)
 #   mc56       the same conversion with middle-cycle at rank 56, the rank that keeps its N-emb at def's
-# Each is healed (`looplm heal`, the recipe) on the claims' token budget (327,452 tokens, 0.6395 of them local), its
-# own teacher cache, into OUT/heal/NAME; `looplm eval suite` scores them on the five out-of-domain domains, the
+# Each is healed (`looplm heal`, the recipe) on the claims' token budget (327,452 tokens, 0.6395 of them local), one
+# teacher cache for all (OUT/cache: the same rows of the same original; run a second heal beside the first only once
+# the first has written it), on the real corpus's training split (HEAL_DATA), into OUT/heal/NAME; `looplm eval suite` scores them on the five out-of-domain domains, the
 # real corpus's held-out split and the seven tasks (LIMIT documents each) into RESULTS.json.
 # Resumable: every step skips what is finished and resumes what was interrupted. Environment: OUT, STUDENTS, STEPS
 # (a subset of "convert heal suite"), LIMIT, WINDOWS, RESULTS, HEAL_BUDGET, PYTHON, LOOPLM.
@@ -24,6 +25,7 @@ LIMIT=${LIMIT:-500}
 WINDOWS=${WINDOWS:-32}
 RESULTS=${RESULTS:-docs/results/sharing/smollm2}
 HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 327452 --local-share 0.6395"}
+HEAL_DATA=${HEAL_DATA:-$OUT/corpus-512}  # the real text's training split (the recipe's mix needs 90 min of the original's text first)
 model=smollm2-135m real=$OUT/corpus-512 calib=$OUT/calib
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 mkdir -p "$OUT/logs" "$OUT/models" "$OUT/heal" "$(dirname "$RESULTS")"
@@ -54,9 +56,8 @@ for s in $STUDENTS; do
   if has heal && [ ! -f "$OUT/heal/$s/heal.json" ]; then
     resume=""; [ -f "$OUT/heal/$s/run.json" ] && resume="--resume"
     # shellcheck disable=SC2086
-    $LOOPLM heal "$OUT/models/$s" --teacher "$model" --out "$OUT/heal/$s" --cache "$OUT/cache-$s" --seed 0 \
-      --no-progress $HEAL_BUDGET --compile $resume
-    rm -rf "$OUT/cache-$s"  # a cache is GBs; a re-heal makes it again in a few minutes
+    $LOOPLM heal "$OUT/models/$s" --teacher "$model" --data "$HEAL_DATA" --out "$OUT/heal/$s" --cache "$OUT/cache" \
+      --seed 0 --no-progress $HEAL_BUDGET --compile $resume
   fi
 done
 

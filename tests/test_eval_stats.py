@@ -350,3 +350,27 @@ def test_claims_table_links_results_relative_to_its_own_folder(tmp_path):
     text = markdown([entry], base=table.parent)
     link = text.split("([results](")[1].split(")")[0]
     assert link == "paper-comparison/smollm2.json" and (table.parent / link).exists()
+
+
+def test_halves_split_windows_and_documents_and_keep_the_held_out_split_for_the_choice():
+    windows = {"loss": [1.0, 2.0, 3.0, 4.0], "tokens": [10, 10, 10, 10]}
+    docs = {"ids": [3, 1, 2, 0], "correct": [1.0, 0.0, 1.0, 0.0]}
+    row = {"name": "a", "model": "a", "ood_windows": {"qa": windows}, "in_domain_windows": windows,
+           "tasks": {"piqa": {"docs": docs}}}  # fmt: skip
+    result = {"rows": [row]}
+    first, second = stats.half(result, "select")["rows"][0], stats.half(result, "report")["rows"][0]
+    assert first["ood_windows"]["qa"]["loss"] == [1.0, 2.0] and second["ood_windows"]["qa"]["loss"] == [3.0, 4.0]
+    assert first["in_domain_windows"] == windows and "in_domain_windows" not in second
+    assert first["tasks"]["piqa"]["docs"]["ids"] == [0, 1] and second["tasks"]["piqa"]["docs"]["ids"] == [2, 3]
+    assert row["ood_windows"]["qa"] is windows  # the result itself is left as it was
+    with pytest.raises(UsageError, match="unknown half"):
+        stats.half(result, "third")
+
+
+def test_a_gap_is_decided_only_beyond_two_standard_errors():
+    """At 1.9 standard errors nothing is decided; at 2.1 the lower (perplexity) or higher (accuracy) side wins."""
+    assert stats.verdict(-1.9, 1.0, "a", "b", lower_is_better=True) == "not decided"
+    assert stats.verdict(-2.1, 1.0, "a", "b", lower_is_better=True) == "a better"
+    assert stats.verdict(2.1, 1.0, "a", "b", lower_is_better=True) == "b better"
+    assert stats.verdict(2.1, 1.0, "a", "b", lower_is_better=False) == "a better"
+    assert stats.verdict(-1.99, 1.0, "a", "b", lower_is_better=False) == "not decided"

@@ -903,3 +903,42 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
         finals[stopped] = load_model(out / "final")[0].state_dict()
     for name, value in finals[False].items():
         assert torch.allclose(finals[True][name], value, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_plan_with_unique_layers_heals_its_shared_blocks_locally_and_everything_end_to_end(setup):
+    """Middle-cycle (1 + 1 x 2 + 1): the layer-local stage visits the one shared block only (the unique layers are
+    the original's own); the end-to-end and exit stages train through the coda, and the healed model is closer to
+    the original than the converted one."""
+    tmp, models, corpus = setup
+    teacher, tok = load_model(models["teacher"])
+    student = save_model(
+        convert(teacher, loops=2, strategy="middle-cycle", init="average", lora_ranks=4, lora_init="svd"),
+        tok,
+        tmp / "middle",
+    )
+    out = tmp / "heal-middle"
+    cfg = HealConfig(
+        model=str(student),
+        teacher=str(models["teacher"]),
+        data=str(corpus),
+        out=str(out),
+        train_tokens=64 * 40,
+        local_share=0.5,
+        exit_share=0.3,
+        local_lr=3e-3,
+        seq_len=32,
+        cache_rows=16,
+        local_batch=2,
+        e2e_batch=2,
+        eval_rows=4,
+        progress=False,
+        cache=str(tmp / "cache-middle"),
+    )
+    r = heal(cfg, log=lambda *a: None)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([x for x in records if x.get("stage") == "local"]) == 1  # one visit: the shared block
+    assert [x for x in records if x.get("stage") == "e2e"] and [x for x in records if x.get("stage") == "exit"]
+    assert r["exit_adapter"] == {"kind": "affine"}
+    healed, _ = load_model(out / "final")
+    assert healed.config.plan.describe() == "1 + 1 x 2 + 1 (cycle core)"
+    assert _student_gap(models, out / "final", corpus) < _student_gap(models, student, corpus)

@@ -210,3 +210,108 @@ def test_healing_spends_no_local_steps_on_unique_layers(vanilla):
     assert local_visits(m.config, sequential=False) == [1, 2, 3]
     assert local_visits(m.config, sequential=True) == [1, 2, 3, 4, 5, 6]
     assert local_visits(vanilla.config, sequential=False) == list(range(8))  # a reduced-size model: every layer
+
+
+def _middle_relaxed(vocab_size: int = 256):
+    """SERVE_SMALL at 6 layers, middle-cycle (1 + 2 x 2 + 1), rank-8 LoRA and per-depth norms."""
+    from conftest import SERVE_SMALL
+
+    torch.manual_seed(0)
+    cfg = {**SERVE_SMALL, "num_hidden_layers": 6, "vocab_size": vocab_size}
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**cfg)).eval()
+    return convert(vanilla, loops=2, strategy="middle-cycle", init="stepwise", lora_ranks=8, norms="per-depth").eval()
+
+
+@pytest.mark.parametrize("lora", ["shared", "merged"])
+def test_quantized_plan_serves_the_dequantized_models_tokens(lora):
+    """int8 weights of a plan with unique layers (one per-depth weight for a unique block when merged): the engine's
+    greedy tokens, loops mixed in its batches, are those of the float model built from the rounded weights."""
+    import copy
+
+    from conftest import arrive_one_per_step, full_depth_greedy
+    from test_quantized import FORMATS, dequantized_reference, merged_reference
+
+    from looplm.models import quantized as Q
+    from looplm.serve import Engine, Request, make_scheduler
+
+    if "int8" not in FORMATS:
+        pytest.skip("this torch build has no int8 weight-only op on CPU")
+    model = _middle_relaxed()
+    ref = (merged_reference if lora == "merged" else dequantized_reference)(model, "int8")
+    qm = Q.quantize_model(copy.deepcopy(model), "int8", act_dtype=torch.float32, lora=lora)
+    if lora == "merged":  # a unique block has no LoRA to merge: its one weight; a shared block one per depth
+        assert not isinstance(qm.model.layers[0].attn.qkv, Q.PerDepthWeight)
+        assert len(qm.model.layers[1].attn.qkv.depths) == 2
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 1, 8)]
+    engine = Engine(qm, max_batch=3, max_seq_len=64)
+    reqs = [Request(p, 6) for p in prompts]
+    arrive_one_per_step(make_scheduler("depth", engine), reqs)
+    assert engine.stats["mixed_stages"] > 0
+    assert [r.output for r in reqs] == [full_depth_greedy(ref, p, 6) for p in prompts]
+
+
+def test_gguf_export_of_a_plan_with_unique_layers_gives_its_logits(tmp_path):
+    import gguf
+    from test_gguf_export import tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from looplm.cli import main
+    from looplm.models import save_model
+
+    tok = tiny_tokenizer()
+    model = _middle_relaxed(len(tok))
+    d = save_model(model, tok, tmp_path / "middle")
+    out = tmp_path / "middle.gguf"
+    assert main(["export-gguf", str(d), "--out", str(out)]) == 0
+    assert gguf.GGUFReader(str(out)).fields["llama.block_count"].contents() == 6  # every depth, unrolled
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=out.name, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(tok), (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, model(ids).logits, atol=1e-4)
+    assert main(["info", str(d)]) == 0
+
+
+def test_info_names_the_plan(tmp_path, capsys):
+    from test_gguf_export import tiny_tokenizer
+
+    from looplm.cli import main
+    from looplm.models import save_model
+
+    tok = tiny_tokenizer()
+    d = save_model(_middle_relaxed(len(tok)), tok, tmp_path / "m")
+    assert main(["info", str(d)]) == 0
+    assert "1 + 2 x 2 + 1 (cycle core): 2 shared layers x 2 loops, 2 unique" in capsys.readouterr().out
+
+
+def test_the_exit_probe_reads_the_core_state_the_engine_decides_on():
+    """With a coda only a leaving token runs it: the probe's features (fitting) are the core's states after and
+    before each loop, the ones the engine passes to the exit decision, not the exits' coda outputs."""
+    from looplm.serve.probe import core_states
+
+    model = _middle_relaxed()
+    x = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        _, states, _ = model.model(x, output_loop_states=True)
+        after, before = core_states(model, x, states)
+        plan = model.config.plan
+        h0 = model.model.embed(x)
+        prelude = model.model.run_depths(h0, plan.prelude)
+        loop0 = model.model.run_depths(prelude, plan.loop(0))
+        assert torch.allclose(before[0], prelude) and torch.allclose(after[0], loop0, atol=1e-6)
+        assert not torch.allclose(after[0], states[0])  # the exit after loop 1 is the coda's output
+
+
+def test_evaluation_per_exit_scores_each_exit_through_the_coda(vanilla):
+    """`looplm eval`'s per-exit scorer: exit i's loss is the static exit's (prelude, i loops, coda, head)."""
+    import torch.nn.functional as F
+
+    m = convert(vanilla, loops=2, strategy="cycle", init="average", lora_ranks=4, prelude=1, coda=2)
+    ids = torch.randint(0, 128, (2, 10))
+    nll, _, tokens = m.exit_losses(ids)
+    with torch.no_grad():
+        for loops in (1, 2):
+            logits = m(ids, num_loops=loops).logits[:, :-1]
+            want = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+            assert float(nll[loops - 1].sum()) == pytest.approx(float(want), rel=1e-5)
+    assert tokens.tolist() == [9, 9]

@@ -571,3 +571,13 @@ def test_entropy_policy_splits_tokens_at_the_threshold_by_entropies_worked_by_ha
         left, stayed = left + sum(want_exit), stayed + len(want_exit) - sum(want_exit)
     assert left >= 5 and stayed >= 5
     assert engine.stats["exits_per_loop"][0] == left
+
+
+def test_margin_exit_is_the_gap_between_the_top_two_not_the_top_probability():
+    """Two rows whose top probability is the same (0.5), their seconds 0.45 and 0.25: the softmax rule at 0.4 lets
+    both leave; the margin rule lets neither leave at 0.4 and, at 0.2, only the row whose gap (0.25) clears it."""
+    probs = torch.tensor([[0.5, 0.45, 0.05], [0.5, 0.25, 0.25]])
+    logits, h = probs.log(), torch.zeros(2, 4)
+    assert ExitPolicy("softmax", 0.4).decide(logits, h, h).tolist() == [True, True]
+    assert ExitPolicy("margin", 0.4).decide(logits, h, h).tolist() == [False, False]
+    assert ExitPolicy("margin", 0.2).decide(logits, h, h).tolist() == [False, True]

@@ -246,7 +246,9 @@ def cmd_convert(args) -> int:
     if args.norms is None and data_aware:
         args.norms = "per-depth"  # a data-aware init fits each depth; tied norms would undo part of that fit
     text = read_text_arg(args.text) if args.text else sample_text()
-    name = f"{Path(args.model).name}-b{args.loops}-r{rank}" + (f"-p{prefix}" if prefix else "")
+    plan = "" if (args.strategy, args.prelude, args.coda) == ("cycle", 0, 0) else f"-{args.strategy}"
+    plan += (f"-pre{args.prelude}" if args.prelude else "") + (f"-coda{args.coda}" if args.coda else "")
+    name = f"{Path(args.model).name}-b{args.loops}{plan}-r{rank}" + (f"-p{prefix}" if prefix else "")
     out = Path(args.out) if args.out else Path("out") / name
     with Timer() as t_load:
         vanilla, tok = load_model(args.model)

@@ -43,9 +43,13 @@ class Claim:
     runs: str
     keeps: bool = False
     originals: tuple[str, ...] = ("smollm2-135m",)
+    # decided on the second half of the windows and documents, after a choice made on the first (stats.half)
+    halves: bool = False
+    script: str = "experiments/paper_comparison.sh"
 
     def command(self, original: str) -> str:
-        return f"FAMILIES={FAMILIES.get(original, original)} {self.runs} bash experiments/paper_comparison.sh"
+        family = f"FAMILIES={FAMILIES.get(original, original)} " if self.script.endswith("paper_comparison.sh") else ""
+        return f"{family}{self.runs} bash {self.script}"
 
 
 def _students(names: str, steps: str = HEAL_STEPS) -> str:
@@ -147,6 +151,27 @@ CLAIMS = (
 )
 
 
+def _plans(text: str, a: str, b: str) -> Claim:
+    return Claim(text, a, b, f'STUDENTS="{a} {b}"', halves=True, script="experiments/sharing_comparison.sh")
+
+
+# Sharing plans against each other and against the reduced-size model of their own N-emb (SmolLM2-135M, B=2,
+# rank 0 unless named; names as experiments/sharing_comparison.sh gives them): chosen on the held-out split and the
+# first half of the suite's windows, decided on the second half.
+PLAN_CLAIMS = (
+    _plans("Middle-cycle (1 + 14 x 2 + 1) beats the reduced-size model of its N-emb (16 layers)", "mc", "reduced16"),
+    _plans("Cycle (15 x 2) beats the reduced-size model of its N-emb (15 layers)", "rec", "reduced15"),
+    _plans("3 + 12 x 2 + 3 beats the reduced-size model of its N-emb (18 layers)", "p3c3", "reduced18"),
+    _plans("2 + 13 x 2 + 2 beats the reduced-size model of its N-emb (17 layers)", "p2c2", "reduced17"),
+    _plans(
+        "Middle-cycle beats cycle at equal N-emb (cycle given one layer's parameters as LoRA rank 12)", "mc", "rec-r12"
+    ),
+    _plans("Middle-cycle beats cycle, both rank 0 (middle-cycle one layer larger)", "mc", "rec"),
+    _plans("Middle-cycle at rank 56 beats cycle at rank 64 (equal N-emb, 72.7M)", "mc56", "def"),
+    _plans("3 + 12 x 2 + 3 beats middle-cycle, both rank 0", "p3c3", "mc"),
+)
+
+
 def decision(verdict: str, claim: Claim) -> str:
     if claim.keeps:
         return "not held" if verdict == f"{claim.worse} better" else "held (no loss beyond two SE)"
@@ -201,30 +226,33 @@ def decide(
             rows = {r["name"]: r for r in result["rows"]}
             if claim.better not in rows or claim.worse not in rows:
                 continue
-            scored = stats.metrics_of(result)
             reference = result["rows"][0]["model"]
             found.add(reference)
-            for metric in (m for m in CLAIM_METRICS if m in scored and (reference, m) not in decided):
-                decided.add((reference, metric))
-                c = stats.compare(result, claim.better, claim.worse, metric, resamples, seed)
-                budgets = [rows[n].get("budget") or "as given" for n in (claim.better, claim.worse)]
-                out.append(
-                    {
-                        "claim": claim.text,
-                        "better": claim.better,
-                        "worse": claim.worse,
-                        "reference": reference,
-                        "metric": metric,
-                        "metric_name": metric_name(metric, result),
-                        "difference": c["difference"],
-                        "se": c["se"],
-                        "number": _number(c),
-                        "budget": budgets[0] if budgets[0] == budgets[1] else " / ".join(budgets),
-                        "decision": decision(c["verdict"], claim),
-                        "results": str(path),
-                        "command": result.get("reproduce") or result.get("command") or "",
-                    }
-                )
+            for part in stats.HALVES if claim.halves else (None,):
+                cut = stats.half(result, part) if part else result
+                scored = stats.metrics_of(cut)
+                for metric in (m for m in CLAIM_METRICS if m in scored and (reference, part, m) not in decided):
+                    decided.add((reference, part, metric))
+                    c = stats.compare(cut, claim.better, claim.worse, metric, resamples, seed)
+                    budgets = [rows[n].get("budget") or "as given" for n in (claim.better, claim.worse)]
+                    out.append(
+                        {
+                            "claim": claim.text,
+                            "better": claim.better,
+                            "worse": claim.worse,
+                            "reference": reference,
+                            "metric": metric,
+                            "half": part,
+                            "metric_name": metric_name(metric, result) + (f", {part} half" if part else ""),
+                            "difference": c["difference"],
+                            "se": c["se"],
+                            "number": _number(c),
+                            "budget": budgets[0] if budgets[0] == budgets[1] else " / ".join(budgets),
+                            "decision": decision(c["verdict"], claim) + (" (chooses)" if part == "select" else ""),
+                            "results": str(path),
+                            "command": result.get("reproduce") or result.get("command") or "",
+                        }
+                    )
         for original in (o for o in claim.originals if o not in found):
             out.append(
                 {
@@ -259,6 +287,13 @@ def markdown(entries: list[dict], title: str = "The paper's claims", base: str |
             f"| {e['claim']} | {pair} | {e['metric_name']} | {e['number']} | {e['budget']} | "
             f"**{e['decision']}** | {reproduce} |"
         )
+    if any(e.get("half") for e in entries):
+        lines += [
+            "",
+            "Each pair is compared on two halves: the held-out split and the first half of every out-of-domain "
+            "domain's windows and every task's documents choose (rows marked \"chooses\"); the second half, which "
+            "the choice never saw, decides.",
+        ]
     lines += [
         "",
         "A is the model the paper says is better; in brackets the original both were made from. Perplexity: the "
@@ -269,9 +304,13 @@ def markdown(entries: list[dict], title: str = "The paper's claims", base: str |
     return "\n".join(lines) + "\n"
 
 
-def write_claims(results: list[str | Path], out: str | Path, resamples: int = stats.RESAMPLES, seed: int = 0):
-    entries = decide(CLAIMS, load_results(results), resamples, seed)
+def write_claims(
+    results: list[str | Path], out: str | Path, resamples: int = stats.RESAMPLES, seed: int = 0, plans: bool = False
+):
+    """The paper's claims table, or with ``plans`` the sharing plans' (PLAN_CLAIMS), into ``out``."""
+    entries = decide(PLAN_CLAIMS if plans else CLAIMS, load_results(results), resamples, seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, markdown(entries, base=out.parent))
+    title = "Sharing plans compared" if plans else "The paper's claims"
+    write_text_atomic(out, markdown(entries, title, base=out.parent))
     return entries

@@ -144,6 +144,12 @@ def register(sub) -> None:
     c.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the windows")
     c.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
     c.add_argument("--json", action="store_true", help="print the decisions as JSON")
+    c.add_argument(
+        "--plans",
+        action="store_true",
+        help="the sharing plans' comparisons instead (experiments/sharing_comparison.sh's suite), chosen on the "
+        "held-out split and the first half of the windows and documents, decided on the second half",
+    )
     c.set_defaults(func=cmd_eval_claims)
 
     r = sub.add_parser(
@@ -416,7 +422,7 @@ def cmd_eval_claims(args) -> int:
 
     if args.resamples < 2:
         raise UsageError("--resamples must be at least 2 (a standard error needs two resamples)")
-    entries = write_claims(args.results, args.out, args.resamples, args.seed)
+    entries = write_claims(args.results, args.out, args.resamples, args.seed, plans=args.plans)
     if args.json:
         print_json(entries)
         return 0

@@ -128,6 +128,39 @@ def paired_accuracy(a: dict[int, float], b: dict[int, float]) -> tuple[float, fl
     return float(diff.mean()), float(diff.std(ddof=1) / math.sqrt(len(diff))), len(diff)
 
 
+HALVES = ("select", "report")
+
+
+def half(result: dict, part: str) -> dict:
+    """A suite result cut to the first (``select``) or second (``report``) half of every domain's windows and
+    every task's documents: a choice made on one half is reported on the other, so that it does not grade itself.
+    The held-out split is the choosing half's alone (its windows all go to ``select``, none to ``report``)."""
+    if part not in HALVES:
+        raise UsageError(f"unknown half {part!r}; use one of {', '.join(HALVES)}")
+
+    def cut(seq: list) -> list:
+        n = len(seq) // 2
+        return seq[:n] if part == "select" else seq[n:]
+
+    rows = []
+    for row in result["rows"]:
+        row = dict(row)
+        row["ood_windows"] = {d: {k: cut(v) for k, v in w.items()} for d, w in (row.get("ood_windows") or {}).items()}
+        if part == "report":
+            row.pop("in_domain_windows", None)
+        tasks = {}
+        for t, got in (row.get("tasks") or {}).items():
+            docs = got.get("docs")
+            if docs:
+                order = sorted(range(len(docs["ids"])), key=lambda i: docs["ids"][i])
+                keep = cut(order)
+                got = {**got, "docs": {k: [v[i] for i in keep] for k, v in docs.items()}}
+            tasks[t] = got
+        row["tasks"] = tasks
+        rows.append(row)
+    return {**result, "rows": rows}
+
+
 def row_by_name(rows: list[dict], name: str) -> dict:
     for r in rows:
         if name in (r.get("name"), r["model"]):

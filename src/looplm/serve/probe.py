@@ -136,6 +136,19 @@ def load_probe(model) -> ExitProbe:
 # --- fitting -------------------------------------------------------------------------------------
 
 
+def core_states(model, x: torch.Tensor, loop_states: list[torch.Tensor]) -> tuple[list, list]:
+    """The core's state after each loop and before it, as the engine's exit decision reads them (before a plan's
+    coda, which only a leaving token runs): the exits' states themselves when the plan has no unique layers."""
+    plan = model.config.plan
+    h0 = model.model.embed(x)
+    if not plan.has_ends:
+        return loop_states, [h0] + loop_states[:-1]
+    _, depth, _ = model.model(x, output_depth_states=True)
+    after = [depth[plan.loop(i)[-1].index] for i in range(plan.num_loops)]
+    before = [depth[plan.loop(i)[0].index - 1] if plan.loop(i)[0].index else h0 for i in range(plan.num_loops)]
+    return after, before
+
+
 @torch.no_grad()
 def collect(model, rows: list[list[int]], features: str = "hidden") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Teacher-forced full-depth passes over token rows: features [B-1, N, F], labels [B-1, N]
@@ -145,15 +158,14 @@ def collect(model, rows: list[list[int]], features: str = "hidden") -> tuple[tor
     feats, labels, args = [], [], []
     for row in rows:
         x = torch.tensor([row], device=dev)
-        h0 = model.model.embed(x)
         _, states, _ = model.model(x, output_loop_states=True)
         logits = [model.exit_logits(h[0], loop=i) for i, h in enumerate(states)]
         arg = torch.stack([z.argmax(-1) for z in logits])  # [B, t]
-        prev = [h0] + states[:-1]
+        core, prev = core_states(model, x, states)
         if features == "hidden":
-            feats.append(torch.stack([probe_features(model, states[i][0], prev[i][0]) for i in range(B - 1)]))
+            feats.append(torch.stack([probe_features(model, core[i][0], prev[i][0]) for i in range(B - 1)]))
         else:
-            feats.append(torch.stack([confidence_features(logits[i], states[i][0], prev[i][0]) for i in range(B - 1)]))
+            feats.append(torch.stack([confidence_features(logits[i], core[i][0], prev[i][0]) for i in range(B - 1)]))
         labels.append(arg[:-1] == arg[-1])
         args.append(arg)
     return torch.cat(feats, 1).cpu(), torch.cat(labels, 1).cpu(), torch.cat(args, 1).cpu()
