@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "looplm.train.cli",
     "looplm.serve.cli",
     "looplm.bench.cli",
+    "looplm.docs.cli",
 ]
 
 

@@ -1,0 +1,1 @@
+"""The project's docs built from its results files: `looplm docs render` (cli.py)."""
