@@ -196,6 +196,20 @@ SERVE_SMALL = dict(
 )
 
 
+# Gemma 3's switches at a tiny size: sliding-window (window 4, shorter than the test prompts) and full layers,
+# post-norms and q/k norms
+GEMMA_LIKE = dict(
+    family="gemma3",
+    norm_type="rms_plus1",
+    sandwich_norms=True,
+    qk_norm=True,
+    hidden_act="gelu_pytorch_tanh",
+    sliding_window_size=4,
+    depth_attention=["sliding", "full", "sliding", "full"],
+    rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
+)
+
+
 def small_relaxed(**overrides):
     """A random 4-layer model converted to B=2 with rank-8 LoRA and per-depth norms (the weight-format tests')."""
     from looplm.convert import convert

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import arrive_one_per_step, full_depth_greedy, run_cli
+from conftest import GEMMA_LIKE, arrive_one_per_step, full_depth_greedy, run_cli
 
 from looplm.convert import convert, count_parameters, unroll
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_checkpoint, save_checkpoint
@@ -23,16 +23,6 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     initializer_range=0.2,
-)
-GEMMA_LIKE = dict(
-    family="gemma3",
-    norm_type="rms_plus1",
-    sandwich_norms=True,
-    qk_norm=True,
-    hidden_act="gelu_pytorch_tanh",
-    sliding_window_size=4,
-    depth_attention=["sliding", "full", "sliding", "full"],
-    rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
 )
 
 

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import arrive_one_per_step, full_depth_greedy
+from conftest import GEMMA_LIKE, arrive_one_per_step, full_depth_greedy
 from torch._dynamo.utils import counters
 
 from looplm.convert import convert
@@ -44,14 +44,7 @@ def _gemma_like():
     vanilla = LoopLMForCausalLM(
         LoopLMConfig(
             **SMALL,
-            family="gemma3",
-            norm_type="rms_plus1",
-            sandwich_norms=True,
-            qk_norm=True,
-            hidden_act="gelu_pytorch_tanh",
-            sliding_window_size=4,
-            depth_attention=["sliding", "full", "sliding", "full"],
-            rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
+            **GEMMA_LIKE,
         )
     ).eval()
     return convert(vanilla, loops=2, init="average", lora_ranks=8, norms="per-depth").eval()

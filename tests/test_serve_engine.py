@@ -3,7 +3,7 @@ same model for all three schedulers, sampling, exit policies, bad input, cancel 
 
 import pytest
 import torch
-from conftest import arrive_one_per_step, full_depth_greedy
+from conftest import GEMMA_LIKE, arrive_one_per_step, full_depth_greedy
 
 from looplm.convert import convert
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
@@ -24,18 +24,6 @@ SMALL = dict(
 def _model(**kw):
     torch.manual_seed(0)
     return LoopLMForCausalLM(LoopLMConfig(**{**SMALL, **kw})).eval()
-
-
-GEMMA_LIKE = dict(
-    family="gemma3",
-    norm_type="rms_plus1",
-    sandwich_norms=True,
-    qk_norm=True,
-    hidden_act="gelu_pytorch_tanh",
-    sliding_window_size=4,
-    depth_attention=["sliding", "full", "sliding", "full"],
-    rope={"full": {"theta": 1e6, "type": "default"}, "sliding": {"theta": 1e4, "type": "default"}},
-)
 
 
 @pytest.fixture(scope="module")
