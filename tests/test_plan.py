@@ -315,3 +315,24 @@ def test_evaluation_per_exit_scores_each_exit_through_the_coda(vanilla):
             want = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
             assert float(nll[loops - 1].sum()) == pytest.approx(float(want), rel=1e-5)
     assert tokens.tolist() == [9, 9]
+
+
+def test_a_compiled_engine_serves_a_plan_with_unique_layers():
+    """The prelude, the core's loops and the coda each run as compiled regions (or one whole-pass graph at batch 1):
+    the tokens are full-depth greedy decoding's, sequence-wise and with loops mixed."""
+    from conftest import arrive_one_per_step, full_depth_greedy
+
+    from looplm.serve import Engine, Request, make_scheduler
+    from looplm.serve.schedulers import warm_up
+
+    model = _middle_relaxed()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 1)]
+    want = [full_depth_greedy(model, p, 5) for p in prompts]
+    for rows in (1, 3):
+        engine = Engine(model, max_batch=rows, max_seq_len=64, compile=True)
+        warm_up(engine)
+        for scheduler in ("sequence", "depth") if rows > 1 else ("sequence",):
+            reqs = [Request(p, 5) for p in prompts]
+            arrive_one_per_step(make_scheduler(scheduler, engine), reqs)
+            assert [r.output for r in reqs] == want, (rows, scheduler)
