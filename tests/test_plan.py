@@ -336,3 +336,22 @@ def test_a_compiled_engine_serves_a_plan_with_unique_layers():
             reqs = [Request(p, 5) for p in prompts]
             arrive_one_per_step(make_scheduler(scheduler, engine), reqs)
             assert [r.output for r in reqs] == want, (rows, scheduler)
+
+
+def test_intermediate_exits_with_a_cache_read_it_and_leave_it_as_the_path_wrote_it(vanilla):
+    """lm-eval scores continuations on a cached context with every exit at once: the exit after loop 1 runs the coda
+    on the cached keys and values of the context, as a static exit of those tokens does, and writes nothing."""
+    from transformers import DynamicCache
+
+    m = convert(vanilla, loops=2, strategy="middle-cycle", init="average", lora_ranks=4)
+    ctx, cont = torch.randint(0, 128, (1, 7)), torch.randint(0, 128, (1, 3))
+    with torch.no_grad():
+        cache = DynamicCache()
+        m.model(ctx, past_key_values=cache)
+        lengths = [layer.keys.shape[-2] for layer in cache.layers]
+        _, states, _ = m.model(cont, past_key_values=cache, output_loop_states=True)
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [n + 3 for n in lengths]  # the full path's only
+        again = DynamicCache()
+        m.model(ctx, past_key_values=again)
+        h, _, _ = m.model(cont, past_key_values=again, num_loops=1)
+        assert torch.allclose(states[0], h, atol=1e-5)

@@ -44,6 +44,21 @@ def attention_masks(
     return masks
 
 
+class PeekCache:
+    """A cache read and never written: ``update`` gives a depth's cached keys and values followed by this call's,
+    as a cache would, and stores nothing. An intermediate exit's coda attends to the earlier
+    positions through it and leaves the cache as the path taken writes it."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, depth: int, *args):
+        layers = self.cache.layers
+        if depth >= len(layers) or getattr(layers[depth], "keys", None) is None or not layers[depth].keys.numel():
+            return k, v
+        return torch.cat([layers[depth].keys, k], dim=-2), torch.cat([layers[depth].values, v], dim=-2)
+
+
 class LoopLMPreTrainedModel(PreTrainedModel):
     config_class = LoopLMConfig
     config: LoopLMConfig
@@ -118,9 +133,10 @@ class LoopLMModel(LoopLMPreTrainedModel):
         """Returns (hidden after the last depth run, [hidden after each loop's exit] or None, cache).
 
         num_loops < B is a static exit: every token leaves after that many loops of the core, then runs the coda.
-        The state after loop i's exit is the core's state after loop i through the coda (run without the cache:
-        only the path taken writes it). With ``output_depth_states`` the second item holds the hidden state after
-        every depth of the path instead (healing matches each one against the original model's)."""
+        The state after loop i's exit is the core's state after loop i through the coda, which reads the cache
+        (the earlier positions' keys and values) but never writes it: only the path taken writes it. With
+        ``output_depth_states`` the second item holds the hidden state after every depth of the path instead
+        (healing matches each one against the original model's)."""
         c = self.config
         plan = c.plan
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -141,7 +157,8 @@ class LoopLMModel(LoopLMPreTrainedModel):
             h, states = run(h, plan.loop(i), past_key_values)
             depth_states += states
             if loop_states is not None and i < loops - 1:
-                loop_states.append(run(h, plan.coda, None)[0] if plan.coda else h)
+                peek = None if past_key_values is None else PeekCache(past_key_values)
+                loop_states.append(run(h, plan.coda, peek)[0] if plan.coda else h)
         h, states = run(h, plan.coda, past_key_values)
         depth_states += states
         if loop_states is not None:
