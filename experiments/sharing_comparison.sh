@@ -13,7 +13,7 @@
 # the first has written it), on the real corpus's training split (HEAL_DATA), into OUT/heal/NAME; `looplm eval suite` scores them on the five out-of-domain domains, the
 # real corpus's held-out split and the seven tasks (LIMIT documents each) into RESULTS.json.
 # Resumable: every step skips what is finished and resumes what was interrupted. Environment: OUT, STUDENTS, STEPS
-# (a subset of "convert heal suite"), LIMIT, WINDOWS, RESULTS, HEAL_BUDGET, PYTHON, LOOPLM.
+# (a subset of "convert heal suite"), TASKS, LIMIT, WINDOWS, RESULTS, HEAL_BUDGET, PYTHON, LOOPLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -22,6 +22,7 @@ OUT=${OUT:-out/sharing/smollm2}
 STUDENTS=${STUDENTS:-"mc reduced16 rec reduced15 def mc56 p3c3 reduced18 rec-r12 p2c2 reduced17"}
 STEPS=${STEPS:-"convert heal suite"}
 LIMIT=${LIMIT:-500}
+TASKS=${TASKS:-paper7}  # none: perplexity alone (the tasks cost about 20 minutes a model at 100 documents a task)
 WINDOWS=${WINDOWS:-32}
 RESULTS=${RESULTS:-docs/results/sharing/smollm2}
 HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 327452 --local-share 0.6395"}
@@ -67,10 +68,10 @@ if has suite; then
     [ -f "$OUT/heal/$s/final/config.json" ] && specs+=("$s=$OUT/heal/$s/final") && names+=("$s")
   done
   pairs=()
-  for p in mc,reduced16 rec,reduced15 p3c3,reduced18 p2c2,reduced17 mc,rec-r12 mc,rec p3c3,mc p2c2,mc mc56,def; do
+  for p in mc,reduced16 rec,reduced15 p3c3,reduced18 p2c2,reduced17 mc,rec-r12 mc,rec mc,def p3c3,mc p2c2,mc mc56,def; do
     [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
   done
-  $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks paper7 --limit "$LIMIT" --windows "$WINDOWS" \
+  $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \
     "${pairs[@]}" --resume --out "$RESULTS" \
     --reproduce "STUDENTS=\"${names[*]}\" bash experiments/sharing_comparison.sh" > "$OUT/logs/suite.log"
   echo "wrote $RESULTS.md"
