@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -374,3 +375,26 @@ def test_a_gap_is_decided_only_beyond_two_standard_errors():
     assert stats.verdict(2.1, 1.0, "a", "b", lower_is_better=True) == "b better"
     assert stats.verdict(2.1, 1.0, "a", "b", lower_is_better=False) == "a better"
     assert stats.verdict(-1.99, 1.0, "a", "b", lower_is_better=False) == "not decided"
+
+
+def test_claims_decide_a_task_gap_at_two_standard_errors():
+    """Through the claims: rec-heal right alone on 11 of 100 documents and reduced-heal alone on 5 is a gap of
+    1.5 standard errors (not decided); alone on 33 against 16 it is 2.5 (held). A second task both score alike
+    leaves the average's gap at the same number of standard errors."""
+
+    def suite(alone_a: int, alone_b: int) -> dict:
+        result = synthetic_result({"rec-heal": np.zeros(WINDOWS), "reduced-heal": np.zeros(WINDOWS)})
+        a, b = np.zeros(100), np.zeros(100)
+        a[:alone_a] = 1
+        b[alone_a : alone_a + alone_b] = 1
+        same = np.resize([1.0, 0.0], 100)
+        for row, correct in zip(result["rows"], (b, a, b)):
+            row["tasks"] = {"piqa": {"docs": docs(correct)}, "arc_easy": {"docs": docs(same)}}
+        return {**result, "tasks": ["piqa", "arc_easy"]}
+
+    for (alone_a, alone_b), sigmas, decision in (((11, 5), 1.5, "not decided at this budget"), ((33, 16), 2.5, "held")):
+        entries = decide(CLAIMS, [(Path("suite.json"), suite(alone_a, alone_b))], resamples=50)
+        by = {(e["better"], e["worse"], e.get("metric")): e for e in entries}
+        got = by[("rec-heal", "reduced-heal", "average")]
+        assert got["difference"] / got["se"] == pytest.approx(sigmas, abs=0.02)
+        assert got["decision"] == decision

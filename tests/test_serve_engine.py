@@ -569,3 +569,12 @@ def test_margin_exit_is_the_gap_between_the_top_two_not_the_top_probability():
     assert ExitPolicy("softmax", 0.4).decide(logits, h, h).tolist() == [True, True]
     assert ExitPolicy("margin", 0.4).decide(logits, h, h).tolist() == [False, False]
     assert ExitPolicy("margin", 0.2).decide(logits, h, h).tolist() == [False, True]
+
+
+def test_softmax_and_margin_exits_disagree_where_the_second_choice_is_close():
+    """Top 0.6, second 0.35: confident enough for ``softmax:0.5`` (0.6), not for ``margin:0.5`` (gap 0.25), which
+    lets it leave at 0.2; the policies as the command line names them."""
+    logits, h = torch.tensor([[0.6, 0.35, 0.05]]).log(), torch.zeros(1, 4)
+    assert parse_policy("softmax:0.5").decide(logits, h, h).tolist() == [True]
+    assert parse_policy("margin:0.5").decide(logits, h, h).tolist() == [False]
+    assert parse_policy("margin:0.2").decide(logits, h, h).tolist() == [True]
