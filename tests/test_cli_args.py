@@ -1,12 +1,12 @@
 """One command line: every command's help shows defaults and choices, the model is the first positional,
-old flag names still parse (with a note), and an on-the-fly conversion is not served unhealed."""
+an old flag name is refused naming its new one, and an on-the-fly conversion is not served unhealed."""
 
 import argparse
 
 import pytest
 
 from looplm.cli import build_parser, main
-from looplm.cli_args import HelpFormatter, resolve_model_alias
+from looplm.cli_args import HelpFormatter
 
 
 def _parsers(parser, path=()):
@@ -47,38 +47,56 @@ def test_the_model_is_the_first_positional_everywhere():
 
 
 def _parse(argv):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    resolve_model_alias(args, parser)
-    return args
+    return build_parser().parse_args(argv)
 
 
-def test_old_names_still_parse_and_say_so(capsys):
-    args = _parse(["generate", "Hello", "there", "--model", "m", "--max-tokens", "5", "--exit", "softmax:0.9"])
+def _refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        _parse(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len([ln for ln in err.splitlines() if "error:" in ln]) == 1, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, new",
+    [
+        (["generate", "--model", "m", "Hello"], "give the model as the first argument"),
+        (["generate", "m", "Hello", "--max-tokens", "5"], "use --max-new-tokens"),
+        (["generate", "m", "Hello", "--exit", "softmax:0.9"], "use --exit-policy"),
+        (["heal", "d", "--tokens", "100"], "use --train-tokens"),
+        (["heal", "d", "--base-weights", "float"], "use --base-weights fp32"),
+        (["quantize", "m", "--out", "o", "--calibrate", "c"], "use --calib-data"),
+        (["quantize", "m", "--out", "o", "--dtype", "float32"], "use --dtype fp32"),
+        (["train", "m", "--data", "d", "--out", "o", "--eval-seqs", "3"], "use --eval-rows"),
+        (["convert", "--strategy", "cycle"], "use --sharing"),
+    ],
+)
+def test_an_old_flag_name_is_refused_naming_its_replacement(argv, new, capsys):
+    assert new in _refused(argv, capsys)
+
+
+def test_the_current_names_parse_and_say_nothing(capsys):
+    args = _parse(["generate", "m", "Hello", "there", "--max-new-tokens", "5", "--exit-policy", "softmax:0.9"])
     assert (args.model, args.prompt, args.max_new_tokens, args.exit_policy) == (
         "m",
         ["Hello", "there"],
         5,
         "softmax:0.9",
     )
-    err = capsys.readouterr().err
-    assert "--model is deprecated" in err and "use --max-new-tokens" in err and "use --exit-policy" in err
-    args = _parse(["generate", "m", "Hello", "--max-new-tokens", "5"])
-    assert (args.model, args.prompt, args.max_new_tokens) == ("m", ["Hello"], 5) and capsys.readouterr().err == ""
-    args = _parse(["heal", "d", "--tokens", "100", "--base-weights", "float"])
+    args = _parse(["heal", "d", "--train-tokens", "100", "--base-weights", "fp32"])
     assert args.train_tokens == 100 and args.base_weights == "fp32"
-    args = _parse(["quantize", "m", "--out", "o", "--calibrate", "c", "--calibration-rows", "4", "--dtype", "float32"])
-    assert (args.calib_data, args.calib_rows, args.dtype) == ("c", 4, "fp32")
-    args = _parse(["train", "--model", "m", "--data", "d", "--out", "o", "--max-tokens", "9", "--eval-seqs", "3"])
-    assert (args.model, args.train_tokens, args.eval_rows) == ("m", 9, 3)
     args = _parse(["data", "build", "--out", "o"])
-    assert args.model == "smollm2-135m"
+    assert args.model == "smollm2-135m" and capsys.readouterr().err == ""
+    # old names are not listed in the help
+    generate = dict(_leaves())["generate"].format_help()
+    assert "--max-new-tokens" in generate and "--max-tokens" not in generate and "--model" not in generate
 
 
 def test_a_missing_model_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
-        _parse(["generate", "Hello"])
-    assert e.value.code == 2 and "give the model as the first argument" in capsys.readouterr().err
+        _parse(["quantize", "--out", "o"])
+    assert e.value.code == 2 and "required: model" in capsys.readouterr().err
 
 
 def test_serving_an_on_the_fly_conversion_needs_consent(capsys):

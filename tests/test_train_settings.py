@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 import pytest
 
 from looplm.cli import build_parser
-from looplm.cli_args import HelpFormatter, add_flags, deprecated_last, flag_fields, flag_name, from_args
+from looplm.cli_args import HelpFormatter, add_flags, flag_fields, flag_name, from_args
 from looplm.errors import UsageError
 from looplm.train.heal import HealConfig
 from looplm.train.loop import TrainConfig
@@ -30,20 +30,19 @@ class Base(RunSettings):
 class Toy(Base):
     model: str = ""  # not a flag
     hidden: int = 7  # not a flag either
-    count: int = setting(3, "how many", aliases=("--number",))
+    count: int = setting(3, "how many", renamed_from=("--number",))
     mode: str = setting("fast", "how", choices=("fast", "slow"), advanced=True)
     rounding: str = setting("float", "weights", choices=("fp32", "int8"), spelled={"float": "fp32"})
     loud: bool = setting(False, "say more")
     fancy: bool | None = setting(None, "the recipe chooses when absent (default: when it pays)")
     steps: int | None = setting(None, "instead: steps", exclusive="budget", metavar="N")
     rate: float = refine(Base, "rate", help="how fast, refined")
-    train_tokens: int | None = refine(RunSettings, "train_tokens", aliases=("--old-tokens",))
+    train_tokens: int | None = refine(RunSettings, "train_tokens", renamed_from=("--old-tokens",))
 
 
 def _toy_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toy", formatter_class=HelpFormatter)
     add_flags(p, Toy, first=("count",))
-    deprecated_last(p)
     return p
 
 
@@ -75,19 +74,15 @@ def test_the_help_lists_first_then_own_then_shared_and_advanced_apart():
     assert names.index("--rounding") < names.index("--out")  # Toy's own before those every run has
     research = next(g for g in p._action_groups if g.title.startswith("advanced"))
     assert {a.dest for a in research._group_actions} == {"mode", "seed", "precision"}
-    assert p._action_groups[-1].title.startswith("deprecated")
 
 
-def test_a_deprecated_alias_maps_to_the_new_setting(capsys):
+def test_an_old_name_is_refused_naming_the_new_one(capsys):
     p = _toy_parser()
-    args = p.parse_args(["--number", "9", "--old-tokens", "40"])
-    assert (args.count, args.train_tokens) == (9, 40)
-    err = capsys.readouterr().err
-    assert "--number is deprecated; use --count" in err and "--old-tokens is deprecated; use --train-tokens" in err
-    # an alias of a budget stays in its mutually exclusive group
-    with pytest.raises(SystemExit):
-        p.parse_args(["--old-tokens", "40", "--budget-minutes", "3"])
-    assert "not allowed with argument" in capsys.readouterr().err
+    for old, new in (("--number", "--count"), ("--old-tokens", "--train-tokens")):
+        with pytest.raises(SystemExit):
+            p.parse_args([old, "9"])
+        assert f"{old} was removed; use {new}" in capsys.readouterr().err
+    assert "--number" not in p.format_help()
 
 
 def test_switches_and_spelled_values():
@@ -98,10 +93,11 @@ def test_switches_and_spelled_values():
     assert from_args(Toy, p.parse_args(["--progress"])).progress is True
     # default None: --x/--no-x, absent left to the recipe
     assert [from_args(Toy, p.parse_args(a)).fancy for a in ([], ["--fancy"], ["--no-fancy"])] == [None, True, False]
-    # the command line spells the dataclass's "float" as fp32, and still reads the old spelling
+    # the command line spells the dataclass's "float" as fp32, and refuses the dataclass's spelling
     assert p.parse_args([]).rounding == "fp32" and from_args(Toy, p.parse_args([])).rounding == "float"
     assert from_args(Toy, p.parse_args(["--rounding", "int8"])).rounding == "int8"
-    assert from_args(Toy, p.parse_args(["--rounding", "float"])).rounding == "float"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--rounding", "float"])
     with pytest.raises(SystemExit):
         p.parse_args(["--rounding", "int5"])
 
@@ -118,7 +114,7 @@ def _command(name: str) -> argparse.ArgumentParser:
 
 def _flags(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The flags of ``p`` by setting, old names left out."""
-    return {a.dest: a for a in p._actions if a.option_strings and not (a.help or "").startswith("deprecated")}
+    return {a.dest: a for a in p._actions if a.option_strings and a.help is not argparse.SUPPRESS}
 
 
 @pytest.mark.parametrize("name, cls", [("train", TrainConfig), ("heal", HealConfig)])
@@ -133,7 +129,7 @@ def test_every_flag_default_is_the_dataclass_default(name, cls):
     # and parsing no flag (but the required ones) gives the dataclass (heal's recipe fills its Nones later:
     # train/cli.py _heal_defaults)
     required = {a.dest: a.option_strings[0] for a in actions.values() if a.required}
-    parsed = from_args(cls, _command(name).parse_args([x for flag in required.values() for x in (flag, "x")]))
+    parsed = from_args(cls, _command(name).parse_args(["m"] + [x for flag in required.values() for x in (flag, "x")]))
     assert replace(parsed, model=cls().model) == cls(**dict.fromkeys(required, "x"))
 
 
@@ -163,18 +159,18 @@ def test_train_and_heal_name_the_settings_they_share_alike():
     assert "eval_every_seconds" in heal and "save_every_seconds" in heal
 
 
-def test_the_former_flag_names_still_parse(capsys):
-    args = _command("train").parse_args(
-        ["m", "--data", "d", "--out", "o", "--max-tokens", "9", "--eval-seqs", "3", "--eval-every", "4"]
-        + ["--save-every", "5", "--no-progress"]
-    )
-    cfg = from_args(TrainConfig, args)
-    assert (cfg.train_tokens, cfg.eval_rows, cfg.eval_every_steps, cfg.save_every_steps) == (9, 3, 4, 5)
-    assert cfg.progress is False
-    err = capsys.readouterr().err
-    for old, new in (("--max-tokens", "--train-tokens"), ("--eval-seqs", "--eval-rows")):
-        assert f"{old} is deprecated; use {new}" in err
-    args = _command("heal").parse_args(["m", "--tokens", "100", "--base-weights", "float", "--no-progress"])
+def test_the_former_flag_names_are_refused(capsys):
+    for command, old, new in (
+        ("train", "--max-tokens", "--train-tokens"),
+        ("train", "--eval-seqs", "--eval-rows"),
+        ("train", "--eval-every", "--eval-every-steps"),
+        ("train", "--save-every", "--save-every-steps"),
+        ("heal", "--tokens", "--train-tokens"),
+    ):
+        with pytest.raises(SystemExit):
+            _command(command).parse_args(["m", "--data", "d", "--out", "o", old, "9"])
+        assert f"{old} was removed; use {new}" in capsys.readouterr().err, (command, old)
+    args = _command("heal").parse_args(["m", "--train-tokens", "100", "--base-weights", "fp32", "--no-progress"])
     cfg = from_args(HealConfig, args)
     assert (cfg.train_tokens, cfg.base_weights, cfg.progress, cfg.compile, cfg.teacher) == (
         100,

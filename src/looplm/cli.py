@@ -8,7 +8,6 @@ import argparse
 import importlib
 import sys
 
-from .cli_args import deprecated_last, resolve_model_alias
 from .errors import ConfigError, UsageError
 
 COMMAND_MODULES = [
@@ -29,14 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
-    deprecated_last(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    resolve_model_alias(args, parser)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # transformers' per-file loading bars; ours report real work

@@ -1,21 +1,16 @@
 """Arguments every command spells the same way.
 
-The model is each command's first positional argument. ``--model`` is still accepted for one release:
-``main`` moves it into the positional's place and prints a deprecation note (``resolve_model_alias``).
-A renamed flag keeps its old name for one release the same way (``add_deprecated``)."""
+The model is each command's first positional argument. A flag that was renamed is refused with a one-line error
+that names its new name (``add_renamed``), so that an old command line fails at once instead of running with a
+default in place of what it meant."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import types
 import typing
 from dataclasses import Field, fields, is_dataclass
 
-MODEL_ALIAS = "model_alias"
-_MODEL_REQUIRED = "_model_required"
-_MODEL_SPILL = "_model_spill"
-_PROG = "_prog"
 ADVANCED = "advanced"
 
 
@@ -34,40 +29,13 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def add_model(
-    parser: argparse.ArgumentParser,
-    help: str,
-    default: str | None = None,
-    required: bool = True,
-    spill: str | None = None,
-) -> None:
-    """The model as the first positional argument and the deprecated ``--model`` alias. With a ``default``, or
-    ``required=False`` (a resumed run reads it from its directory), the positional may be left out. ``spill``
-    names a positional list after it (generate's prompts): with ``--model`` given, a word the positional took
-    belongs to that list."""
-    # optional to argparse, so that the alias alone parses; resolve_model_alias asks for it when it is needed
-    parser.add_argument("model", nargs="?", default=default, help=help)
-    deprecated_group(parser).add_argument(
-        "--model", dest=MODEL_ALIAS, default=None, metavar="MODEL", help="deprecated name of the positional MODEL"
-    )
-    parser.set_defaults(**{_MODEL_REQUIRED: required and default is None, _MODEL_SPILL: spill, _PROG: parser.prog})
-
-
-def resolve_model_alias(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    prog = getattr(args, _PROG, f"looplm {args.command}")
-    alias = getattr(args, MODEL_ALIAS, None)
-    if alias is None:
-        if getattr(args, _MODEL_REQUIRED, False) and getattr(args, "model", None) is None:
-            parser.error(f"{prog.removeprefix('looplm ')}: give the model as the first argument")
-        return
-    print(
-        f"{prog}: note: --model is deprecated; give the model as the first argument (`{prog} {alias} ...`)",
-        file=sys.stderr,
-    )
-    spill = getattr(args, _MODEL_SPILL, None)
-    if spill and args.model is not None:
-        getattr(args, spill).insert(0, args.model)
-    args.model = alias
+def add_model(parser, help: str, default: str | None = None, required: bool = True) -> None:
+    """The model as the first positional argument. With a ``default``, or ``required=False`` (a resumed run reads
+    it from its directory), it may be left out."""
+    optional = default is not None or not required
+    parser.add_argument("model", nargs="?" if optional else None, default=default, help=help)
+    prog = getattr(parser, "prog", "looplm")
+    add_renamed(parser, "--model", f"no flag: give the model as the first argument (`{prog} MODEL ...`)")
 
 
 def advanced(
@@ -77,71 +45,33 @@ def advanced(
     return parser.add_argument_group(f"{ADVANCED} ({what})")
 
 
-def deprecated_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The parser's argument group of old flag names, listed last in its help."""
-    group = getattr(parser, "_looplm_deprecated", None)
-    if group is None:
-        group = parser._looplm_deprecated = parser.add_argument_group(
-            "deprecated (old names, accepted until the next release)"
-        )
-    return group
-
-
-class _Deprecated(argparse.Action):
-    """An old flag name: stores into the new flag's dest and says, once used, which name replaces it."""
+class _Renamed(argparse.Action):
+    """An old flag name: refused, naming what replaced it."""
 
     def __init__(self, option_strings, dest, new: str = "", **kwargs):
         self.new = new
-        super().__init__(option_strings, dest, **kwargs)
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(
-            f"{parser.prog}: note: {option_string} is deprecated; use {self.new} (the old name goes in the next "
-            f"release)",
-            file=sys.stderr,
-        )
-        setattr(namespace, self.dest, values)
+        use = f"use {self.new}" if self.new.startswith("--") else self.new
+        parser.error(f"{option_string} was removed; {use}")
 
 
-def add_deprecated(container, old: str, new: str, dest: str, **kwargs) -> None:
-    """``old`` accepted for one release as another name of the flag ``new`` (whose value lands in ``dest``),
-    listed in the parser's "deprecated" group (or in ``container`` when that is a mutually exclusive group)."""
-    if isinstance(container, argparse.ArgumentParser):
-        container = deprecated_group(container)
-    container.add_argument(
-        old,
-        dest=dest,
-        action=_Deprecated,
-        new=new,
-        default=argparse.SUPPRESS,
-        help=f"deprecated name of {new}",
-        **kwargs,
-    )
+def add_renamed(parser, old: str, new: str) -> None:
+    """Refuse the old flag name ``old`` with an error that names ``new``; not listed in the help."""
+    parser.add_argument(old, dest=f"_renamed_{old.lstrip('-').replace('-', '_')}", action=_Renamed, new=new)
 
 
-def renamed_choices(flag: str, renamed: dict[str, str]):
-    """An argparse ``type`` for an enumeration some of whose values were renamed: an old value is read as its
-    new name, with a note."""
+def renamed_choices(flag: str, renamed: dict[str, str], kind=str):
+    """An argparse ``type`` for an enumeration some of whose values were renamed: an old value is refused with
+    its new name."""
 
-    def convert(value: str) -> str:
+    def convert(value: str):
         if value in renamed:
-            print(f"looplm: note: {flag} {value} is deprecated; use {flag} {renamed[value]}", file=sys.stderr)
-            return renamed[value]
-        return value
+            raise argparse.ArgumentTypeError(f"{flag} {value} was renamed: use {flag} {renamed[value]}")
+        return kind(value)
 
     return convert
-
-
-def deprecated_last(parser: argparse.ArgumentParser) -> None:
-    """Move every (sub)parser's "deprecated" group to the end of its help."""
-    group = getattr(parser, "_looplm_deprecated", None)
-    if group is not None:
-        parser._action_groups.remove(group)
-        parser._action_groups.append(group)
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in set(action.choices.values()):
-                deprecated_last(sub)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,8 +100,7 @@ def _value_type(annotation) -> type:
 def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...] = ()) -> None:
     """A flag for every ``setting`` field of ``cls``: the fields named in ``first`` in that order, then the others
     in field order, those ``cls`` declares before those it shares with its bases. The advanced ones go in the
-    parser's "advanced" group, old names in its "deprecated" group (or beside the new name in a mutually exclusive
-    group)."""
+    parser's "advanced" group; a field's old names are refused, naming the new one."""
     hints = typing.get_type_hints(cls)
     given = flag_fields(cls)
     names = {f.name for f in given}
@@ -197,7 +126,6 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...]
         name = flag_name(f)
         kind = _value_type(hints[f.name])
         kwargs: dict = {"dest": f.name, "help": m["help"]}
-        alias_kwargs: dict = {}
         if kind is bool:
             if f.default is False:
                 kwargs["action"] = "store_true"
@@ -213,18 +141,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...]
                 kwargs["metavar"] = m["metavar"]
             if m.get("required"):
                 kwargs.update(required=True, default=None)
-            alias_kwargs = {"type": convert, "metavar": m.get("metavar", "N" if kind in (int, float) else None)}
         container.add_argument(name, **kwargs)
-        for old in m.get("aliases", ()):
-            if kind is bool:
-                raise TypeError(f"{cls.__name__}.{f.name}: old names of a switch are not supported")
-            add_deprecated(
-                container if m.get("exclusive") else parser,
-                old,
-                name,
-                f.name,
-                **{k: v for k, v in alias_kwargs.items() if v is not None},
-            )
+        for old in m.get("renamed_from", ()):
+            add_renamed(parser, old, name)
 
 
 def from_args(cls: type, args: argparse.Namespace):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..cli_args import HelpFormatter, add_deprecated, add_model, advanced
+from ..cli_args import HelpFormatter, add_model, add_renamed, advanced
 from ..errors import UsageError
 
 
@@ -172,7 +172,7 @@ def _register_serve(bench) -> None:
         metavar="N",
         help="requests served at once (KV cache rows)",
     )
-    add_deprecated(p, "--max-batch", "--max-concurrency", dest="max_batch", type=int, metavar="N")
+    add_renamed(p, "--max-batch", "--max-concurrency")
     p.add_argument(
         "--exit-policy",
         dest="exit",
@@ -182,7 +182,7 @@ def _register_serve(bench) -> None:
         "cosine, probe, oracle, none; +copy: also exit where the loop's argmax continues a repeat "
         "of the context, BONUS nats added to that guess's logit first)",
     )
-    add_deprecated(p, "--exit", "--exit-policy", dest="exit", metavar="POLICY")
+    add_renamed(p, "--exit", "--exit-policy")
     p.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help="KV of the loops an exit skips")
     add_speculate(p)
     p.add_argument(

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli_args import HelpFormatter, add_deprecated, add_model, advanced, renamed_choices
+from ..cli_args import HelpFormatter, add_model, add_renamed, advanced, renamed_choices
 from ..data import sample_text
 from ..errors import UsageError
 from ..models.plan import SHARING_STRATEGIES
@@ -55,8 +55,8 @@ def register(sub) -> None:
     )
     p.add_argument("--text", default=None, help="held-out text for that perplexity (default: a Milton sample)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    add_deprecated(p, "--ppl-tokens", "--scored-tokens", "ppl_tokens", type=int, metavar="N")
-    add_deprecated(p, "--strategy", "--sharing", "strategy", choices=list(SHARING_STRATEGIES))
+    add_renamed(p, "--ppl-tokens", "--scored-tokens")
+    add_renamed(p, "--strategy", "--sharing")
     a = advanced(p, "the defaults are the conversion that heals best")
     a.add_argument(
         "--sharing",
@@ -201,8 +201,8 @@ def register(sub) -> None:
         "scales that round it with the least output error, folded into the norms and the rows "
         "that produce them (the model computes the same function; default: on with --calib-data)",
     )
-    add_deprecated(p, "--calibrate", "--calib-data", "calib_data", metavar="DATA")
-    add_deprecated(p, "--calibration-rows", "--calib-rows", "calib_rows", type=int, metavar="N")
+    add_renamed(p, "--calibrate", "--calib-data")
+    add_renamed(p, "--calibration-rows", "--calib-rows")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser(
@@ -219,7 +219,7 @@ def register(sub) -> None:
         choices=["f32", "f16", "q8_0", "q4_1"],
         help="GGUF tensor type of the linear weights (norms stay f32; with q4_1 the embedding is q8_0)",
     )
-    add_deprecated(p, "--type", "--weights", "weights", choices=["f32", "f16", "q8_0", "q4_1"])
+    add_renamed(p, "--type", "--weights")
     p.set_defaults(func=cmd_export_gguf)
 
     p = sub.add_parser(

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..cli_args import HelpFormatter, add_deprecated, add_model
+from ..cli_args import HelpFormatter, add_model, add_renamed
 from ..errors import UsageError
 from ..util import print_json, read_text_arg
 
@@ -49,7 +49,7 @@ def register(sub) -> None:
     )
     q.add_argument("--no-save", action="store_true", help="do not store the result")
     q.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    add_deprecated(q, "--max-tokens", "--scored-tokens", "max_tokens", type=int, metavar="N")
+    add_renamed(q, "--max-tokens", "--scored-tokens")
     q.set_defaults(func=cmd_eval_ppl)
 
     f = ev.add_parser(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_args import HelpFormatter, add_deprecated, add_model, advanced
+from ..cli_args import HelpFormatter, add_model, add_renamed, advanced
 from ..convert.recursive import INITS
 from ..errors import UsageError
 from ..util import print_json
@@ -45,8 +45,8 @@ def _register_generate(sub) -> None:
     budget.add_argument(
         "--budget-minutes", dest="minutes", type=float, metavar="M", help="stop after this many minutes of generation"
     )
-    add_deprecated(budget, "--tokens", "--generated-tokens", "tokens", type=int, metavar="N")
-    add_deprecated(budget, "--minutes", "--budget-minutes", "minutes", type=float, metavar="M")
+    add_renamed(budget, "--tokens", "--generated-tokens")
+    add_renamed(budget, "--minutes", "--budget-minutes")
     g.add_argument(
         "--prompt-mix",
         default=None,
@@ -75,7 +75,7 @@ def _register_generate(sub) -> None:
         metavar="N",
         help="samples generated at once (KV cache rows)",
     )
-    add_deprecated(g, "--max-batch", "--max-concurrency", "max_batch", type=int, metavar="N")
+    add_renamed(g, "--max-batch", "--max-concurrency")
     g.add_argument("--shard-size", type=int, default=d.shard_size, help="samples per shard (the unit of resuming)")
     g.add_argument(
         "--weights",
@@ -217,7 +217,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_fit_exit_probe)
 
     p = sub.add_parser("generate", help="generate text with the serving engine", formatter_class=HelpFormatter)
-    add_model(p, "embedded name or saved model directory", spill="prompt")
+    add_model(p, "embedded name or saved model directory")
     p.add_argument("prompt", nargs="+", help="one or more prompts, generated as one batch")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="generated tokens per prompt at most")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -241,8 +241,8 @@ def register(sub) -> None:
     a = advanced(p)
     a.add_argument("--scheduler", default="depth", choices=["static", "sequence", "depth"], help=SCHEDULER_HELP)
     a.add_argument("--kv-mode", default="copy", choices=["copy", "later"], help=KV_MODE_HELP)
-    add_deprecated(p, "--max-tokens", "--max-new-tokens", "max_new_tokens", type=int, metavar="N")
-    add_deprecated(p, "--exit", "--exit-policy", "exit_policy")
+    add_renamed(p, "--max-tokens", "--max-new-tokens")
+    add_renamed(p, "--exit", "--exit-policy")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(

@@ -108,7 +108,7 @@ class TrainConfig(RunSettings):
     max_steps: int | None = setting(
         None, "optimizer steps (one budget is needed: steps, tokens or minutes)", exclusive="budget", metavar="N"
     )
-    train_tokens: int | None = refine(RunSettings, "train_tokens", aliases=("--max-tokens",))
+    train_tokens: int | None = refine(RunSettings, "train_tokens", renamed_from=("--max-tokens",))
     budget_minutes: float | None = refine(
         RunSettings,
         "budget_minutes",
@@ -133,11 +133,11 @@ class TrainConfig(RunSettings):
         0,
         "held-out perplexity per loop exit every N steps (0: at the end only)",
         metavar="N",
-        aliases=("--eval-every",),
+        renamed_from=("--eval-every",),
     )
-    eval_rows: int = refine(RunSettings, "eval_rows", aliases=("--eval-seqs",))
+    eval_rows: int = refine(RunSettings, "eval_rows", renamed_from=("--eval-seqs",))
     save_every_steps: int = setting(
-        0, "checkpoint every N steps (and always at the end)", metavar="N", aliases=("--save-every",)
+        0, "checkpoint every N steps (and always at the end)", metavar="N", renamed_from=("--save-every",)
     )
     keep: int = setting(2, "checkpoints to keep", advanced=True)
     log_every: int = setting(1, "a metrics record every N steps", advanced=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import MISSING, Field, dataclass, field
 
 PRECISIONS = ("auto", "bf16", "fp32")
-_KEYS = ("help", "flag", "choices", "metavar", "aliases", "advanced", "exclusive", "required", "spelled")
+_KEYS = ("help", "flag", "choices", "metavar", "renamed_from", "advanced", "exclusive", "required", "spelled")
 
 
 def _metadata(**kw) -> dict:
@@ -38,7 +38,7 @@ def setting(
     flag: str | None = None,
     choices: tuple | None = None,
     metavar: str | None = None,
-    aliases: tuple[str, ...] | None = None,
+    renamed_from: tuple[str, ...] | None = None,
     advanced: bool | None = None,
     exclusive: str | None = None,
     required: bool | None = None,
@@ -49,19 +49,19 @@ def setting(
     help: the flag's help (the default is added to it by the help formatter, unless the help names it).
     flag: the flag's name (default ``--`` and the field's name with dashes).
     choices, metavar: as argparse's.
-    aliases: old names of the flag, accepted for one release with a note (cli_args.add_deprecated).
+    renamed_from: old names of the flag, refused with an error that names the new one (cli_args.add_renamed).
     advanced: listed in the "advanced" group of research knobs.
     exclusive: a name; the flags of one name form a mutually exclusive group (the budget: one of them).
     required: the flag must be given.
-    spelled: the dataclass's values the command line spells otherwise ({value: spelling}); an old spelling, the
-        value itself, is still read, with a note.
+    spelled: the dataclass's values the command line spells otherwise ({value: spelling}); the dataclass's own
+        spelling is refused on the command line, naming the flag's.
     """
     meta = _metadata(
         help=help,
         flag=flag,
         choices=choices,
         metavar=metavar,
-        aliases=aliases,
+        renamed_from=renamed_from,
         advanced=advanced,
         exclusive=exclusive,
         required=required,

@@ -47,7 +47,7 @@ class HealConfig(RunSettings):
         RunSettings,
         "train_tokens",
         help="instead: training tokens per shared layer (local) plus end to end",
-        aliases=("--tokens",),
+        renamed_from=("--tokens",),
     )
     base_weights: str = setting(
         "float",
