@@ -231,7 +231,7 @@ def test_engine_exit_logits_use_the_adapter_of_the_loop(kind, rank, policy):
 
 def test_probe_data_and_oracle_trajectories_use_the_adapter():
     """The exit probe's labels and the simulation's oracle exits read loop i's exit with its adapter."""
-    from looplm.serve.hypothetical import oracle_trajectories
+    from looplm.bench.hypothetical import oracle_trajectories
     from looplm.serve.probe import collect
     from looplm.train.exit_fit import fit_exit_adapter
 

@@ -1,4 +1,4 @@
-"""`looplm data generate` (serve/teacher_text.py, data/generated.py) on a tiny model: the corpus resumes to
+"""`looplm data generate` (recipes/teacher_text.py, data/generated.py) on a tiny model: the corpus resumes to
 what an uninterrupted run writes, drops duplicates and loops, refuses other settings or another teacher, and
 is a source of `looplm data build`, whose SOURCE:N caps a source's training rows."""
 
@@ -11,7 +11,7 @@ from test_train_fixtures import build_corpus, make_models, run_cli, tiny_vanilla
 from looplm.data.corpus import PackedCorpus, build, teacher_mix_sources
 from looplm.data.generated import degenerate, read_manifest, read_samples, text_key
 from looplm.errors import UsageError
-from looplm.serve.teacher_text import GenerateConfig, PromptSource, generate_corpus
+from looplm.recipes.teacher_text import GenerateConfig, PromptSource, generate_corpus
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_heal_makes_its_corpus_once_from_the_teachers_text_and_real_text(setup, 
     from dataclasses import replace
 
     import looplm.data.corpus as corpus_module
-    import looplm.serve.teacher_text as teacher_text
+    import looplm.recipes.teacher_text as teacher_text
     from looplm.train import cli as train_cli
 
     tmp, models, _ = setup

@@ -230,8 +230,8 @@ def test_agreement_counts_the_tokens_equal_to_full_depth_greedy(tiny_dir):
     after the same prefix, checked on outputs built to agree on a known share of their tokens."""
     import types
 
+    from looplm.bench.serving import agreement
     from looplm.models import load_model
-    from looplm.serve.bench import agreement
 
     model, tok = load_model(tiny_dir)
     torch.manual_seed(2)

@@ -3,9 +3,7 @@
 import pytest
 import torch
 
-from looplm.convert import convert
-from looplm.models import LoopLMConfig, LoopLMForCausalLM
-from looplm.serve.hypothetical import (
+from looplm.bench.hypothetical import (
     block_step_time,
     hypothetical,
     interpolate,
@@ -15,6 +13,8 @@ from looplm.serve.hypothetical import (
     oracle_trajectories,
     simulate,
 )
+from looplm.convert import convert
+from looplm.models import LoopLMConfig, LoopLMForCausalLM
 
 SMALL = dict(
     vocab_size=256,

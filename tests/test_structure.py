@@ -1,11 +1,11 @@
-"""The package's imports run one way: models <- convert <- {data, train, eval, serve} <- bench <- commands.
+"""The package's imports run one way: models <- convert <- {data, train, eval, serve} <- {bench, recipes} <- commands.
 
 Every import in src/looplm (also the ones inside functions) is read with `ast`. A module may import
 its own area and the areas below it; the four areas above convert are siblings (data is below the
-other three: they read corpora); the benchmarks use all four; every area's cli.py, the top-level cli.py and
-cli_args.py are the command
-layer on top. errors.py and util.py are the bottom and import nothing of the package. No two modules may
-import each other, directly or through others."""
+other three: they read corpora); the benchmarks and the recipes (work that drives one area with another,
+such as the engine writing a corpus) use all four and are siblings; every area's cli.py, the top-level
+cli.py and cli_args.py are the command layer on top. errors.py and util.py are the bottom and import
+nothing of the package. No two modules may import each other, directly or through others."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ RANK = {
     "eval": 4,
     "serve": 4,
     "bench": 5,
+    "recipes": 5,
     "commands": 6,
     "package": 7,
 }

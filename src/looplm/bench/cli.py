@@ -245,10 +245,10 @@ def cmd_serve(args) -> int:
 
     import torch
 
-    from ..serve.bench import bench_serve
     from ..serve.cli import check_engine_args
     from ..util import machine, print_json
     from .report import finish
+    from .serving import bench_serve
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -177,7 +177,7 @@ def served(model, fmt: str, moments: dict | None, s: Settings, lora: str = "shar
 
 
 def _engine(model, trace, max_concurrency, compile, scheduler="sequence", policy=None, kv_mode="copy"):
-    from ..serve.bench import run_trace
+    from .serving import run_trace
 
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in trace)
     fig, reqs, _ = run_trace(model, trace, scheduler, max_concurrency, max_len, policy, kv_mode, compile)
@@ -189,13 +189,13 @@ def _llama(ll: LlamaCpp, trace):
     return sum(map(len, out)) / seconds, out
 
 
-class _Served:  # the fields serve.bench.agreement reads
+class _Served:  # the fields serving.agreement reads
     def __init__(self, prompt, output):
         self.prompt, self.output = prompt, output
 
 
 def _agreement(reference, trace, outputs) -> float:
-    from ..serve.bench import agreement
+    from .serving import agreement
 
     return round(agreement(reference, [_Served(t["prompt"], o) for t, o in zip(trace, outputs)]), 4)
 
@@ -229,8 +229,8 @@ def ggufs(s: Settings, vanilla, tok, tmp: Path) -> dict[str, str]:
 def bench_llamacpp(s: Settings, log=print) -> dict:
     check_available()
     from ..models import load_model
-    from ..serve.bench import heldout_text, make_trace
     from ..serve.exits import parse_policy
+    from .serving import heldout_text, make_trace
 
     vanilla, tok = load_model(s.model)
     vanilla.eval()

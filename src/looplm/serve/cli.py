@@ -23,7 +23,7 @@ def _data_subparsers(sub):
 
 
 def _register_generate(sub) -> None:
-    from .teacher_text import GenerateConfig
+    from ..recipes.teacher_text import GenerateConfig
 
     d = GenerateConfig()
     g = _data_subparsers(sub).add_parser(
@@ -89,7 +89,7 @@ def _register_generate(sub) -> None:
 
 
 def cmd_data_generate(args) -> int:
-    from .teacher_text import GenerateConfig, generate_corpus
+    from ..recipes.teacher_text import GenerateConfig, generate_corpus
 
     cfg = GenerateConfig(
         model=args.model,

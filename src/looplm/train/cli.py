@@ -134,7 +134,7 @@ def _recipe_corpus(teacher: str, seq_len: int, progress: bool) -> str:
     the real sources alone (docs/RESULTS.md, "Healed quality off the corpus")."""
     from ..data.corpus import build, teacher_mix_sources
     from ..errors import UsageError
-    from ..serve.teacher_text import GenerateConfig, generate_corpus
+    from ..recipes.teacher_text import GenerateConfig, generate_corpus
 
     name = Path(teacher).name
     corpus, generated = Path("out") / f"corpus-{name}-mix-{seq_len}", Path("out") / f"gen-{name}"

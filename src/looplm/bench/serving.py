@@ -18,10 +18,10 @@ from importlib import resources
 import torch
 
 from ..models.quantized import prepare, stored_format, stored_lora, weight_bytes
-from .engine import Engine, Request
-from .exits import ExitPolicy
+from ..serve.engine import Engine, Request
+from ..serve.exits import ExitPolicy
+from ..serve.schedulers import make_scheduler, replay, rss_mb, warm_up
 from .hypothetical import hypothetical
-from .schedulers import make_scheduler, replay, rss_mb, warm_up
 
 
 def heldout_text() -> str:
@@ -197,7 +197,7 @@ def _looped_model(args, vanilla):
     if args.looped:
         model, _ = load_model(args.looped)
         return model, f"{args.looped}"
-    from .on_the_fly import convert_unhealed
+    from ..serve.on_the_fly import convert_unhealed
 
     model = convert_unhealed(
         vanilla,
@@ -301,7 +301,7 @@ def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
 
 def bench_serve(args, arrivals: list[str], log=print) -> dict:
     from ..models import load_model
-    from .exits import parse_policy
+    from ..serve.exits import parse_policy
 
     say = log or (lambda *a: None)
     vanilla, tok = load_model(args.model)
@@ -486,7 +486,7 @@ def exit_tradeoff(
     threshold, the fraction of tokens leaving before the last loop, agreement of their argmax with the
     final loop's, and the perplexity of the logits actually used (exit logits where a token exits).
     A model with a fitted exit probe also gets the probe policy's rows (its calibrated threshold too)."""
-    from .probe import ProbeError, load_probe
+    from ..serve.probe import ProbeError, load_probe
 
     B = model.config.num_loops
     dev = next(model.parameters()).device

@@ -155,9 +155,7 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
     from ..models import load_model
     from ..models.loading import tokenizer_fingerprint
     from ..models.quantized import check_format, load_dtype, prepare
-    from .engine import Engine, Request
-    from .sampling import RequestError, SamplingParams
-    from .schedulers import make_scheduler, replay
+    from ..serve import Engine, Request, RequestError, SamplingParams, make_scheduler, replay
 
     if not cfg.out:
         raise UsageError("give the corpus directory with --out DIR")

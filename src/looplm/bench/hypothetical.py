@@ -10,7 +10,7 @@
    Delta_V = CDB / vanilla static, Delta_Seq = CDB / vanilla CSB.
 
 What it leaves out, as the paper does: the exit decision (the head after each loop), the KV entries of
-skipped loops, prefill, and scheduling overheads. bench.py measures those on the real engine.
+skipped loops, prefill, and scheduling overheads. serving.py measures those on the real engine.
 """
 
 from __future__ import annotations
