@@ -35,7 +35,6 @@ def test_bench_serve_json(tiny_dir, capsys):
         [
             "bench",
             "serve",
-            "--model",
             str(tiny_dir),
             "--requests",
             "4",
@@ -43,11 +42,11 @@ def test_bench_serve_json(tiny_dir, capsys):
             "4:12",
             "--output-len",
             "2:6",
-            "--max-batch",
+            "--max-concurrency",
             "2",
             "--arrivals",
             "all,poisson",
-            "--exit",
+            "--exit-policy",
             "softmax:0.0",
             "--tradeoff-tokens",
             "64",
@@ -87,7 +86,6 @@ def test_bench_serve_without_the_exit_table(tiny_dir, capsys):
         [
             "bench",
             "serve",
-            "--model",
             str(tiny_dir),
             "--requests",
             "2",
@@ -95,7 +93,7 @@ def test_bench_serve_without_the_exit_table(tiny_dir, capsys):
             "4:8",
             "--output-len",
             "2:3",
-            "--max-batch",
+            "--max-concurrency",
             "2",
             "--arrivals",
             "all",
@@ -119,7 +117,7 @@ def test_bench_serve_without_the_exit_table(tiny_dir, capsys):
 
 
 def test_bench_serve_bad_args(tiny_dir, capsys):
-    assert main(["bench", "serve", "--model", str(tiny_dir), "--arrivals", "sometimes"]) == 2
+    assert main(["bench", "serve", str(tiny_dir), "--arrivals", "sometimes"]) == 2
     assert "--arrivals" in capsys.readouterr().err
 
 
@@ -166,7 +164,6 @@ def test_weights_flag_quantizes_and_reports_memory(tiny_dir, capsys):
     flags = [
         "bench",
         "serve",
-        "--model",
         str(tiny_dir),
         "--requests",
         "2",
@@ -174,7 +171,7 @@ def test_weights_flag_quantizes_and_reports_memory(tiny_dir, capsys):
         "4:8",
         "--output-len",
         "2:3",
-        "--max-batch",
+        "--max-concurrency",
         "2",
         "--arrivals",
         "all",
