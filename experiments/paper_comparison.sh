@@ -103,19 +103,19 @@ convert() {  # convert NAME DIR: the student NAME of this family, built once
   [ -f "$dir/config.json" ] && return 0
   case $name in
     reduced) $PYTHON -m looplm.train.baselines stepwise --model "$model" --loops "$loops" --out "$dir" ;;
-    rec) $LOOPLM convert "$model" --loops "$loops" --lora-rank 0 --init aware --norms per-depth \
+    rec) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank 0 --init aware --norms per-depth \
            --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
-    lora4) $LOOPLM convert "$model" --loops "$loops" --lora-rank 4 --init aware --lora-init aware-svd --norms per-depth \
+    lora4) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank 4 --init aware --lora-init aware-svd --norms per-depth \
            --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
-    prefix71) $LOOPLM convert "$model" --loops "$loops" --relax prefix --prefix-length 71 --init aware \
+    prefix71) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --relax prefix --prefix-length 71 --init aware \
            --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
-    rec-average|rec-stepwise|rec-random) $LOOPLM convert "$model" --loops "$loops" --lora-rank 0 --init "${name#rec-}" \
+    rec-average|rec-stepwise|rec-random) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank 0 --init "${name#rec-}" \
            --norms per-depth --out "$dir" ;;
-    rel-stepwise64) $LOOPLM convert "$model" --loops "$loops" --lora-rank 64 --init stepwise --lora-init aware-svd \
+    rel-stepwise64) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank 64 --init stepwise --lora-init aware-svd \
            --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
-    rel-zero64) $LOOPLM convert "$model" --loops "$loops" --lora-rank 64 --init average --lora-init zero \
+    rel-zero64) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank 64 --init average --lora-init zero \
            --norms per-depth --out "$dir" ;;
-    rel*) $LOOPLM convert "$model" --loops "$loops" --lora-rank "${name#rel}" --init average --lora-init aware-svd \
+    rel*) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank "${name#rel}" --init average --lora-init aware-svd \
            --norms per-depth --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
   esac
 }

@@ -39,8 +39,8 @@ convert() {  # convert NAME DIR
   # shellcheck disable=SC2086  # word lists
   case $name in
     reduced*) $PYTHON -m looplm.train.baselines stepwise --model "$model" --layers "${name#reduced}" --out "$dir" ;;
-    rec) $LOOPLM convert "$model" --loops 2 --lora-rank 0 $aware --out "$dir" ;;
-    rec-r*) $LOOPLM convert "$model" --loops 2 --lora-rank "${name#rec-r}" --lora-init aware-svd $aware --out "$dir" ;;
+    rec) $LOOPLM convert "$model" --loops 2 --sharing cycle --lora-rank 0 $aware --out "$dir" ;;
+    rec-r*) $LOOPLM convert "$model" --loops 2 --sharing cycle --lora-rank "${name#rec-r}" --lora-init aware-svd $aware --out "$dir" ;;
     def) $LOOPLM convert "$model" --loops 2 --lora-rank 64 --sharing cycle --calib-data "$calib" --scored-tokens 0 \
            --out "$dir" ;;
     mc56) $LOOPLM convert "$model" --loops 2 --lora-rank 56 --sharing middle-cycle --calib-data "$calib" \

@@ -52,7 +52,7 @@ def test_convert_info_eval(hf_dir, tmp_path):
     assert (out / "config.json").exists() and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
 
     info = json.loads(run("info", str(out), "--json").stdout)
-    assert info["loops"] == 2 and info["layer_map"] == [0, 1, 0, 1] and info["n_emb"] == result["n_emb_after"]
+    assert info["loops"] == 2 and info["layer_map"] == [0, 1, 1, 2] and info["n_emb"] == result["n_emb_after"]
 
     ppl = json.loads(run("eval", "ppl", str(out), "--json", "--scored-tokens", "200").stdout)
     assert ppl["tokens"] == 200 and len(ppl["per_loop"]) == 2
@@ -75,7 +75,8 @@ def test_convert_info_eval(hf_dir, tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--loops", "3"], "does not divide"),
+        (["--loops", "3", "--sharing", "cycle"], "does not divide"),
+        (["--loops", "3"], "keep at least 3 in the core"),  # the default middle-cycle: 1 + 2 core layers + 1
         (["--lora-rank", "-1"], "negative"),
         (["--lora-ranks", "attn=4"], "unknown LoRA group"),
         (["--relax", "prefix", "--prefix-length", "-1"], "--prefix-length must be >= 0"),

@@ -172,6 +172,60 @@ def test_parameter_counts_follow_the_plan(vanilla):
         assert len(tied_depths(m.config)) == blocks
 
 
+def test_the_default_rank_keeps_n_emb_at_cycle_rank_64s(vanilla):
+    """equal_nemb_rank: the largest rank whose N-emb is at most the paper's cycle plan's at a reference rank (one
+    more rank is over it), for plans with unique ends; cycle itself gets the reference (16 here: this model's
+    linears cap a rank at 64)."""
+    from looplm.convert import equal_nemb_rank
+
+    def n_emb(sharing, prelude, coda, rank):
+        m = convert(vanilla, loops=2, strategy=sharing, lora_ranks=rank, lora_init="zero", norms="per-depth",
+                    prelude=prelude, coda=coda)  # fmt: skip
+        return count_parameters(m)["n_emb"]
+
+    reference = n_emb("cycle", 0, 0, 16)
+    ranks = {}
+    for sharing, prelude, coda in [("cycle", 0, 0), ("middle-cycle", 0, 0), ("cycle", 2, 1)]:
+        r = ranks[sharing, prelude, coda] = equal_nemb_rank(vanilla, DepthPlan(8, 2, sharing, prelude, coda), 16)
+        assert n_emb(sharing, prelude, coda, r) <= reference < n_emb(sharing, prelude, coda, r + 1), sharing
+    assert ranks["cycle", 0, 0] == 16 > ranks["middle-cycle", 0, 0] > ranks["cycle", 2, 1]
+
+
+@pytest.mark.parametrize(
+    "attention, loops, layer_map, note",
+    [
+        (["full"] * 4, 2, [0, 1, 1, 2], False),  # middle-cycle: 1 + 1 x 2 + 1
+        (["sliding", "full", "sliding", "full"], 2, [0, 1, 0, 1], True),  # Gemma-like: no middle-cycle keeps kinds
+    ],
+)
+def test_convert_defaults_to_middle_cycle_where_the_attention_pattern_allows(
+    tmp_path, capsys, attention, loops, layer_map, note
+):
+    from conftest import GEMMA_LIKE
+    from test_gguf_export import tiny_tokenizer
+
+    from looplm.cli import main
+    from looplm.models import save_model
+
+    tok = tiny_tokenizer()
+    switches = GEMMA_LIKE if "sliding" in attention else {}
+    torch.manual_seed(0)
+    cfg = LoopLMConfig(**{**switches, "depth_attention": attention}, vocab_size=len(tok), hidden_size=128,
+                       intermediate_size=256, num_hidden_layers=4, num_attention_heads=2)  # fmt: skip
+    src = save_model(LoopLMForCausalLM(cfg).eval(), tok, tmp_path / "src")
+    out = tmp_path / "looped"
+    args = ["convert", str(src), "--loops", str(loops), "--calib-tokens", "64", "--calib-seq-len", "32"]
+    assert main([*args, "--scored-tokens", "0", "--json", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    from looplm.models import load_model
+
+    model = load_model(out)[0]
+    assert model.config.plan.layer_map == layer_map
+    assert ("using --sharing cycle" in captured.err) == note
+    rank = model.config.lora_ranks["q"]
+    assert (rank == 64) == note and rank > 0  # cycle keeps rank 64; middle-cycle gives its extra layer back in rank
+
+
 def _run_original_depths(vanilla, ids, depths):
     h = vanilla.model.embed(ids)
     return vanilla.model.run_depths(h, [vanilla.config.plan.depths[d] for d in depths])

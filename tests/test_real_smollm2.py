@@ -128,7 +128,9 @@ def test_main_job(tmp_path, smollm2):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["n_emb_before"] == 106_203_456
-    assert result["lora_ranks"] == {"q": 64, "kv": 64, "out": 64, "ffn": 64}
+    # the default plan: middle-cycle (1 + 14 x 2 + 1) at rank 56, the N-emb of the paper's cycle plan at rank 64
+    assert result["lora_ranks"] == {"q": 56, "kv": 56, "out": 56, "ffn": 56}
+    assert result["n_emb_after"] == 72_614_208  # cycle at rank 64: 72,657,216
     assert 10 < result["ppl_before"] < 1000 and result["ppl_after"] > result["ppl_before"]
     _, tok, _ = smollm2
     auto = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -25,9 +25,10 @@ def register(sub) -> None:
     p.add_argument(
         "--lora-rank",
         default=None,
-        help="rank of every per-depth LoRA (0 = plain recursive, 'full'; default 64, 0 with --relax prefix)",
+        help="rank of every per-depth LoRA (0 = plain recursive, 'full'; default: the largest rank that keeps N-emb "
+        "at most the paper's cycle plan's at rank 64, 56 for SmolLM2-135M middle-cycle; 0 with --relax prefix)",
     )
-    p.add_argument("--out", default=None, help="output directory (default: out/<model>-b<loops>-r<rank>)")
+    p.add_argument("--out", default=None, help="output directory (default: out/<model>-b<loops>[-<sharing>]-r<rank>, the default plan unnamed)")
     p.add_argument(
         "--calib-data",
         action="append",
@@ -61,10 +62,11 @@ def register(sub) -> None:
     a.add_argument(
         "--sharing",
         dest="strategy",
-        default="cycle",
+        default=None,
         choices=list(SHARING_STRATEGIES),
         help="the core's pattern: depth d runs shared layer d mod K (cycle), d div B (sequence) or cycle with the "
-        "last loop reversed (cycle-rev); middle-cycle and middle-sequence keep the first and the last layer unique",
+        "last loop reversed (cycle-rev); middle-cycle and middle-sequence keep the first and the last layer unique "
+        "(default: middle-cycle, or cycle where the model's attention pattern leaves no middle-cycle plan)",
     )
     a.add_argument(
         "--prelude",
@@ -240,18 +242,19 @@ def cmd_convert(args) -> int:
     from ..models import load_model, save_model
     from . import convert, count_parameters, parse_lora_ranks
 
-    rank, prefix = _relaxation(args)
+    with Timer() as t_load:
+        vanilla, tok = load_model(args.model)
+    _default_plan(args, vanilla.config)
+    rank, prefix = _relaxation(args, vanilla)
     ranks = parse_lora_ranks(args.lora_ranks, rank)
     data_aware = args.init == "aware" or (args.lora_init == "aware-svd" and any(ranks.values()))
     if args.norms is None and data_aware:
         args.norms = "per-depth"  # a data-aware init fits each depth; tied norms would undo part of that fit
     text = read_text_arg(args.text) if args.text else sample_text()
-    plan = "" if (args.strategy, args.prelude, args.coda) == ("cycle", 0, 0) else f"-{args.strategy}"
+    plan = "" if (args.strategy, args.prelude, args.coda) == ("middle-cycle", 0, 0) else f"-{args.strategy}"
     plan += (f"-pre{args.prelude}" if args.prelude else "") + (f"-coda{args.coda}" if args.coda else "")
     name = f"{Path(args.model).name}-b{args.loops}{plan}-r{rank}" + (f"-p{prefix}" if prefix else "")
     out = Path(args.out) if args.out else Path("out") / name
-    with Timer() as t_load:
-        vanilla, tok = load_model(args.model)
     calibration = _calibration(args, vanilla, tok, text, data_aware)
     with Timer() as t_conv:
         model = convert(
@@ -316,16 +319,48 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def _relaxation(args) -> tuple[str, int]:
-    """(--lora-rank, --prefix-length) after the defaults of --relax: LoRA rank 64 and no prefix, or
-    prefix length 64 and LoRA rank 0 (an explicit --lora-rank adds LoRA to the prefixes)."""
+def _default_plan(args, config) -> None:
+    """--sharing left out: middle-cycle, the plan that heals best at the default's N-emb (docs/RESULTS.md, "Sharing
+    plans"), where the model's attention pattern lets a shared block keep one attention kind; else (Gemma-3's 5:1
+    sliding/full layers) the paper's cycle, whose blocks keep their depths' kinds as they always did."""
+    from ..models import ConfigError
+    from ..models.plan import DepthPlan
+
+    if args.strategy is not None:
+        return
+    args.strategy = "middle-cycle"
+    L, B = config.num_hidden_layers, args.loops
+    try:
+        DepthPlan(L, B, "middle-cycle", args.prelude, args.coda, config.depth_attention)
+    except ConfigError as e:
+        if "attention kind" not in str(e):
+            return  # a plan that does not fit for another reason is refused by convert, naming the fix
+        args.strategy = "cycle"
+        print(
+            f"looplm convert: note: the model's attention pattern leaves no middle-cycle plan at --loops {B}; "
+            "using --sharing cycle",
+            file=sys.stderr,
+        )
+
+
+def _relaxation(args, vanilla) -> tuple[str, int]:
+    """(--lora-rank, --prefix-length) after the defaults of --relax: LoRA at the rank that keeps N-emb at the paper's
+    cycle plan's at rank 64 and no prefix, or prefix length 64 and LoRA rank 0 (an explicit --lora-rank adds LoRA
+    to the prefixes)."""
     prefix = args.prefix_length
     if prefix is not None and prefix < 0:
         raise UsageError(f"--prefix-length must be >= 0, got {prefix}")
     if args.relax == "lora":
         if prefix:
             raise UsageError("--prefix-length needs --relax prefix")
-        return args.lora_rank or "64", 0
+        if args.lora_rank is not None:
+            return args.lora_rank, 0
+        from ..models.plan import DepthPlan
+        from . import equal_nemb_rank
+
+        c = vanilla.config
+        plan = DepthPlan(c.num_hidden_layers, args.loops, args.strategy, args.prelude, args.coda, c.depth_attention)
+        return str(equal_nemb_rank(vanilla, plan)), 0
     prefix = 64 if prefix is None else prefix
     if prefix < 1:
         raise UsageError(f"--prefix-length must be >= 1 with --relax prefix, got {prefix}")

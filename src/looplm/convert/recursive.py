@@ -22,6 +22,7 @@ import torch
 
 from ..models import LORA_GROUPS, ConfigError, LoopLMConfig, LoopLMForCausalLM
 from ..models.layers import DepthNorm, LoopLinear
+from ..models.plan import DepthPlan
 
 INITS = ("stepwise", "stepwise-start", "average", "lower", "upper", "random", "aware")
 NORMS = ("tied-avg", "tied-choice", "tied-zero", "per-depth")
@@ -125,6 +126,23 @@ def selected_layers(config: LoopLMConfig, init: str) -> list[int] | None:
     if init == "upper":
         return list(range(stop - K, stop))
     return None
+
+
+def equal_nemb_rank(vanilla: LoopLMForCausalLM, plan: DepthPlan, reference_rank: int = 64) -> int:
+    """The largest per-depth LoRA rank at which ``plan``'s N-emb stays at most that of the paper's cycle plan at
+    ``reference_rank`` with the same loops: a unique layer costs a whole layer's weights, which the shared
+    blocks' LoRAs give back in rank (SmolLM2-135M at B=2: middle-cycle's one extra layer is 8 ranks' worth)."""
+    layer = vanilla.model.layers[0]
+    weights = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in _linears(layer).values())
+    per_rank = sum(m.in_features + m.out_features for m in _linears(layer).values())  # one depth's LoRA, rank 1
+    L, B = plan.num_layers, plan.num_loops
+    cycle = DepthPlan(L, B, "cycle", 0, L % B if B > 1 else 0)
+
+    def lora_depths(p: DepthPlan) -> int:
+        return sum(p.block_slots[b] for b in p.shared_blocks)
+
+    budget = (cycle.num_blocks - plan.num_blocks) * weights + reference_rank * per_rank * lora_depths(cycle)
+    return max(0, budget // (per_rank * lora_depths(plan))) if lora_depths(plan) else 0
 
 
 def _linears(block) -> dict[str, LoopLinear]:

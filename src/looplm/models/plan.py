@@ -84,8 +84,9 @@ class DepthPlan:
         core = L - prelude - coda
         if core < B:
             raise ConfigError(
-                f"--prelude {prelude} and --coda {coda} leave {max(core, 0)} of the model's {L} layers to loop "
-                f"{B} times; keep at least {B} in the core (prelude + coda <= {L - B})"
+                f"a prelude of {prelude} and a coda of {coda} unique layers ({sharing}) leave {max(core, 0)} of the "
+                f"model's {L} layers to loop {B} times; keep at least {B} in the core (--prelude + --coda <= "
+                f"{L - B}), or fewer --loops"
             )
         if B > 1 and prelude == coda == 0 and L % B:
             raise ConfigError(
