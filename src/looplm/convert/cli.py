@@ -28,7 +28,11 @@ def register(sub) -> None:
         help="rank of every per-depth LoRA (0 = plain recursive, 'full'; default: the largest rank that keeps N-emb "
         "at most the paper's cycle plan's at rank 64, 56 for SmolLM2-135M middle-cycle; 0 with --relax prefix)",
     )
-    p.add_argument("--out", default=None, help="output directory (default: out/<model>-b<loops>[-<sharing>]-r<rank>, the default plan unnamed)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: out/<model>-b<loops>[-<sharing>]-r<rank>, the default plan unnamed)",
+    )
     p.add_argument(
         "--calib-data",
         action="append",
