@@ -137,5 +137,6 @@ def test_main_job(tmp_path, smollm2):
     ours = looplm.load_model(out)[0]
     ids = tok("It was the best of times,", return_tensors="pt").input_ids
     with torch.no_grad():
-        assert torch.equal(auto(ids).logits, ours(ids).logits)
+        # the Auto class runs with a cache (the coda reads it), ours without: equal up to float rounding
+        assert torch.allclose(auto(ids).logits, ours(ids).logits, atol=1e-3, rtol=1e-4)
         assert auto.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
