@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's main job: set up, convert the embedded SmolLM2-135M into a Relaxed Recursive Transformer with the
 # default conversion (B=2, middle-cycle: the first and the last layer unique, the 28 between them as 14 shared layers
-# looped twice, a rank-56 LoRA per depth, data-aware init) and heal it on a pinned token budget, so that its result is
-# the same on every machine and only its time follows the machine. It prints the held-out perplexity of the
+# looped twice, a rank-56 LoRA per depth, data-aware init) and heal it on a pinned token budget, so that every machine
+# heals as much and only the time follows the machine. It prints the held-out perplexity of the
 # original, the converted and the healed model, and the healed model's perplexity on text no corpus holds.
 #   bash scripts/quickstart.sh                           # the quick start's budget
 #   TRAIN_TOKENS=1000000 bash scripts/quickstart.sh      # more tokens, closer to the original

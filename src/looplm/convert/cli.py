@@ -248,8 +248,8 @@ def cmd_convert(args) -> int:
 
     with Timer() as t_load:
         vanilla, tok = load_model(args.model)
-    _default_plan(args, vanilla.config)
-    rank, prefix = _relaxation(args, vanilla)
+    depth_plan = _plan(args, vanilla.config)
+    rank, prefix = _relaxation(args, vanilla, depth_plan)
     ranks = parse_lora_ranks(args.lora_ranks, rank)
     data_aware = args.init == "aware" or (args.lora_init == "aware-svd" and any(ranks.values()))
     if args.norms is None and data_aware:
@@ -323,31 +323,32 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def _default_plan(args, config) -> None:
-    """--sharing left out: middle-cycle, the plan that heals best at the default's N-emb (docs/RESULTS.md, "Sharing
-    plans"), where the model's attention pattern lets a shared block keep one attention kind; else (Gemma-3's 5:1
-    sliding/full layers) the paper's cycle, whose blocks keep their depths' kinds as they always did."""
-    from ..models import ConfigError
-    from ..models.plan import DepthPlan
+def _plan(args, config):
+    """The depth plan asked for; with --sharing left out, middle-cycle, the plan that heals best at the default's
+    N-emb (docs/RESULTS.md, "Sharing plans"), where the model's attention pattern lets a shared block keep one
+    attention kind; else (Gemma-3's 5:1 sliding/full layers) the paper's cycle, whose blocks keep their depths'
+    kinds as they always did. A plan that does not fit is refused here, naming the fix."""
+    from ..models.plan import DepthPlan, MixedAttentionError
+
+    def plan(sharing: str) -> DepthPlan:
+        return DepthPlan(config.num_hidden_layers, args.loops, sharing, args.prelude, args.coda, config.depth_attention)
 
     if args.strategy is not None:
-        return
-    args.strategy = "middle-cycle"
-    L, B = config.num_hidden_layers, args.loops
+        return plan(args.strategy)
     try:
-        DepthPlan(L, B, "middle-cycle", args.prelude, args.coda, config.depth_attention)
-    except ConfigError as e:
-        if "attention kind" not in str(e):
-            return  # a plan that does not fit for another reason is refused by convert, naming the fix
+        args.strategy = "middle-cycle"
+        return plan(args.strategy)
+    except MixedAttentionError:
         args.strategy = "cycle"
         print(
-            f"looplm convert: note: the model's attention pattern leaves no middle-cycle plan at --loops {B}; "
-            "using --sharing cycle",
+            f"looplm convert: note: the model's attention pattern leaves no middle-cycle plan at --loops "
+            f"{args.loops}; using --sharing cycle",
             file=sys.stderr,
         )
+        return plan(args.strategy)
 
 
-def _relaxation(args, vanilla) -> tuple[str, int]:
+def _relaxation(args, vanilla, plan) -> tuple[str, int]:
     """(--lora-rank, --prefix-length) after the defaults of --relax: LoRA at the rank that keeps N-emb at the paper's
     cycle plan's at rank 64 and no prefix, or prefix length 64 and LoRA rank 0 (an explicit --lora-rank adds LoRA
     to the prefixes)."""
@@ -359,11 +360,8 @@ def _relaxation(args, vanilla) -> tuple[str, int]:
             raise UsageError("--prefix-length needs --relax prefix")
         if args.lora_rank is not None:
             return args.lora_rank, 0
-        from ..models.plan import DepthPlan
         from . import equal_nemb_rank
 
-        c = vanilla.config
-        plan = DepthPlan(c.num_hidden_layers, args.loops, args.strategy, args.prelude, args.coda, c.depth_attention)
         return str(equal_nemb_rank(vanilla, plan)), 0
     prefix = 64 if prefix is None else prefix
     if prefix < 1:

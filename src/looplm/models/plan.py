@@ -23,6 +23,10 @@ NAMED_PLANS = {"middle-cycle": ("cycle", 1, 1), "middle-sequence": ("sequence", 
 SHARING_STRATEGIES = CORE_PATTERNS + tuple(NAMED_PLANS)
 
 
+class MixedAttentionError(ConfigError):
+    """A plan whose shared block would run depths of two attention kinds (refused: see _check_attention_kinds)."""
+
+
 @dataclass(frozen=True)
 class Depth:
     """One depth position: ``index`` d (its KV-cache entry and the original layer it stands for), the ``block``
@@ -130,7 +134,7 @@ class DepthPlan:
         for dep in self.depths:
             other = first.setdefault(dep.block, dep)
             if other.kind != dep.kind:
-                raise ConfigError(
+                raise MixedAttentionError(
                     f"this sharing plan runs shared block {dep.block} at depth {other.index} ({other.kind} attention) "
                     f"and depth {dep.index} ({dep.kind}): a shared block must keep one attention kind. Choose --loops, "
                     "--prelude and --coda so that the core's K shared layers are a whole number of the model's "
