@@ -13,10 +13,10 @@ CORPUS=out/defaults/out/corpus-smollm2-135m-512       # the real-text corpus, he
 [ -d /tmp/looplm-pre ] || git worktree add /tmp/looplm-pre 41db5a4 -f
 [ -d /tmp/looplm-post ] || git worktree add /tmp/looplm-post 8d54ba5 -f
 COMMON="$STUDENT --data $CORPUS --train-tokens 218908 --local-share 0.63618 --cache-rows 64 --no-progress"
-OMP_NUM_THREADS=1 PYTHONPATH=/tmp/looplm-pre/src $PY -m looplm.cli heal $COMMON --out out/ab57/qs-pre &
-OMP_NUM_THREADS=1 PYTHONPATH=/tmp/looplm-post/src $PY -m looplm.cli heal $COMMON --out out/ab57/qs-post \
+OMP_NUM_THREADS=1 PYTHONPATH=/tmp/looplm-pre/src $PY -m looplm heal $COMMON --out out/ab57/qs-pre &
+OMP_NUM_THREADS=1 PYTHONPATH=/tmp/looplm-post/src $PY -m looplm heal $COMMON --out out/ab57/qs-post \
   --hidden-channels uniform --no-compile &
 wait
 cmp out/ab57/qs-pre/final/model.safetensors out/ab57/qs-post/final/model.safetensors && echo "same weights"
-PYTHONPATH=/tmp/looplm-post/src $PY -m looplm.cli heal $STUDENT --data $CORPUS --hidden-channels uniform \
+PYTHONPATH=/tmp/looplm-post/src $PY -m looplm heal $STUDENT --data $CORPUS --hidden-channels uniform \
   --budget-minutes 60 --out out/ab57/hour-post --no-progress

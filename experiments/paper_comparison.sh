@@ -3,7 +3,7 @@
 # Per family (FAMILIES: smollm2 = SmolLM2-135M at B=2, gemma3 = Gemma-3-270M at B=3, its (a)/(b) pair only):
 #   rec       (a) the recursive model, rank 0 (data-aware shared weights, per-depth norms)
 #   reduced   (b) the reduced-size model of the same N-emb: the L/B layers Stepwise picks, run once, pretrained
-#                 (`python -m looplm.train.baselines stepwise`; 15 of SmolLM2's 30 layers, 6 of Gemma's 18)
+#                 (`looplm baseline`; 15 of SmolLM2's 30 layers, 6 of Gemma's 18)
 #   rel64, rel128  (c) relaxed: the same conversion with per-depth LoRA of rank 64 and 128 (smollm2 only)
 #   lora4, prefix71  rec's conversion relaxed at equal parameters (smollm2 only): per-depth LoRA of rank 4
 #                 (1,221,120) against 71 learned prefix vectors per depth (appendix G; 1,226,880)
@@ -102,7 +102,7 @@ convert() {  # convert NAME DIR: the student NAME of this family, built once
   local name=$1 dir=$2
   [ -f "$dir/config.json" ] && return 0
   case $name in
-    reduced) $PYTHON -m looplm.train.baselines stepwise --model "$model" --loops "$loops" --out "$dir" ;;
+    reduced) $LOOPLM baseline "$model" --loops "$loops" --out "$dir" ;;
     rec) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank 0 --init aware --norms per-depth \
            --calib-data "$calib" --calib-tokens 8192 --scored-tokens 0 --out "$dir" ;;
     lora4) $LOOPLM convert "$model" --loops "$loops" --sharing cycle --lora-rank 4 --init aware --lora-init aware-svd --norms per-depth \

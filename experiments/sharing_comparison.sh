@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-LOOPLM=${LOOPLM:-"$PYTHON -m looplm.cli"}
+LOOPLM=${LOOPLM:-"$PYTHON -m looplm"}
 OUT=${OUT:-out/sharing/smollm2}
 STUDENTS=${STUDENTS:-"mc reduced16 rec reduced15 def mc56 p3c3 reduced18 rec-r12 p2c2 reduced17"}
 STEPS=${STEPS:-"convert heal suite"}
@@ -38,7 +38,7 @@ convert() {  # convert NAME DIR
   [ -f "$dir/config.json" ] && return 0
   # shellcheck disable=SC2086  # word lists
   case $name in
-    reduced*) $PYTHON -m looplm.train.baselines stepwise --model "$model" --layers "${name#reduced}" --out "$dir" ;;
+    reduced*) $LOOPLM baseline "$model" --layers "${name#reduced}" --out "$dir" ;;
     rec) $LOOPLM convert "$model" --loops 2 --sharing cycle --lora-rank 0 $aware --out "$dir" ;;
     rec-r*) $LOOPLM convert "$model" --loops 2 --sharing cycle --lora-rank "${name#rec-r}" --lora-init aware-svd $aware --out "$dir" ;;
     def) $LOOPLM convert "$model" --loops 2 --lora-rank 64 --sharing cycle --calib-data "$calib" --scored-tokens 0 \

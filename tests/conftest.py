@@ -123,7 +123,7 @@ def one_torch_thread():
 def run_cli(*args, check=True):
     """Run `looplm ARGS` in a fresh process, as a user would; on failure show its stderr."""
     proc = subprocess.run(
-        [sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "looplm", *map(str, args)], capture_output=True, text=True, timeout=600
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"looplm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -185,7 +185,8 @@ def hf_dir(tmp_path_factory, smollm2_tokenizer):
     return save_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", smollm2_tokenizer)
 
 
-SERVE_SMALL = dict(
+# the tiny random model most tests build (4 layers, 64 wide): one config, a builder for overrides
+TINY = dict(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -210,13 +211,19 @@ GEMMA_LIKE = dict(
 )
 
 
+def tiny_model(seed: int = 0, **overrides):
+    """The TINY config's model, random weights from ``seed``; ``overrides`` change the config."""
+    from looplm.models import LoopLMConfig, LoopLMForCausalLM
+
+    torch.manual_seed(seed)
+    return LoopLMForCausalLM(LoopLMConfig(**{**TINY, **overrides})).eval()
+
+
 def small_relaxed(**overrides):
     """A random 4-layer model converted to B=2 with rank-8 LoRA and per-depth norms (the weight-format tests')."""
     from looplm.convert import convert
-    from looplm.models import LoopLMConfig, LoopLMForCausalLM
 
-    torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SERVE_SMALL, **overrides})).eval()
+    vanilla = tiny_model(**overrides)
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import needs_wheel
 from test_train_fixtures import build_corpus, make_models, ood_texts  # noqa: F401 (fixture)
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.util import cpu_model
 
 

@@ -10,7 +10,7 @@ from conftest import arrive_one_per_step
 from conftest import small_relaxed as _relaxed
 
 from looplm.bench.serving import agreement
-from looplm.cli import main
+from looplm.commands import main
 from looplm.errors import UsageError
 from looplm.models import quantized as Q
 from looplm.serve import Engine, Request, make_scheduler

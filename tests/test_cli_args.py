@@ -2,11 +2,13 @@
 an old flag name is refused naming its new one, and an on-the-fly conversion is not served unhealed."""
 
 import argparse
+import json
+from dataclasses import fields
 
 import pytest
 
-from looplm.cli import build_parser, main
-from looplm.cli_args import HelpFormatter
+from looplm.commands import all_commands, build_parser, main, parse
+from looplm.commands.args import HelpFormatter, write_settings
 
 
 def _parsers(parser, path=()):
@@ -67,7 +69,7 @@ def _refused(argv, capsys) -> str:
         (["heal", "d", "--tokens", "100"], "use --train-tokens"),
         (["heal", "d", "--base-weights", "float"], "use --base-weights fp32"),
         (["quantize", "m", "--out", "o", "--calibrate", "c"], "use --calib-data"),
-        (["quantize", "m", "--out", "o", "--dtype", "float32"], "use --dtype fp32"),
+        (["quantize", "m", "--out", "o", "--dtype", "float32"], "choose from 'fp32', 'bf16'"),
         (["train", "m", "--data", "d", "--out", "o", "--eval-seqs", "3"], "use --eval-rows"),
         (["convert", "--strategy", "cycle"], "use --sharing"),
     ],
@@ -104,3 +106,54 @@ def test_serving_an_on_the_fly_conversion_needs_consent(capsys):
     assert main(["serve", "no-such-model", "--loops", "2"]) == 2
     err = capsys.readouterr().err
     assert "looplm heal" in err and "--allow-unhealed" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# every command is one settings dataclass and one function
+
+
+def test_every_flag_of_every_command_is_a_field_of_its_settings():
+    """No flag is written by hand: each argument a command parses is a setting of its dataclass (old names, which
+    are refused, and --config aside), and each setting is an argument."""
+    parser = build_parser()
+    leaves = dict(_leaves())
+    commands = all_commands()
+    assert sorted(" ".join(c.words) for c in commands) == sorted(leaves)
+    for cmd in commands:
+        p = leaves[" ".join(cmd.words)]
+        dests = {a.dest for a in p._actions if a.dest not in ("help", "config") and not a.dest.startswith("_renamed_")}
+        settings = {f.name for f in fields(cmd.settings) if "help" in f.metadata}
+        assert dests == settings, cmd.name
+        assert p.get_default("_command") is cmd
+    assert parser.parse_args(["info", "m"])._command.settings.__name__ == "Info"
+
+
+def test_settings_from_a_config_file_and_flags_beside_it_win(tmp_path, capsys):
+    config = tmp_path / "suite.json"
+    config.write_text(json.dumps({"windows": 3, "tasks": "none", "compare": ["a,b"]}))
+    cmd, s = parse(["eval", "suite", "orig", "a=x", "b=y", "--config", str(config)])
+    assert cmd.words == ("eval", "suite") and (s.windows, s.tasks, s.compare, s.models) == (
+        3,
+        "none",
+        ["a,b"],
+        ["orig", "a=x", "b=y"],
+    )
+    _, s = parse(["eval", "suite", "orig", "--config", str(config), "--windows", "5"])
+    assert (s.windows, s.tasks) == (5, "none")
+    config.write_text(json.dumps({"windows": 3, "window": 4}))
+    assert main(["eval", "suite", "orig", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "window are not settings of `looplm eval suite`" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_settings_a_run_writes_repeat_it(tmp_path):
+    """command.json holds every setting in the dataclass's spelling; --config reads it back to the same settings,
+    a value the command line spells otherwise (heal's base weights "float": fp32) included."""
+    argv = ["heal", "student", "--train-tokens", "100", "--base-weights", "fp32", "--no-progress", "--out", "o"]
+    cmd, s = parse(argv)
+    assert s.base_weights == "float"
+    write_settings(tmp_path, cmd.name, s)
+    record = json.loads((tmp_path / "command.json").read_text())
+    assert record["command"] == "looplm heal" and record["settings"]["base_weights"] == "float"
+    _, again = parse(["heal", "--config", str(tmp_path / "command.json")])  # the model, too, from the file
+    assert again == s

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from looplm.cli import build_parser, main
-from looplm.docs.cli import conflicts, load_sets, pages, render
+from looplm.commands import build_parser, main
+from looplm.docs.render import conflicts, load_sets, pages, render
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
@@ -190,7 +190,7 @@ def fenced_commands(page: Path) -> list[str]:
 
 
 def looplm_argvs(command: str) -> list[list[str]]:
-    """The argument lists of the `looplm ...` commands in one shell line (`.venv/bin/looplm`, and `-m looplm.cli`
+    """The argument lists of the `looplm ...` commands in one shell line (`.venv/bin/looplm`, and `-m looplm`
     under torchrun or accelerate, too). `...` stands for "more flags" and is left out."""
     lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
@@ -204,8 +204,8 @@ def looplm_argvs(command: str) -> list[list[str]]:
             words.pop(0)
         if words and words[0] in ("looplm", ".venv/bin/looplm"):
             argvs.append(words[1:])
-        elif "looplm.cli" in words and words[words.index("looplm.cli") - 1] == "-m":
-            argvs.append(words[words.index("looplm.cli") + 1 :])
+        elif "looplm" in words and words[words.index("looplm") - 1] == "-m":
+            argvs.append(words[words.index("looplm") + 1 :])
         segment = []
     return argvs
 
@@ -241,7 +241,7 @@ def test_the_command_lines_are_split_as_a_shell_would():
         ["convert", "--lora-rank", "128", "--out", "out/b2-r128"],
         ["heal", "out/b2-r128"],
     ]
-    assert looplm_argvs("torchrun --nproc_per_node 2 -m looplm.cli heal out/m --out RUN ...") == [
+    assert looplm_argvs("torchrun --nproc_per_node 2 -m looplm heal out/m --out RUN ...") == [
         ["heal", "out/m", "--out", "RUN"]
     ]
     assert looplm_argvs("PYTHONPATH=src .venv/bin/looplm info m") == [["info", "m"]]

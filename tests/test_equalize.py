@@ -9,7 +9,7 @@ import torch
 from test_gptq import FORMATS
 from test_train_fixtures import build_corpus, make_models
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model
 from looplm.models import equalize as EQ
 from looplm.models import gptq as G

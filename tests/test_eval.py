@@ -10,7 +10,7 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.convert import convert
 from looplm.eval import task_data
 from looplm.eval.lm_eval_adapter import LoopLMEval

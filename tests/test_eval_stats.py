@@ -215,7 +215,7 @@ def tiny(tmp_path_factory, one_torch_thread, ood_texts):  # noqa: F811 (the fixt
 
 def cli(capsys, *args) -> tuple[int, str, str]:
     """`looplm ARGS` in this process (a subprocess would import torch again: tens of seconds here)."""
-    from looplm.cli import main
+    from looplm.commands import main
 
     code = main([str(a) for a in args])
     out = capsys.readouterr()

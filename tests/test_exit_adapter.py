@@ -11,7 +11,7 @@ import torch
 from conftest import full_depth_greedy
 from test_train_fixtures import build_corpus, make_models
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.convert import convert, count_parameters, unroll
 from looplm.errors import UsageError
 from looplm.models import (

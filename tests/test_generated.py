@@ -234,22 +234,21 @@ def test_heal_makes_its_corpus_once_from_the_teachers_text_and_real_text(setup, 
 
     import looplm.data.corpus as corpus_module
     import looplm.recipes.teacher_text as teacher_text
-    from looplm.train import cli as train_cli
 
     tmp, models, _ = setup
     texts = write_texts(tmp_path / "real")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train_cli, "TEACHER_TOKENS", 20)
+    monkeypatch.setattr(teacher_text, "TEACHER_TOKENS", 20)
     small = dict(max_new_tokens=8, shard_size=4, max_batch=4, weights="fp32")
     generate = teacher_text.generate_corpus
     monkeypatch.setattr(teacher_text, "generate_corpus", lambda cfg, **kw: generate(replace(cfg, **small), **kw))
     monkeypatch.setattr(corpus_module, "teacher_mix_sources", lambda gen, seq_len: f"{texts}:2,{gen}")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UsageError, match="run `looplm heal` on one process first"):
-        train_cli._recipe_corpus(str(models["teacher"]), 16, progress=False)
+        teacher_text.recipe_corpus(str(models["teacher"]), 16, progress=False)
     assert not (tmp_path / "out").exists()
     monkeypatch.delenv("WORLD_SIZE")
-    made = train_cli._recipe_corpus(str(models["teacher"]), 16, progress=False)
+    made = teacher_text.recipe_corpus(str(models["teacher"]), 16, progress=False)
     assert made == f"out/corpus-{models['teacher'].name}-mix-16"
     generated = tmp_path / "out" / f"gen-{models['teacher'].name}"
     assert read_manifest(generated)["tokens"] >= 20
@@ -257,4 +256,4 @@ def test_heal_makes_its_corpus_once_from_the_teachers_text_and_real_text(setup, 
     assert set(meta["sources"]) == {"src0", "src1", generated.name}
     assert all(meta["sources"][f"src{i}"]["train"]["seqs"] == 2 for i in (0, 1))
     monkeypatch.setattr(teacher_text, "generate_corpus", None)  # a second run makes nothing
-    assert train_cli._recipe_corpus(str(models["teacher"]), 16, progress=False) == made
+    assert teacher_text.recipe_corpus(str(models["teacher"]), 16, progress=False) == made

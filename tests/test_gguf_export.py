@@ -5,9 +5,9 @@ reads back with the `gguf` package and with transformers' GGUF loader, and gives
 import numpy as np
 import pytest
 import torch
-from conftest import needs_wheel
+from conftest import TINY, needs_wheel
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.convert import convert, unroll
 from looplm.convert.gguf_export import export_gguf, permute_rotary
 from looplm.errors import UsageError
@@ -33,17 +33,7 @@ def tiny_tokenizer():
 def looped(tmp_path_factory):
     tok = tiny_tokenizer()
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(
-        LoopLMConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            initializer_range=0.2,
-        )
-    ).eval()
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**TINY, "vocab_size": len(tok)})).eval()
     model = convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
     d = save_model(model, tok, tmp_path_factory.mktemp("m") / "looped")
     return model, tok, d

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_vanilla
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.convert import convert
 from looplm.models import gptq as G
 from looplm.models import load_model

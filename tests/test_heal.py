@@ -303,7 +303,7 @@ def test_kill9_resumes_and_heals(setup):
     args = heal_args(models, corpus, out, "--train-tokens", 64 * 60, "--local-lr", 3e-3, "--e2e-lr", 1e-3)
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "looplm.cli", *map(str, args)],
+        [sys.executable, "-m", "looplm", *map(str, args)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -574,7 +574,7 @@ def test_heal_fills_what_the_command_line_leaves_out_and_says_so(setup, tmp_path
     out_at = args.index("--out")
     del args[out_at : out_at + 2]  # no --out
     r = subprocess.run(
-        [sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True, cwd=tmp_path, timeout=600
+        [sys.executable, "-m", "looplm", *map(str, args)], capture_output=True, text=True, cwd=tmp_path, timeout=600
     )
     assert r.returncode == 0, r.stderr
     chosen = next(line for line in r.stderr.splitlines() if line.startswith("looplm heal: teacher"))

@@ -50,7 +50,7 @@ def heal_command(setup, processes: int | str, out: Path, *extra) -> list[str]:
         launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
     else:
         launch = []
-    return [sys.executable, *launch, "-m", "looplm.cli", *map(str, args)]
+    return [sys.executable, *launch, "-m", "looplm", *map(str, args)]
 
 
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}

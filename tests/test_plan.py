@@ -204,7 +204,7 @@ def test_convert_defaults_to_middle_cycle_where_the_attention_pattern_allows(
     from conftest import GEMMA_LIKE
     from test_gguf_export import tiny_tokenizer
 
-    from looplm.cli import main
+    from looplm.commands import main
     from looplm.models import save_model
 
     tok = tiny_tokenizer()
@@ -267,11 +267,11 @@ def test_healing_spends_no_local_steps_on_unique_layers(vanilla):
 
 
 def _middle_relaxed(vocab_size: int = 256):
-    """SERVE_SMALL at 6 layers, middle-cycle (1 + 2 x 2 + 1), rank-8 LoRA and per-depth norms."""
-    from conftest import SERVE_SMALL
+    """TINY at 6 layers, middle-cycle (1 + 2 x 2 + 1), rank-8 LoRA and per-depth norms."""
+    from conftest import TINY
 
     torch.manual_seed(0)
-    cfg = {**SERVE_SMALL, "num_hidden_layers": 6, "vocab_size": vocab_size}
+    cfg = {**TINY, "num_hidden_layers": 6, "vocab_size": vocab_size}
     vanilla = LoopLMForCausalLM(LoopLMConfig(**cfg)).eval()
     return convert(vanilla, loops=2, strategy="middle-cycle", init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
@@ -310,7 +310,7 @@ def test_gguf_export_of_a_plan_with_unique_layers_gives_its_logits(tmp_path):
     from test_gguf_export import tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
-    from looplm.cli import main
+    from looplm.commands import main
     from looplm.models import save_model
 
     tok = tiny_tokenizer()
@@ -329,7 +329,7 @@ def test_gguf_export_of_a_plan_with_unique_layers_gives_its_logits(tmp_path):
 def test_info_names_the_plan(tmp_path, capsys):
     from test_gguf_export import tiny_tokenizer
 
-    from looplm.cli import main
+    from looplm.commands import main
     from looplm.models import save_model
 
     tok = tiny_tokenizer()

@@ -14,6 +14,7 @@ from conftest import GEMMA_LIKE, arrive_one_per_step, full_depth_greedy, run_cli
 from looplm.convert import convert, count_parameters, unroll
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_checkpoint, save_checkpoint
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler
+from looplm.serve.batch import DepthRunner
 
 TINY = dict(
     vocab_size=97,
@@ -291,7 +292,7 @@ LENS = [7, 3, 9, 5, 6]
 def test_engine_equals_full_depth_greedy(kind, scheduler, in_place, monkeypatch):
     """The engine keeps each depth's prefix keys/values at the front of every cache row; decode attention
     read in place (fraction 0) or gathered (2), prompt segments, mixed-loop steps: all exact."""
-    monkeypatch.setattr(Engine, "in_place_min_fraction", in_place)
+    monkeypatch.setattr(DepthRunner, "in_place_min_fraction", in_place)
     model = _prefixed(**(GEMMA_LIKE if kind != "llama" else {}))
     want = [full_depth_greedy(model, p, n) for p, n in zip(PROMPTS, LENS)]
     engine, reqs = _serve(model, PROMPTS, LENS, scheduler)

@@ -14,7 +14,7 @@ import torch
 from conftest import arrive_one_per_step, full_depth_greedy
 from conftest import small_relaxed as _relaxed
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.errors import ConfigError, UsageError
 from looplm.models import load_model, save_model
 from looplm.models import quantized as Q

@@ -112,7 +112,7 @@ def test_main_job(tmp_path, smollm2):
         [
             sys.executable,
             "-m",
-            "looplm.cli",
+            "looplm",
             "convert",
             "smollm2-135m",
             "--out",

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from looplm.cli import main
+from looplm.commands import main
 
 pytestmark = pytest.mark.real
 

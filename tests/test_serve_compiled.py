@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import GEMMA_LIKE, arrive_one_per_step, full_depth_greedy
+from conftest import GEMMA_LIKE, TINY, arrive_one_per_step, full_depth_greedy
 from torch._dynamo.utils import counters
 
 from looplm.convert import convert
@@ -17,15 +17,6 @@ from looplm.serve import compiled as C
 from looplm.serve.exits import ExitPolicy
 from looplm.serve.schedulers import replay
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.2,
-)
 pytestmark = pytest.mark.skipif(
     not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
     reason="torch.compile on CPU needs a C++ compiler",
@@ -34,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 def _relaxed():
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(**SMALL)).eval()
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**TINY)).eval()
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 
@@ -43,7 +34,7 @@ def _gemma_like():
     torch.manual_seed(0)
     vanilla = LoopLMForCausalLM(
         LoopLMConfig(
-            **SMALL,
+            **TINY,
             **GEMMA_LIKE,
         )
     ).eval()
@@ -54,7 +45,7 @@ def _prefixed():
     """Per-depth prefixes (appendix G): P entries in front of every cache row."""
     torch.manual_seed(0)
     model = LoopLMForCausalLM(
-        LoopLMConfig(**SMALL, num_loops=2, lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2}, prefix_length=3)
+        LoopLMConfig(**TINY, num_loops=2, lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2}, prefix_length=3)
     ).eval()
     with torch.no_grad():
         for block in model.model.layers:

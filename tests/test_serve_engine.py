@@ -3,27 +3,18 @@ same model for all three schedulers, sampling, exit policies, bad input, cancel 
 
 import pytest
 import torch
-from conftest import GEMMA_LIKE, arrive_one_per_step, full_depth_greedy
+from conftest import GEMMA_LIKE, TINY, arrive_one_per_step, full_depth_greedy
 
 from looplm.convert import convert
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
 from looplm.serve import Engine, ExitPolicy, Request, RequestError, SamplingParams, make_scheduler, replay
+from looplm.serve.batch import DepthRunner
 from looplm.serve.exits import ContextGuess, copy_guesses, parse_policy, with_copy_bonus
-
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.2,
-)
 
 
 def _model(**kw):
     torch.manual_seed(0)
-    return LoopLMForCausalLM(LoopLMConfig(**{**SMALL, **kw})).eval()
+    return LoopLMForCausalLM(LoopLMConfig(**{**TINY, **kw})).eval()
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +82,7 @@ def test_decode_attention_in_place_and_gathered_agree(models, name, monkeypatch)
     want = [full_depth_greedy(model, p, n) for p, n in zip(ps, lens)]
     exited = {}
     for frac in (0.0, 2.0):
-        monkeypatch.setattr(Engine, "in_place_min_fraction", frac)
+        monkeypatch.setattr(DepthRunner, "in_place_min_fraction", frac)
         engine, reqs = run(model, ps, lens, "depth")
         assert [r.output for r in reqs] == want and engine.stats["mixed_stages"] > 0
         _, reqs = run(model, ps, lens, "depth", exit_policy=ExitPolicy("margin", 0.0), kv_mode="later")
@@ -105,9 +96,9 @@ def test_decode_with_every_row_busy_in_order_reads_in_place_without_a_scatter(mo
     tokens equal full-depth greedy decoding."""
     model, ps = models[name], prompts()[:1]
     taken = []
-    original = Engine._attend_in_place
+    original = DepthRunner._attend_in_place
     monkeypatch.setattr(
-        Engine,
+        DepthRunner,
         "_attend_in_place",
         lambda self, attn, qd, groups, k, t, depth_at: (
             taken.append(groups[0][1] is None) or original(self, attn, qd, groups, k, t, depth_at)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import free_port, needs_wheel, serve_in_thread
+from conftest import TINY, free_port, needs_wheel, serve_in_thread
 
 needs_wheel("openai", module_level=True)
 import httpx2 as httpx  # noqa: E402 (openai's own HTTP client)
@@ -41,17 +41,7 @@ def model(tok):
     from looplm.models import LoopLMConfig, LoopLMForCausalLM
 
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(
-        LoopLMConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            initializer_range=0.2,
-        )
-    )
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**TINY, "vocab_size": len(tok)}))
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
 
 
@@ -430,7 +420,7 @@ def test_metrics_counts(srv):
 
 
 def test_cli_shutdown_fails_in_flight_clearly(model, tok, tmp_path):
-    from looplm.cli import main
+    from looplm.commands import main
     from looplm.models import save_model
 
     assert main(["serve", "x", "--exit-policy", "sometimes"]) == 2  # bad options: no model loaded
@@ -441,7 +431,7 @@ def test_cli_shutdown_fails_in_flight_clearly(model, tok, tmp_path):
         [
             sys.executable,
             "-m",
-            "looplm.cli",
+            "looplm",
             "serve",
             str(d),
             "--port",

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import TINY
 
 from looplm.bench.hypothetical import (
     block_step_time,
@@ -16,21 +17,11 @@ from looplm.bench.hypothetical import (
 from looplm.convert import convert
 from looplm.models import LoopLMConfig, LoopLMForCausalLM
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.2,
-)
-
 
 @pytest.fixture(scope="module")
 def pair():
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(**SMALL)).eval()
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**TINY)).eval()
     return vanilla, convert(vanilla, loops=2, init="stepwise", lora_ranks=4)
 
 

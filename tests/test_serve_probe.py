@@ -9,7 +9,7 @@ import torch
 from test_train_fixtures import build_corpus, make_models
 
 from looplm.bench.serving import exit_tradeoff
-from looplm.cli import main
+from looplm.commands import main
 from looplm.models import load_model
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler, replay
 from looplm.serve.probe import PROBE_FILE, ExitProbe, ProbeError, fit_logistic, probe_features

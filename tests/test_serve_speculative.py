@@ -210,7 +210,7 @@ def test_sampled_output_has_the_models_distribution(tiny_vocab_model, mode):
 def test_generate_cli_speculate_reports_acceptance(tmp_path, capsys, smollm2_tokenizer):
     """`generate --speculate both --json`: the same token ids as without speculation, tokens/s, the acceptance rate
     and the mean accepted length; with an exit policy it is a usage error."""
-    from looplm.cli import main
+    from looplm.commands import main
     from looplm.models import save_model
 
     tok = smollm2_tokenizer

@@ -151,7 +151,7 @@ def test_eval_ppl_scores_the_heldout_split_of_a_corpus(tmp_path, model_dir, caps
 
     import torch
 
-    from looplm.cli import main
+    from looplm.commands import main
     from looplm.models import load_model
 
     _build(tmp_path, model_dir, write_texts(tmp_path / "texts", n_files=2, chars=20000))

@@ -7,7 +7,7 @@ import random
 import pytest
 from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_vanilla
 
-from looplm.cli import main
+from looplm.commands import main
 from looplm.data.corpus import PackedCorpus, build
 from looplm.models import load_model, save_model
 from looplm.train.loop import TrainConfig, estimate_memory, memory_available, train

@@ -103,7 +103,7 @@ def run_cli(*args, env_extra: dict | None = None, timeout: int = 240) -> subproc
 
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(
-        [sys.executable, "-m", "looplm.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "looplm", *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
     )
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_train_fixtures import SRC, build_corpus, free_port, make_models, run_cli
 
+from looplm.commands import main
 from looplm.models import load_model
 from looplm.train.loop import TrainConfig, batch_indices, lr_lambda_factory, train
 from looplm.util import cpu_model
@@ -63,14 +64,14 @@ def test_kill9_then_resume_repeats_the_uninterrupted_losses(setup):
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     # the uninterrupted run, and beside it the same run killed with SIGKILL mid-run
     uninterrupted = subprocess.Popen(
-        [sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(full)],
+        [sys.executable, "-m", "looplm", *map(str, args), "--out", str(full)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "looplm.cli", *map(str, args), "--out", str(cut)],
+        [sys.executable, "-m", "looplm", *map(str, args), "--out", str(cut)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -137,7 +138,7 @@ def test_two_gloo_processes_equal_one_process(setup):
             "--master_port",
             str(free_port()),
             "-m",
-            "looplm.cli",
+            "looplm",
             "train",
             *map(str, args),
             "--out",
@@ -301,8 +302,6 @@ def test_new_rows_run_out_with_a_clear_error(setup):
 def test_plot_writes_pngs(setup):
     tmp, models, corpus = setup
     train(_cfg(setup, "plotrun", eval_every_steps=1, early_exit="aggressive"), lambda *a: None)
-    from looplm.cli import main
-
     assert main(["plot", str(tmp / "plotrun")]) == 0
     for name in ("loss.png", "perplexity.png"):
         data = (tmp / "plotrun" / name).read_bytes()
@@ -313,10 +312,9 @@ def test_scratch_baseline_is_a_fresh_shallower_vanilla_model(tmp_path):
     from test_train_fixtures import byte_tokenizer, tiny_vanilla
 
     from looplm.models import save_model
-    from looplm.train.baselines import main as baselines_main
 
     src = save_model(tiny_vanilla(seed=1, layers=4), byte_tokenizer(), tmp_path / "src")
-    assert baselines_main(["scratch", "--model", str(src), "--layers", "2", "--out", str(tmp_path / "s")]) == 0
+    assert main(["baseline", str(src), "--init", "scratch", "--layers", "2", "--out", str(tmp_path / "s")]) == 0
     m, tok = load_model(tmp_path / "s")
     v, _ = load_model(src)
     assert m.config.num_hidden_layers == 2 and m.config.num_loops == 1 and tok is not None
@@ -330,10 +328,9 @@ def test_stepwise_baseline_is_the_selected_pretrained_layers_without_looping(tmp
 
     from looplm.convert import convert, count_parameters
     from looplm.models import save_model
-    from looplm.train.baselines import main as baselines_main
 
     src = save_model(tiny_vanilla(seed=1, layers=4), byte_tokenizer(), tmp_path / "src")
-    assert baselines_main(["stepwise", "--model", str(src), "--loops", "2", "--out", str(tmp_path / "w")]) == 0
+    assert main(["baseline", str(src), "--loops", "2", "--out", str(tmp_path / "w")]) == 0
     m, _ = load_model(tmp_path / "w")
     v, _ = load_model(src)
     assert m.config.num_hidden_layers == 2 and m.config.num_loops == 1
@@ -345,5 +342,4 @@ def test_stepwise_baseline_is_the_selected_pretrained_layers_without_looping(tmp
     assert torch.equal(m.model.norm.weight, v.model.norm.weight)
     recursive = convert(v, loops=2, init="stepwise", lora_ranks=0)
     assert count_parameters(m)["n_emb"] == count_parameters(recursive)["n_emb"]
-    with pytest.raises(SystemExit):
-        baselines_main(["stepwise", "--model", str(src), "--loops", "3", "--out", str(tmp_path / "x")])
+    assert main(["baseline", str(src), "--loops", "3", "--out", str(tmp_path / "x")]) == 2  # 3 does not divide 4

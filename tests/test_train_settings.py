@@ -9,13 +9,14 @@ from dataclasses import dataclass, fields, replace
 
 import pytest
 
-from looplm.cli import build_parser
-from looplm.cli_args import HelpFormatter, add_flags, flag_fields, flag_name, from_args
+from looplm.commands import build_parser
+from looplm.commands.args import HelpFormatter, add_flags, flag_fields, flag_name, from_args
 from looplm.errors import UsageError
+from looplm.settings import refine, setting
 from looplm.train.heal import HealConfig
 from looplm.train.loop import TrainConfig
 from looplm.train.run_dir import FORMER_NAMES, RunDir, changed_settings, check_resume_settings, current_names
-from looplm.train.settings import RunSettings, refine, setting
+from looplm.train.settings import RunSettings
 
 # ---------------------------------------------------------------------------------------------
 # the generator, on a settings class of its own
@@ -127,7 +128,7 @@ def test_every_flag_default_is_the_dataclass_default(name, cls):
             spelled = f.metadata.get("spelled", {})
             assert a.default == spelled.get(f.default, f.default), f.name
     # and parsing no flag (but the required ones) gives the dataclass (heal's recipe fills its Nones later:
-    # train/cli.py _heal_defaults)
+    # commands/train.py _heal_defaults)
     required = {a.dest: a.option_strings[0] for a in actions.values() if a.required}
     parsed = from_args(cls, _command(name).parse_args(["m"] + [x for flag in required.values() for x in (flag, "x")]))
     assert replace(parsed, model=cls().model) == cls(**dict.fromkeys(required, "x"))

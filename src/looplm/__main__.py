@@ -1,5 +1,5 @@
 import sys
 
-from looplm.cli import main
+from looplm.commands import main
 
 sys.exit(main())

@@ -10,19 +10,22 @@ embedded model's own GGUF file (Q4_1 for SmolLM2) and a Q8_0 file exported from 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import ctypes
 import importlib.util
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import UsageError
+from ..settings import setting
 from ..util import machine
+from .report import int_list, str_list, token_range
 
 MISSING = (
     "`looplm bench llamacpp` needs llama-cpp-python, the optional `bench` extra: pip install -e .[bench] "
@@ -36,31 +39,91 @@ def check_available() -> None:
         raise UsageError(MISSING)
 
 
+ROUNDING = "rounding (as `looplm quantize`)"
+LOOPED = "a looped model at batch 1, against llama.cpp running the vanilla model"
+
+
+def weight_formats(text: str) -> list[str]:
+    """A comma list of our engine's weight formats."""
+    formats = str_list(text)
+    bad = [f for f in formats if f not in FORMATS]
+    if not formats or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(FORMATS)}, got {text!r}")
+    return formats
+
+
 @dataclass
 class Settings:
-    model: str = "smollm2-135m"
-    formats: list[str] = field(default_factory=lambda: ["fp32", "int8", "int4"])
-    compile: bool = False  # our engine compiled (its graphs built before timing)
-    calib_data: str | None = None  # round int8/int4 by GPTQ on this corpus's first training rows
-    calib_rows: int = 16
-    equalize: bool = False  # equalize input channels before GPTQ
-    lora: str = "shared"  # a looped model's LoRA: shared, or merged per depth (quantized formats)
-    looped: str | None = None  # a looped model served at batch 1 with each exit policy
-    looped_formats: list[str] = field(default_factory=lambda: ["int4"])
-    exit_policies: list[str] = field(default_factory=lambda: ["none"])
-    kv_mode: str = "copy"
-    q4_gguf: str | None = None
-    q8_gguf: str | None = None
-    b1_requests: int = 4
-    b1_output: int = 64
-    requests: int = 64
-    prompt_len: tuple[int, int] = (16, 64)
-    output_len: tuple[int, int] = (32, 32)
-    max_concurrency: int = 64  # our engine on the trace
-    llama_concurrency: list[int] = field(default_factory=lambda: [16, 64])  # llama.cpp's best is kept
-    rounds: int = 2
-    data: str | None = None  # a corpus whose held-out rows give each format's perplexity
-    scored_tokens: int = 4088
+    """`looplm bench llamacpp`'s settings."""
+
+    model: str = setting("smollm2-135m", "the vanilla model (embedded name or directory)", positional=True)
+    formats: list[str] = setting(
+        ["fp32", "int8", "int4"],
+        "our engine's weight formats, a comma list of fp32, bf16, int8, int4",
+        flag="--weights",
+        parse=weight_formats,
+        metavar="LIST",
+    )
+    compile: bool = setting(False, "our engine compiled (its graphs are built before timing)")
+    q4_gguf: str | None = setting(
+        None, "a 4-bit llama.cpp file (default: an embedded model's own GGUF file)", metavar="FILE"
+    )
+    q8_gguf: str | None = setting(None, "a Q8_0 llama.cpp file (default: exported from MODEL)", metavar="FILE")
+    b1_requests: int = setting(4, "requests served one at a time")
+    b1_output: int = setting(64, "generated tokens of each batch-1 request", flag="--b1-new-tokens")
+    requests: int = setting(64, "requests in the batched trace (0: batch 1 only)")
+    prompt_len: tuple[int, int] = setting((16, 64), "prompt tokens", parse=token_range, metavar="LO:HI")
+    output_len: tuple[int, int] = setting(
+        (32, 32), "generated tokens of each trace request", parse=token_range, metavar="LO:HI"
+    )
+    max_concurrency: int = setting(64, "requests our engine serves at once on the trace", metavar="N")
+    llama_concurrency: list[int] = setting(
+        [16, 64],
+        "llama.cpp's sequences at once on the trace, a comma list (its best is kept)",
+        parse=int_list,
+        metavar="LIST",
+    )
+    rounds: int = setting(2, "rounds, each running every configuration in turn")
+    data: str | None = setting(None, "a corpus from `looplm data build`: each format's perplexity on its held-out rows")
+    scored_tokens: int = setting(4088, "held-out tokens scored with --data")
+    calib_data: str | None = setting(
+        None,
+        "round int8 and int4 by GPTQ on this corpus's first training rows (default: to nearest)",
+        metavar="DATA",
+        group=ROUNDING,
+    )
+    calib_rows: int = setting(16, "training rows GPTQ calibrates on", group=ROUNDING)
+    equalize: bool = setting(False, "equalize input channels before GPTQ (needs --calib-data)", group=ROUNDING)
+    looped: str | None = setting(
+        None,
+        "a looped model (converted from MODEL) served depth-wise at batch 1 with each exit policy",
+        metavar="DIR",
+        group=LOOPED,
+    )
+    looped_formats: list[str] = setting(
+        ["int4"],
+        "its weight formats, a comma list of fp32, bf16, int8, int4",
+        flag="--looped-weights",
+        parse=weight_formats,
+        metavar="LIST",
+        group=LOOPED,
+    )
+    lora: str = setting(
+        "shared",
+        "its LoRA: shared weights with the per-depth LoRA in float on top, or merged into one quantized weight per "
+        "depth",
+        choices=("shared", "merged"),
+        group=LOOPED,
+    )
+    exit_policies: list[str] = setting(
+        ["none"],
+        "its exit policies, a comma list (policy[:threshold][+copy[:BONUS]], as `looplm serve --exit-policy`)",
+        flag="--exit-policy",
+        parse=str_list,
+        metavar="LIST",
+        group=LOOPED,
+    )
+    kv_mode: str = setting("copy", "KV of the loops an exit skips", choices=("copy", "later"), group=LOOPED)
 
 
 class LlamaCpp:

@@ -1,7 +1,9 @@
-"""What every benchmark reports: the machine it ran on, a short table, and the result as JSON."""
+"""What every benchmark reports: the machine it ran on, a short table, and the result as JSON; and the values its
+command lines spell (token ranges, comma lists)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -35,3 +37,31 @@ def finish(result: dict, header: list[str], rows: list[list], out: str | None, s
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")
         say(f"wrote {path}")
+
+
+def token_range(text: str) -> tuple[int, int]:
+    """LO:HI (or N for N:N) token counts."""
+    try:
+        lo, _, hi = text.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def int_list(text: str) -> list[int]:
+    """A comma list of positive integers."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+def str_list(text: str) -> list[str]:
+    """A comma list of words."""
+    return [w.strip() for w in text.split(",") if w.strip()]

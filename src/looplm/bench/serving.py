@@ -18,7 +18,7 @@ from importlib import resources
 import torch
 
 from ..models.quantized import prepare, stored_format, stored_lora, weight_bytes
-from ..serve.engine import Engine, Request
+from ..serve import Engine, Request
 from ..serve.exits import ExitPolicy
 from ..serve.schedulers import make_scheduler, replay, rss_mb, warm_up
 from .hypothetical import hypothetical

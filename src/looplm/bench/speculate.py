@@ -35,7 +35,7 @@ PROMPTS = {
 
 
 def _engine_run(model, ids, n, mode):
-    from ..serve.engine import Engine, Request
+    from ..serve import Engine, Request
     from ..serve.schedulers import make_scheduler, replay
 
     engine = Engine(model, max_batch=1, max_seq_len=len(ids) + n + 1, speculate=mode)

@@ -63,9 +63,8 @@ def run_fewshot(
 ) -> dict:
     """Evaluate short task names (see looplm.eval.tasks.PAPER7) at one exit, or at every exit.
 
-    ``exit_rule(logits, loop index) -> bool`` (e.g. an exit policy's decision, see
-    experiments/exit_accuracy.py) also scores every task with each token taken at the loop the rule exits
-    it after (teacher-forced dynamic exit).
+    ``exit_rule(logits, loop index) -> bool`` (e.g. an exit policy's decision) also scores every task with each
+    token taken at the loop the rule exits it after (teacher-forced dynamic exit).
 
     Returns {"tasks": {name: {metric, value, stderr, n, metrics}}, "average", "exit_loop",
     "per_loop": {loop: {"tasks": {name: value}, "average"}} (all_loops), "samples" (log_samples),

@@ -9,11 +9,14 @@ final norm and LM head applied after i loops: a static exit.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from ..data.ood import token_windows
+from ..errors import UsageError
+from ..util import read_text_arg
 
 
 @torch.no_grad()
@@ -103,4 +106,98 @@ def score_windows(
         "per_loop": per_loop,
         "window_losses": [n / max(t, 1) for n, t in zip(window_nll, window_tokens)],
         "window_tokens": window_tokens,
+    }
+
+
+def heldout_sources(text: str | None, data: str | None) -> dict:
+    """What `looplm eval ppl` scores: name -> a text, or a PackedCorpus whose held-out rows are scored. ``data``: a
+    directory of held-out .txt files, a built corpus or "lambada"; ``text``: one file; neither: the packaged sample."""
+    if text and data:
+        raise UsageError("give either --text FILE or --data DIR, not both")
+    if data == "lambada":
+        from .task_data import lambada_passages
+
+        return {"lambada": lambada_passages()}
+    if data:
+        d = Path(data)
+        if not d.is_dir():
+            raise UsageError(f"--data {d} is not a directory (or use --data lambada)")
+        if (d / "meta.json").exists():  # a corpus from `looplm data build`: its held-out split, as tokens
+            from ..data.corpus import PackedCorpus
+
+            return {f"{d.name}-heldout": PackedCorpus(d)}
+        files = sorted(d.glob("*.txt"))
+        held = [f for f in files if any(k in f.name for k in ("heldout", "held_out", "test", "valid"))]
+        files = held or files
+        if not files:
+            raise UsageError(f"{d} has no .txt files; give a directory of held-out text files")
+        return {f.stem: read_text_arg(str(f)) for f in files}
+    if text:
+        return {Path(text).stem: read_text_arg(text)}
+    from ..data import sample_text
+
+    return {"heldout_sample": sample_text()}
+
+
+def score_source(
+    model,
+    tok,
+    source,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    exit_loop: int | None = None,
+    max_tokens: int | None = None,
+    progress: bool = False,
+) -> dict:
+    """Perplexity of one text, or of the held-out rows of a packed corpus (cut to ``seq_len``)."""
+    if isinstance(source, str):
+        return perplexity(
+            model,
+            tok,
+            source,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            exit_loop=exit_loop,
+            max_tokens=max_tokens,
+            progress=progress,
+        )
+    from ..models.loading import tokenizer_fingerprint
+
+    if tokenizer_fingerprint(tok) != source.tokenizer:
+        raise UsageError(
+            f"the corpus {source.dir} was tokenised with {source.meta['model']}'s tokenizer, not the model's; build "
+            "one for this model with `looplm data build MODEL --out DIR`"
+        )
+    rows = source.splits["heldout"]
+    if len(rows) == 0:
+        raise UsageError(f"the corpus {source.dir} has no held-out split; rebuild it with a held-out fraction")
+    windows = [row[i : i + seq_len].tolist() for row in rows for i in range(0, len(row), seq_len)]
+    return score_windows(
+        model,
+        tok,
+        [w for w in windows if len(w) > 1],
+        batch_size=batch_size,
+        exit_loop=exit_loop,
+        max_tokens=max_tokens,
+        progress=progress,
+    )
+
+
+def combine(results: dict) -> dict:
+    """Token-weighted perplexity (and byte-weighted bits per byte) over several texts."""
+    first = next(iter(results.values()))
+    tokens = sum(r["tokens"] for r in results.values())
+    n_bytes = sum(r["bytes"] for r in results.values())
+    per_loop = []
+    for i, row in enumerate(first["per_loop"]):
+        nll = sum(math.log(r["per_loop"][i]["perplexity"]) * r["tokens"] for r in results.values())
+        bits = sum(r["per_loop"][i]["bits_per_byte"] * r["bytes"] for r in results.values())
+        per_loop.append({"loop": row["loop"], "perplexity": math.exp(nll / tokens), "bits_per_byte": bits / n_bytes})
+    return {
+        "perplexity": per_loop[-1]["perplexity"],
+        "bits_per_byte": per_loop[-1]["bits_per_byte"],
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "exit_loop": first["exit_loop"],
+        "per_loop": per_loop,
     }

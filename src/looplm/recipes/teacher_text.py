@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 
 from ..data.generated import FORMAT, KIND, degenerate, read_manifest, read_samples, text_key
 from ..errors import UsageError
+from ..settings import setting
 from ..util import machine, write_json_atomic, write_text_atomic
 
 PROMPT_KINDS = ("start", "corpus")
@@ -32,21 +35,53 @@ PROMPT_KINDS = ("start", "corpus")
 
 @dataclass
 class GenerateConfig:
-    model: str = "smollm2-135m"
-    out: str = ""
-    tokens: int | None = None  # stop once this many generated tokens are kept (across resumes)
-    minutes: float | None = None  # ... or after this many minutes of generation (across resumes)
-    prompt_mix: str | None = None  # kind:weight, kinds from PROMPT_KINDS (None: default_mix)
-    corpus: str | None = None  # a built corpus (its training split) for ``corpus`` prompts
-    prompt_tokens: int = 32
-    max_new_tokens: int = 448  # with the prompt, within a 512-token training row
-    temperature: float = 1.0
-    top_p: float = 0.95
-    max_batch: int = 128
-    shard_size: int = 256
-    weights: str | None = None  # None: bf16 where the hardware multiplies it natively, else fp32
-    seed: int = 0
-    progress: bool = True
+    """`looplm data generate`'s settings."""
+
+    model: str = setting("smollm2-135m", "the model to sample (the original, for healing)", positional=True)
+    out: str = setting("", "corpus directory (re-running it resumes)", required=True)
+    tokens: int | None = setting(
+        None,
+        "stop once this many generated tokens are kept, across resumes (this or --budget-minutes is needed)",
+        flag="--generated-tokens",
+        metavar="N",
+        exclusive="budget",
+        renamed_from=("--tokens",),
+    )
+    minutes: float | None = setting(
+        None,
+        "stop after this many minutes of generation, across resumes",
+        flag="--budget-minutes",
+        metavar="M",
+        exclusive="budget",
+        renamed_from=("--minutes",),
+    )
+    prompt_mix: str | None = setting(
+        None,
+        "kind:weight list; start = a bare document start, corpus = a snippet of --corpus's training split "
+        "(default: start:1,corpus:1 with --corpus, else start:1)",
+    )
+    corpus: str | None = setting(
+        None, "a `looplm data build` corpus for corpus prompts (needed when --prompt-mix has corpus prompts)"
+    )
+    prompt_tokens: int = setting(32, "tokens of each corpus prompt")
+    max_new_tokens: int = setting(448, "generated tokens per sample at most (with the prompt, within a 512-token row)")
+    temperature: float = setting(1.0, "sampling temperature")
+    top_p: float = setting(0.95, "nucleus sampling: the smallest set of tokens whose probabilities reach this sum")
+    max_batch: int = setting(
+        128,
+        "samples generated at once (KV cache rows)",
+        flag="--max-concurrency",
+        metavar="N",
+        renamed_from=("--max-batch",),
+    )
+    shard_size: int = setting(256, "samples per shard (the unit of resuming)")
+    weights: str | None = setting(
+        None,
+        "weight format (default: bf16 where the hardware multiplies it natively, else fp32)",
+        choices=("fp32", "bf16", "int8", "int4"),
+    )
+    seed: int = setting(0, "seed of the prompts and of sampling")
+    progress: bool = setting(True, "a progress bar on stderr")
 
     # what a resumed run must share with the run it continues (the samples depend on them)
     FIXED = (
@@ -314,3 +349,38 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
         bar.set_postfix(tok_s=manifest["tokens_per_second"], kept=manifest["kept"])
     bar.close()
     return manifest
+
+
+# the teacher's own text in the recipe's corpus: more than an hour of healing reads (about 1,200 rows of 512 tokens
+# with as many real ones), so no row is read twice
+TEACHER_TOKENS = 300_000
+
+
+def recipe_corpus(teacher: str, seq_len: int, progress: bool) -> str:
+    """The recipe's corpus, made once per teacher and reused: text the teacher writes itself beside as many tokens
+    of the real sources. Healed on it, a model stays closer to the original on text neither holds than healed on
+    the real sources alone (docs/RESULTS.md, "Healed quality off the corpus")."""
+    from ..data.corpus import build, teacher_mix_sources
+
+    name = Path(teacher).name
+    corpus, generated = Path("out") / f"corpus-{name}-mix-{seq_len}", Path("out") / f"gen-{name}"
+    if (corpus / "meta.json").exists():
+        return str(corpus)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(
+            f"the recipe's corpus {corpus} is not made yet and {os.environ['WORLD_SIZE']} processes would each make "
+            f"it: run `looplm heal` on one process first, or give --data"
+        )
+    print(
+        f"looplm heal: the teacher writes {TEACHER_TOKENS:,} tokens of its own text into {generated} (once per "
+        "teacher, resumable; docs/guides/heal.md gives its time)",
+        file=sys.stderr,
+    )
+    m = generate_corpus(GenerateConfig(model=teacher, out=str(generated), tokens=TEACHER_TOKENS, progress=progress))
+    print(
+        f"looplm heal: {m['tokens']:,} tokens of the teacher's text in {m['seconds'] / 60:.0f} min "
+        f"({m['tokens_per_second']} tokens/s, {m['weights']}); building the corpus {corpus} (a few minutes, once)",
+        file=sys.stderr,
+    )
+    build(corpus, model=teacher, sources=teacher_mix_sources(generated, seq_len), seq_len=seq_len, progress=progress)
+    return str(corpus)

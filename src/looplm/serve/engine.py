@@ -1,22 +1,18 @@
-"""The serving engine: one batched forward of the shared block over work items at mixed depths.
+"""The serving engine: one loop of the core at a time over work items at mixed depths.
 
-A work item is (request, positions, loop): a whole prompt (prefill), one new token, or (``kv``
-items) an early-exited token finishing the loops it skipped, only to fill its KV entries. One
-``Engine.step`` runs one loop (the K shared layers) over every item given: all tokens are flattened
-into one [1, N, hidden] batch, so norms, projections, per-depth LoRA (grouped by slot when loops are
-mixed) and the MLP are single calls; attention reads each token's own cache row at its own depth
-(single-token items: one call per loop present over that depth's rows in place, or one gather when
-few rows are busy; one SDPA per prompt segment). On CPU each float32 product of a few rows runs the way
-measured fastest on the machine (models/cpu_products.py).
+A work item (serve/request.py) is (request, positions, loop): a whole prompt (prefill), one new token, or (``kv``
+items) an early-exited token finishing the loops it skipped, only to fill its KV entries. One ``Engine.step`` reads
+schedule -> execute -> decide -> sample -> commit: the running items in order; one loop of the core over all of them
+in one batch (serve/batch.py, which also routes each item's attention); which items leave after this loop (their
+last, or an early exit under the policy, serve/exits.py) and the logits they draw from; their tokens; each token
+appended to its request and the next token's item made.
 
-After the loop, items at their last loop emit a token; the others either continue or, under an
-exit policy, leave early. The KV entries of loops an exited token skips are filled either by
-``copy`` (CALM: project its exit state through the skipped depths' k/v projections) or ``later``
-(the paper's proposal: the token keeps running those loops as a ``kv`` item, batched with other
-work, while its successor already starts).
+The KV entries of loops an exited token skips are filled either by ``copy`` (CALM: its exit state projected through
+the skipped depths' k/v projections) or ``later`` (the paper's proposal: the token keeps running those loops as a
+``kv`` item, batched with other work, while its successor already starts).
 
-Per-depth prefixes (paper appendix G) are projected once, when the engine starts, into the front of
-every cache row (serve/cache.py); every attention mask gets P leading columns that all queries see.
+Per-depth prefixes (paper appendix G) are projected once, when the engine starts, into the front of every cache row
+(serve/cache.py); every attention mask gets P leading columns that all queries see.
 """
 
 from __future__ import annotations
@@ -26,19 +22,18 @@ import time
 
 import torch
 
-from ..models.config import ConfigError
 from ..models.cpu_products import prepare_for_cpu, release
-from ..models.layers import prefix_columns
 from ..models.quantized import is_quantized
+from .batch import DepthRunner
 from .cache import KVCache
 from .compiled import CompiledBlock
-from .exits import ContextGuess, ExitPolicy
+from .exits import ExitPolicy
+from .request import Decision, Item, Request
 from .sampling import RequestError, SamplingParams, sample
 
 KV_MODES = ("copy", "later")
 SPECULATE_MODES = ("off", "context", "loop1", "both")  # speculative decoding's draft sources (serve/speculative.py)
 STEP_PARTS = ("execute", "head", "decide", "kv_fill", "sample", "commit")  # stats["seconds"] of a step
-_ids = itertools.count()
 
 
 def check_speculate(mode: str, num_loops: int) -> None:
@@ -50,82 +45,6 @@ def check_speculate(mode: str, num_loops: int) -> None:
             "--speculate loop1 drafts with the model's first loop, and this model has one loop (B = 1): "
             "its loop 1 is the whole model; use --speculate context"
         )
-
-
-class Request:
-    """A generation request and, once served, its result and timings (clock seconds)."""
-
-    def __init__(
-        self,
-        prompt,
-        max_tokens: int = 16,
-        sampling: SamplingParams | None = None,
-        arrival: float = 0.0,
-        eos_token_id: int | None = None,
-        on_token=None,
-        request_id=None,
-        full_depth: bool = False,
-    ):
-        self.id = next(_ids) if request_id is None else request_id
-        self.prompt = list(prompt) if not isinstance(prompt, torch.Tensor) else prompt.tolist()
-        self.max_tokens = max_tokens
-        self.sampling = sampling or SamplingParams()
-        self.arrival = arrival
-        self.eos_token_id = eos_token_id
-        self.on_token = on_token  # callback(request, token); an exception fails this request only
-        self.full_depth = full_depth  # never exit early, whatever the engine's exit policy
-        self.output: list[int] = []
-        self.exit_loops: list[int] = []  # loop (1-based) each output token left at
-        self.oracle_loops: list[int] = []  # oracle policy: first loop whose argmax equals the final one
-        self.token_times: list[float] = []
-        self.status = "new"  # new, queued, running, done, error, cancelled
-        self.error: str | None = None
-        self.row: int | None = None
-        self.generator: torch.Generator | None = None
-        self.finish_time: float | None = None
-        self._context: ContextGuess | None = None  # +copy exit policies: built on first use
-        self.spec = None  # speculative decoding: its state (speculative.SpecState), built on first use
-
-    def copy_guess(self) -> int:
-        """What copying this sequence's context predicts next (exits.ContextGuess), or -1."""
-        if self._context is None:
-            self._context = ContextGuess(self.prompt)
-        self._context.extend(self.output[len(self._context.tokens) - len(self.prompt) :])
-        return self._context.guess
-
-    @property
-    def finished(self) -> bool:
-        return self.status in ("done", "error", "cancelled")
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] - self.arrival if self.token_times else None
-
-    @property
-    def tpot(self) -> float | None:
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
-
-    def __repr__(self):
-        return f"Request({self.id}, {self.status}, prompt={len(self.prompt)}, out={len(self.output)})"
-
-
-class Item:
-    __slots__ = ("req", "pos", "length", "loop", "h", "ids", "kind")
-
-    def __init__(self, req, pos, length, loop, kind, ids=None, h=None):
-        self.req, self.pos, self.length, self.loop, self.kind = req, pos, length, loop, kind
-        self.ids, self.h = ids, h
-
-
-class Decision:
-    """What ``Engine.decide`` found after a loop: items that continue to their next loop, and the (item, row)
-    pairs that emit a token now with their logits (one row each, in order)."""
-
-    __slots__ = ("cont", "emitters", "logits")
-
-    def __init__(self, cont: list[Item], emitters: list, logits: torch.Tensor | None):
-        self.cont, self.emitters, self.logits = cont, emitters, logits
 
 
 class _Loop:  # an (item, row) pair's item, as far as the exit head reads it: its 0-based loop
@@ -177,22 +96,14 @@ class Engine:
             prefix_len=self.P,
         )
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.layers = model.model.layers
-        self.plan = c.plan  # the depth lookup (models/plan.py): block, slot, attention kind and loop of each depth
-        self.layer_map, self.slot_map, self.kinds = c.layer_map, c.slot_map, list(c.depth_attention)
-        # core[i][k]: the depth loop i runs at its k-th step; a model of one loop is one "loop" of every depth
-        self.core = [[d.index for d in self.plan.loop(i)] for i in range(self.B)]
-        self.core_t = torch.tensor(self.core, device=self.device)
+        self.runner = DepthRunner(model, self.cache, self.compiled)  # batch building and attention routing
+        self.plan, self.core = c.plan, self.runner.core  # core[i][k]: the depth loop i runs at its k-th step
+        self.mixable = self.plan.mixable  # loops run the same block at their k-th step (cycle cores)
         if self.P:  # the served weights are frozen: each depth's prefix keys/values are computed once
             with torch.no_grad():
                 for d in range(self.L):
-                    k, v = self.layers[self.layer_map[d]].attn.prefix_kv(self.slot_map[d])
+                    k, v = model.model.layers[c.layer_map[d]].attn.prefix_kv(c.slot_map[d])
                     self.cache.set_prefix(d, k[0], v[0])
-        self.slot_map_t = torch.tensor(self.slot_map, device=self.device)
-        self.sliding_t = torch.tensor([k == "sliding" for k in self.kinds], device=self.device)
-        self.window = c.sliding_window_size
-        self.has_sliding = "sliding" in self.kinds
-        self.mixable = self.plan.mixable  # loops run the same block at their k-th step (cycle cores)
         self.policy = (exit_policy or ExitPolicy()).bind(model)
         # speculative decoding (serve/speculative.py): off, context, loop1 or both; schedulers.make_scheduler then
         # serves in speculative rounds
@@ -205,7 +116,6 @@ class Engine:
         self.speculate = speculate
         self.kv_mode = kv_mode
         self.clock = clock or time.perf_counter
-        self._arange = torch.arange(max_seq_len, device=self.device)
         self.reset_stats()
 
     def reset_stats(self):
@@ -347,189 +257,9 @@ class Engine:
         self._embed_missing(items)
         first = [it for it in items if it.loop == 0 and it.kind != "kv"]
         if self.plan.prelude and first:  # once per token, before its first loop
-            for it, part in zip(first, self.run_depths(first, self.plan.prelude).split([it.length for it in first])):
+            for it, part in zip(first, self.runner.run(first, self.plan.prelude).split([it.length for it in first])):
                 it.h = part
-        return self.run_depths(items)
-
-    def run_depths(self, items: list[Item], depths=None) -> torch.Tensor:
-        """``depths`` (models/plan.py ``Depth``s: a plan's prelude or coda) over every item, or, with None, each
-        item's next loop of the core (loops mixed in one batch where the plan allows). Returns the states after
-        them, [tokens, hidden], and writes every token's keys and values at those depths to its cache row."""
-        dev, R = self.device, self.cache.num_rows
-        n_dec = sum(1 for it in items if it.length == 1)
-        loops = {it.loop for it in items} if depths is None else {0}
-        uniform = len(loops) == 1
-        K = self.K if depths is None else len(depths)
-        # the depth that items at ``loop`` run at step k
-        depth_at = (lambda loop, k: self.core[loop][k]) if depths is None else (lambda loop, k: depths[k].index)
-        if not uniform and not self.mixable:
-            raise ConfigError(
-                "mixing loops in one batch needs cycle sharing (every loop runs shared layer k "
-                "at step k); use the static or sequence scheduler for this model"
-            )
-        h = torch.cat([it.h for it in items])[None]
-        L_ = torch.long
-        pos = torch.tensor([it.pos for it in items[:n_dec]], dtype=L_, device=dev)
-        row = torch.tensor([it.req.row for it in items[:n_dec]], dtype=L_, device=dev)
-        loop = torch.tensor([it.loop for it in items[:n_dec]], dtype=L_, device=dev)
-        segs = items[n_dec:]
-        if segs:
-            pos = torch.cat([pos] + [torch.arange(it.pos, it.pos + it.length, device=dev) for it in segs])
-            row = torch.cat(
-                [
-                    row,
-                    torch.tensor([it.req.row for it in segs], device=dev).repeat_interleave(
-                        torch.tensor([it.length for it in segs], device=dev)
-                    ),
-                ]
-            )
-            loop = torch.cat(
-                [
-                    loop,
-                    torch.tensor([it.loop for it in segs], device=dev).repeat_interleave(
-                        torch.tensor([it.length for it in segs], device=dev)
-                    ),
-                ]
-            )
-        tables = self.model.model.rotary(pos[None], h.dtype)
-        pos_dec = pos[:n_dec]
-        t_dec = int(pos_dec.max()) + 1 if n_dec else 0
-        ar = self._arange[:t_dec]
-        base_mask = (ar[None] <= pos_dec[:, None]) if n_dec else None
-        win_mask = ((pos_dec[:, None] - ar[None]) < self.window) if (n_dec and self.has_sliding) else None
-        in_place = self._in_place_groups(items[:n_dec], base_mask, win_mask, depths is None) if n_dec else None
-        seg_starts = list(itertools.accumulate([n_dec] + [it.length for it in segs]))[:-1]
-        route = self._route(uniform, in_place, bool(segs), t_dec)
-        if route == "compiled-loop":
-            ds = [depth_at(next(iter(loops)), k) for k in range(K)]
-            return self.compiled.decode_loop(
-                [self.layers[self.layer_map[d]] for d in ds],
-                [self.slot_map[d] for d in ds],
-                [self.kinds[d] for d in ds],
-                ds,
-                h,
-                tables,
-                self.cache,
-                pos,
-                in_place[0][3],
-            )[0]
-        for k in range(K):
-            if uniform:
-                d = depth_at(next(iter(loops)), k)
-                layer, slot, kind = self.layers[self.layer_map[d]], self.slot_map[d], self.kinds[d]
-                depth = torch.full_like(pos, d)
-                cos, sin = tables[kind]
-                sliding_tok = None if kind == "full" else torch.ones_like(pos, dtype=torch.bool)
-            else:  # a cycle core: every loop runs block layer_map[core[0][k]] at step k, each token its own slot
-                depth = self.core_t[loop, k]
-                layer, slot = self.layers[self.layer_map[self.core[0][k]]], self.slot_map_t[depth][None]
-                if self.has_sliding:
-                    sliding_tok = self.sliding_t[depth]
-                    sel = sliding_tok[None, :, None]
-                    cos = torch.where(sel, tables["sliding"][0], tables["full"][0])
-                    sin = torch.where(sel, tables["sliding"][1], tables["full"][1])
-                else:
-                    sliding_tok, (cos, sin) = None, tables["full"]
-            flat = depth * R + row
-
-            def attend(q, kk, vv, attn, flat=flat, sliding_tok=sliding_tok):
-                self.cache.write(flat, pos, kk[0].transpose(0, 1), vv[0].transpose(0, 1))
-                outs = []
-                if n_dec:
-                    qd = q[0, :, :n_dec].transpose(0, 1).unsqueeze(2)  # [n_dec, H, 1, d]
-                    if in_place is not None:
-                        o = self._attend_in_place(attn, qd, in_place, k, t_dec, depth_at)
-                    else:
-                        kd, vd = self.cache.gather(flat[:n_dec], t_dec)
-                        mask = base_mask
-                        if sliding_tok is not None:
-                            mask = mask & (win_mask | ~sliding_tok[:n_dec, None])
-                        o = attn.attend_one(qd, kd, vd, prefix_columns(mask, self.P)[:, None, None, :])
-                    outs.append(o.squeeze(2).transpose(0, 1).unsqueeze(0))
-                for it, s in zip(segs, seg_starts):
-                    t, p0 = it.length, it.pos
-                    fr = int(flat[s])
-                    ks, vs = self.cache.segment(fr, p0 + t)
-                    sliding = sliding_tok is not None and bool(sliding_tok[s])
-                    mask = None
-                    if p0 > 0 or (sliding and p0 + t > self.window) or self.P:
-                        qi = self._arange[p0 : p0 + t, None]
-                        ki = self._arange[None, : p0 + t]
-                        mask = ki <= qi
-                        if sliding:
-                            mask = mask & (qi - ki < self.window)
-                        mask = prefix_columns(mask, self.P)[None, None]
-                    outs.append(attn.attend(q[:, :, s : s + t], ks, vs, mask))
-                return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-            if route == "compiled-regions":
-                h = self.compiled.forward_attend(layer, h, slot, cos, sin, attend)
-            else:
-                h = layer.forward_attend(h, slot, cos, sin, attend)
-        return h[0]
-
-    def _route(self, uniform: bool, in_place, segments: bool, t_dec: int) -> str:
-        """How a step runs, chosen once per step: ``compiled-loop`` (batch 1, or every row busy at one loop:
-        the whole loop is one compiled call, dynamic in the cache length read; a lone first token, which reads
-        one entry, stays regional), ``compiled-regions`` (each layer's work around attention compiled, one
-        loop over all items), or ``eager`` (no compiling, or loops mixed in one batch)."""
-        if self.compiled is None or not uniform:
-            return "eager"
-        if in_place is not None and in_place[0][1] is None and not segments and self.P + t_dec > 1:
-            return "compiled-loop"
-        return "compiled-regions"
-
-    # --- decode attention read in place -----------------------------------------------------------
-    # Gathering each decode token's cache row copies every row's keys and values once per layer, which
-    # at 64 busy rows cost more than the attention itself. When at least this fraction of a depth's
-    # rows is in the step, attention instead runs over all rows of that depth where they lie (a view)
-    # and keeps the outputs of the rows present: idle rows cost a little arithmetic and no copy.
-    in_place_min_fraction = 0.5
-
-    def _in_place_groups(self, dec_items, base_mask, win_mask, by_item_loop: bool = True):
-        """Per loop present among the single-token items: their indices (None when the single loop's
-        tokens fill rows 0..R-1 in order), cache rows and [R, 1, 1, t] masks (full and sliding; idle rows
-        see position 0 only, so no softmax row is empty); None when some loop has too few rows for
-        in-place reading to pay."""
-        R, dev = self.cache.num_rows, self.device
-        by_loop: dict[int, list[int]] = {}
-        for i, it in enumerate(dec_items):  # a prelude or coda: every item at the same depths, one group
-            by_loop.setdefault(it.loop if by_item_loop else 0, []).append(i)
-        if any(len(ix) < self.in_place_min_fraction * R for ix in by_loop.values()):
-            return None
-        groups = []
-        for loop, ix in by_loop.items():
-            row_ids = [dec_items[i].req.row for i in ix]
-            identity = len(by_loop) == 1 and row_ids == list(range(R))  # then ix is 0..R-1 too
-            sel = None if identity else torch.tensor(ix, device=dev)
-            rows = torch.tensor(row_ids, device=dev)
-            masks = {}
-            for kind, m in (("full", base_mask), ("sliding", None if win_mask is None else base_mask & win_mask)):
-                if m is not None:
-                    if not identity:  # spread the tokens' masks over all R rows
-                        full = torch.zeros(R, m.shape[1], dtype=torch.bool, device=dev)
-                        full[:, 0] = True
-                        m = full.index_copy_(0, rows, m.index_select(0, sel))
-                    masks[kind] = prefix_columns(m, self.P)[:, None, None, :]
-            groups.append((loop, sel, rows, masks))
-        return groups
-
-    def _attend_in_place(self, attn, qd, groups, k, t_dec, depth_at):
-        """Decode attention for step k of every group, reading each depth's cache rows in place."""
-        R = self.cache.num_rows
-        if groups[0][1] is None:  # one group, every row busy, token i in row i: no scatter needed
-            loop, _, _, masks = groups[0]
-            d = depth_at(loop, k)
-            kf, vf = self.cache.depth_rows(d, t_dec)
-            return attn.attend_one(qd, kf, vf, masks[self.kinds[d]])
-        out = torch.empty_like(qd)
-        for loop, sel, rows, masks in groups:
-            d = depth_at(loop, k)
-            kf, vf = self.cache.depth_rows(d, t_dec)
-            qf = qd.new_zeros((R,) + qd.shape[1:]).index_copy_(0, rows, qd.index_select(0, sel))
-            o = attn.attend_one(qf, kf, vf, masks[self.kinds[d]])
-            out.index_copy_(0, sel, o.index_select(0, rows))
-        return out
+        return self.runner.run(items)
 
     # --- after the loop: exits, tokens, KV of skipped loops --------------------------------------
     def decide(self, items: list[Item], h_out: torch.Tensor) -> Decision:
@@ -630,7 +360,7 @@ class Engine:
         if not self.plan.coda:
             return torch.cat(states)
         exiting = [Item(it.req, it.pos, it.length, it.loop, it.kind, h=h) for it, h in zip(items, states)]
-        return self.run_depths(exiting, self.plan.coda)
+        return self.runner.run(exiting, self.plan.coda)
 
     def _charge(self, part: str, since: float) -> None:
         self.stats["seconds"][part] += time.perf_counter() - since
@@ -703,29 +433,10 @@ class Engine:
             by_loop.setdefault(it.loop, []).append((it, r))
         for l, group in by_loop.items():
             h = h_out.index_select(0, torch.tensor([r for _, r in group], device=self.device))[None]
-            self.fill_copy(
+            self.runner.fill_copy(
                 l,
                 h,
                 torch.tensor([it.pos for it, _ in group], device=self.device),
                 torch.tensor([it.req.row for it, _ in group], device=self.device),
             )
             self.stats["kv_copy_tokens"] += len(group)
-
-    @torch.no_grad()
-    def fill_copy(self, loop: int, h: torch.Tensor, pos: torch.Tensor, row: torch.Tensor) -> None:
-        """KV ``copy``: the cache entries of every depth after ``loop`` for tokens that left after it, their
-        exit states h [1, n, hidden] projected through each skipped depth's k/v (one compiled call when the
-        engine is compiled)."""
-        ds = [d for later in self.core[loop + 1 :] for d in later]  # the core's later loops (the coda runs for real)
-        tables = self.model.model.rotary(pos[None], h.dtype)
-        layers, slots, kinds = (
-            [self.layers[self.layer_map[d]] for d in ds],
-            [self.slot_map[d] for d in ds],
-            [self.kinds[d] for d in ds],
-        )
-        if self.compiled is not None:
-            self.compiled.fill_kv(layers, slots, kinds, ds, h, tables, self.cache, row, pos)
-            return
-        for layer, slot, kind, d in zip(layers, slots, kinds, ds):
-            k, v = layer.project_kv(h, slot, *tables[kind])
-            self.cache.write(self.cache.flat(d, row), pos, k[0].transpose(0, 1), v[0].transpose(0, 1))

@@ -20,7 +20,8 @@ import torch
 
 from ..models.config import ConfigError
 from ..models.quantized import DENSE_ROWS
-from .engine import Engine, Item, Request
+from .engine import Engine
+from .request import Item, Request
 from .sampling import RequestError
 
 
@@ -246,7 +247,7 @@ def warm_up(engine: Engine, prompt_lengths: tuple[int, ...] = (3, 5), max_tokens
             for n in sorted({1, min(2, R), min(DENSE_ROWS, R)}):
                 rows = [engine.cache.allocate() for _ in range(n)]  # free rows: their stale entries are never read
                 h = torch.zeros(1, n, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
-                engine.fill_copy(
+                engine.runner.fill_copy(
                     loop,
                     h,
                     torch.zeros(n, dtype=torch.long, device=engine.device),

@@ -42,9 +42,10 @@ from .api import (
     error_response,
     validation_error,
 )
-from .engine import Engine, Request
+from .engine import Engine
 from .exits import ExitPolicy
 from .metrics import Metrics
+from .request import Request
 from .sampling import RequestError, SamplingParams
 from .schedulers import warm_up
 from .worker import Worker

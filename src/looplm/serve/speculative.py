@@ -34,7 +34,8 @@ import time
 import torch
 
 from .engine import SPECULATE_MODES as MODES  # noqa: F401  (the modes, for callers of this module)
-from .engine import Engine, Item, Request, check_speculate
+from .engine import Engine, check_speculate
+from .request import Item, Request
 from .sampling import draw, filtered_probs
 
 

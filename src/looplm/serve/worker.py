@@ -8,8 +8,9 @@ import threading
 import time
 from collections import deque
 
-from .engine import Engine, Request
+from .engine import Engine
 from .metrics import Metrics
+from .request import Request
 from .schedulers import make_scheduler
 
 

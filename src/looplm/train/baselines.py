@@ -1,26 +1,18 @@
-"""Baseline students of the paper that `looplm convert` does not make.
+"""Baseline students of the paper that `looplm convert` does not make (`looplm baseline`).
 
-    python -m looplm.train.baselines scratch --model smollm2-135m --layers 15 --out out/m/scratch-15l
+``scratch_model``: a vanilla (B = 1) model of the same family and width with ``layers`` layers and fresh weights
+(the reduced-size model "trained from scratch on the same recipe"); the tokenizer and embedding size are the
+source model's. Train it with `looplm train` like any other student.
 
-writes a vanilla (B = 1) model of the same family and width with ``--layers`` layers and fresh
-weights (the reduced-size model "trained from scratch on the same recipe"); the tokenizer and
-embedding size are the source model's. Train it with `looplm train` like any other student.
-
-    python -m looplm.train.baselines stepwise --model smollm2-135m --loops 2 --out out/m/stepwise-noloop
-    python -m looplm.train.baselines stepwise --model smollm2-135m --layers 16 --out out/m/reduced-16l
-
-writes the reduced-size model: the "pretrained Stepwise layers without looping" baseline of the paper's
+``stepwise_model``, the reduced-size model: the "pretrained Stepwise layers without looping" baseline of the paper's
 individual-contributions table (appendix E): the K = L / B layers Stepwise selects (or ``--layers`` of them,
 the reduced-size model of a plan with unique layers, at its N-emb), the first and the last kept, with their
 norms, run once each (B = 1), and the pretrained embeddings, final norm and head.
 The other baselines are conversion options (`looplm convert --init random`, or the full-size model
-itself as `--model`); see docs/guides/heal.md.
+itself); see docs/guides/heal.md.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import torch
 
@@ -34,7 +26,7 @@ def _shallower(vanilla, layers: list[int], init: str):
 
     c = vanilla.config
     if c.num_loops != 1:
-        raise UsageError("give the vanilla (full-size) model as --model")
+        raise UsageError("give the vanilla (full-size) model, not a looped one")
     d = c.to_dict()
     for k in ("model_type", "architectures", "transformers_version", "id2label", "label2id"):
         d.pop(k, None)
@@ -78,42 +70,3 @@ def stepwise_model(vanilla, loops: int | None = None, layers: int | None = None)
             parts[2] = str(chosen[int(parts[2])])
         p.copy_(src[".".join(parts)])
     return model.eval()
-
-
-def main(argv=None) -> int:
-    from ..models import load_model, save_model
-
-    p = argparse.ArgumentParser(prog="python -m looplm.train.baselines", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("scratch", help="a reduced-depth vanilla model with fresh weights")
-    s.add_argument("--model", default="smollm2-135m")
-    s.add_argument("--layers", type=int, required=True)
-    s.add_argument("--out", required=True)
-    s.add_argument("--seed", type=int, default=0)
-    w = sub.add_parser("stepwise", help="the Stepwise-selected pretrained layers without looping")
-    w.add_argument("--model", default="smollm2-135m")
-    w.add_argument(
-        "--loops", type=int, default=None, help="B of the recursive model it is the baseline of (L / B layers)"
-    )
-    w.add_argument("--layers", type=int, default=None, help="how many layers to keep (instead of --loops)")
-    w.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    vanilla, tok = load_model(args.model)
-    try:
-        model = (
-            scratch_model(vanilla, args.layers, args.seed)
-            if args.cmd == "scratch"
-            else stepwise_model(vanilla, args.loops, args.layers)
-        )
-    except UsageError as e:
-        p.error(str(e))
-    save_model(model, tok, args.out)
-    n = sum(p.numel() for p in model.parameters())
-    layers = model.config.conversion["layers"]
-    what = "fresh weights" if args.cmd == "scratch" else f"pretrained layers {layers}"
-    print(f"wrote {args.out}: {len(layers)} layers, {n:,} parameters, {what}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

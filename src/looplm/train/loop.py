@@ -38,6 +38,7 @@ from ..errors import UsageError
 from ..models.exit_adapter import add_exit_adapters
 from ..models.loading import tokenizer_fingerprint
 from ..models.quantized import has_bf16_matmuls
+from ..settings import refine, setting
 from ..util import with_this_machine
 from .budget import steps_to_fill
 from .checkpoints import Checkpoints, tensorboard_writer
@@ -60,7 +61,7 @@ from .preflight import (
     select_trainable,
 )
 from .run_dir import RunDir, append_record
-from .settings import RunSettings, refine, setting
+from .settings import RunSettings
 
 BUDGET_TIMED = 3  # steps timed (after the first, which warms up) before a time budget becomes a step count
 BUDGET_WARMUP = 20  # warm-up steps assumed until then
@@ -70,7 +71,12 @@ BUDGET_WARMUP = 20  # warm-up steps assumed until then
 class TrainConfig(RunSettings):
     """`looplm train`'s settings."""
 
-    model: str | None = None  # the student: the command's positional (default with --resume: the run's)
+    model: str | None = setting(
+        None,
+        "the student: embedded name, looplm/HF directory or .gguf (convert first with `looplm convert`; default with "
+        "--resume: the run's)",
+        positional=True,
+    )
     data: str = setting("", "corpus dir from `looplm data build`", required=True)
     out: str | None = refine(RunSettings, "out", required=True)
     teacher: str | None = setting(

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from ...errors import UsageError
 from ...models.exit_adapter import parse_exit_adapter
+from ...settings import refine, setting
 from ..budget import check_budget
 from ..losses import HIDDEN_LOSSES
-from ..settings import RunSettings, refine, setting
+from ..settings import RunSettings
 
 LOCAL_MODES = ("parallel", "sequential")
 E2E_ROWS = ("cache", "online")
@@ -23,9 +24,11 @@ COMPILE_MINUTES = 15.0  # from this budget on, compiling (about a minute) pays b
 @dataclass
 class HealConfig(RunSettings):
     """`looplm heal`'s settings; a None is chosen by the recipe when the command line leaves it out
-    (train/cli.py ``_heal_defaults``)."""
+    (commands/train.py ``_heal_defaults``)."""
 
-    model: str = ""  # the converted student (looplm directory): the command's positional
+    model: str = setting(
+        "", "the converted model (looplm directory from `looplm convert`)", positional=True, required=True
+    )
     teacher: str | None = setting(
         None, "the original model it was converted from (default: the one its conversion recorded)"
     )

@@ -74,7 +74,7 @@ def teacher_spans(student_cfg, teacher_cfg, student_name: str = "the student", t
     """For each depth d of the student, the span [start, end) of the original's layers it stands for: it learns to
     map the original's states at layer boundary ``start`` onto those at ``end``. A converted model has the
     original's depth count, so depth d stands for layer d alone. A shallower student (the reduced-size model of
-    ``python -m looplm.train.baselines stepwise``: some of the original's layers, run once) stands for the layers
+    `looplm baseline`: some of the original's layers, run once) stands for the layers
     from the one its depth was copied from up to the next copied one (the first from the embeddings, the last to
     the original's last layer); one with fresh weights for an equal share of the layers."""
     S, L = student_cfg.num_hidden_layers, teacher_cfg.num_hidden_layers

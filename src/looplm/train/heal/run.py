@@ -3,7 +3,7 @@
 
 The run clock counts the budget: wall time since the run started (a resumed run goes on from its checkpoint's),
 evaluations not counted. Checkpoints are named stage-visit-step; besides them the local stage's end is kept as
-OUT/local-end, from which experiments start later stages again.
+OUT/local-end, from which later stages can be started again with other settings.
 
 On several processes every one runs the run, on its share of each step's rows, and the main process alone writes
 the run directory: settings, records, checkpoints (under FSDP all gather the sharded weights for them). What a
@@ -233,7 +233,7 @@ class HealRun:
 
     def keep_local_end(self) -> None:
         """A copy of the checkpoint at the end of the local stage, kept as OUT/local-end (the rotation deletes
-        the checkpoint itself): experiments/heal_same_local.py --from-local-end starts later stages from it."""
+        the checkpoint itself), from which later stages can be started again with other settings."""
         if not self.main:
             return
         out = self.run_dir.out

@@ -1,4 +1,5 @@
-"""Arguments every command spells the same way.
+"""A command's arguments made from its settings dataclass (looplm/settings.py ``setting``), and the settings from the
+parsed arguments.
 
 The model is each command's first positional argument. A flag that was renamed is refused with a one-line error
 that names its new name (``add_renamed``), so that an old command line fails at once instead of running with a
@@ -9,40 +10,36 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from dataclasses import Field, fields, is_dataclass
+from dataclasses import MISSING, Field, asdict, fields, is_dataclass
+from pathlib import Path
+
+from ..util import write_json_atomic
 
 ADVANCED = "advanced"
+ADVANCED_WHAT = "research knobs; the defaults are the recommended recipe"
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Every flag shows its default. A default of None (the help says what happens then), a switch's False and
-    a help text that already names its default get no "(default: ...)"."""
+    """Every flag shows its default. A default of None (the help says what happens then), a switch's False, an empty
+    list and a help text that already names its default get no "(default: ...)"."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if (
             "default" in text
             or any(action.default is v for v in (None, False, argparse.SUPPRESS))
+            or action.default == []
             or not (action.option_strings or action.nargs in ("?", "*"))
         ):
             return text
+        if isinstance(action.default, (list, tuple)):  # a comma list, or a range LO:HI, as it is typed
+            sep = "," if isinstance(action.default, list) else ":"
+            return f"{text} (default: {sep.join(map(str, action.default))})"
         return f"{text} (default: %(default)s)"
 
 
-def add_model(parser, help: str, default: str | None = None, required: bool = True) -> None:
-    """The model as the first positional argument. With a ``default``, or ``required=False`` (a resumed run reads
-    it from its directory), it may be left out."""
-    optional = default is not None or not required
-    parser.add_argument("model", nargs="?" if optional else None, default=default, help=help)
-    prog = getattr(parser, "prog", "looplm")
-    add_renamed(parser, "--model", f"no flag: give the model as the first argument (`{prog} MODEL ...`)")
-
-
-def advanced(
-    parser: argparse.ArgumentParser, what: str = "research knobs; the defaults are the recommended recipe"
-) -> argparse._ArgumentGroup:
-    """The argument group of knobs kept for research."""
-    return parser.add_argument_group(f"{ADVANCED} ({what})")
+class RawEpilogFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """Defaults shown, and the epilog kept as written (a list of sources)."""
 
 
 class _Renamed(argparse.Action):
@@ -74,33 +71,59 @@ def renamed_choices(flag: str, renamed: dict[str, str], kind=str):
     return convert
 
 
-# ---------------------------------------------------------------------------------------------
-# flags from a settings dataclass (train/settings.py ``setting``: each default written once)
-
-
 def flag_name(f: Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def flag_fields(cls: type) -> list[Field]:
-    """The fields of ``cls`` that are flags, in field order."""
-    return [f for f in fields(cls) if "help" in f.metadata]
+    """The fields of ``cls`` that are flags (not positionals), in field order."""
+    return [f for f in fields(cls) if "help" in f.metadata and not f.metadata.get("positional")]
 
 
-def _value_type(annotation) -> type:
-    """int for ``int``, ``int | None`` and ``Optional[int]``."""
+def positional_fields(cls: type) -> list[Field]:
+    return [f for f in fields(cls) if f.metadata.get("positional")]
+
+
+def _value_type(annotation):
+    """int for ``int``, ``int | None`` and ``Optional[int]``; the item type of ``list[str]``."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(kinds) != 1:
             raise TypeError(f"a flag needs one type, not {annotation}")
-        return kinds[0]
+        annotation = kinds[0]
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0]
     return annotation
+
+
+def _default(f: Field):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def add_positionals(parser: argparse.ArgumentParser, cls: type) -> None:
+    """The positional arguments of ``cls``, in field order; a ``model`` among them also refuses ``--model``."""
+    hints = typing.get_type_hints(cls)
+    for f in positional_fields(cls):
+        m = f.metadata
+        nargs = m.get("nargs") or (None if m.get("required") else "?")
+        kwargs: dict = {"help": m["help"], "nargs": nargs, "default": _default(f)}
+        if m.get("parse") or _value_type(hints[f.name]) is not str:
+            kwargs["type"] = m.get("parse") or _value_type(hints[f.name])
+        if "metavar" in m:
+            kwargs["metavar"] = m["metavar"]
+        if nargs is None:
+            del kwargs["nargs"], kwargs["default"]
+        parser.add_argument(f.name, **kwargs)
+        if f.name == "model":
+            prog = getattr(parser, "prog", "looplm")
+            add_renamed(parser, "--model", f"no flag: give the model as the first argument (`{prog} MODEL ...`)")
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...] = ()) -> None:
     """A flag for every ``setting`` field of ``cls``: the fields named in ``first`` in that order, then the others
     in field order, those ``cls`` declares before those it shares with its bases. The advanced ones go in the
-    parser's "advanced" group; a field's old names are refused, naming the new one."""
+    parser's "advanced" group, those of a ``group`` in theirs; a field's old names are refused, naming the new
+    one."""
     hints = typing.get_type_hints(cls)
     given = flag_fields(cls)
     names = {f.name for f in given}
@@ -110,14 +133,16 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...]
     rank = {name: i for i, name in enumerate(first)}
     shared = {f.name for base in cls.__mro__[1:] if is_dataclass(base) for f in fields(base)}
     given.sort(key=lambda f: (0, rank[f.name]) if f.name in rank else (1 + (f.name in shared), 0))  # stable
-    research = None
+    groups: dict[str, argparse._ArgumentGroup] = {}
     exclusive: dict[tuple[int, str], argparse._MutuallyExclusiveGroup] = {}
     for f in given:
         m = f.metadata
         container = parser
+        title = m.get("group")
         if m.get("advanced"):
-            research = research or advanced(parser)
-            container = research
+            title = f"{ADVANCED} ({m['advanced'] if isinstance(m['advanced'], str) else ADVANCED_WHAT})"
+        if title:
+            container = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         if m.get("exclusive"):
             key = (id(container), m["exclusive"])
             if key not in exclusive:
@@ -132,9 +157,11 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...]
             else:  # True, or None: the recipe chooses
                 kwargs.update(action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            spelled = m.get("spelled", {})
-            convert = renamed_choices(name, spelled) if spelled else kind
-            kwargs.update(type=convert, default=spelled.get(f.default, f.default))
+            spelled, default = m.get("spelled", {}), _default(f)
+            convert = renamed_choices(name, spelled) if spelled else (m.get("parse") or kind)
+            kwargs.update(type=convert, default=spelled.get(default, default) if spelled else default)
+            if m.get("repeat"):
+                kwargs["action"] = "append"
             if "choices" in m:
                 kwargs["choices"] = list(m["choices"])
             if "metavar" in m:
@@ -159,3 +186,22 @@ def from_args(cls: type, args: argparse.Namespace):
                 value = {v: k for k, v in spelled.items()}.get(value, value)
             values[f.name] = value
     return cls(**values)
+
+
+def setting_values(settings) -> dict:
+    """{name: value} of every argument of a command (a field kept off the command line is the code's, not the
+    run's): what ``--config FILE`` reads back."""
+    values = asdict(settings)
+    return {f.name: values[f.name] for f in fields(settings) if "help" in f.metadata}
+
+
+def settings_record(command: str, settings) -> dict:
+    return {"command": command, "settings": setting_values(settings)}
+
+
+def write_settings(directory, command: str, settings) -> Path:
+    """The settings a run ran with, into its output directory as command.json: `looplm ... --config
+    DIR/command.json` repeats it."""
+    path = Path(directory) / "command.json"
+    write_json_atomic(path, settings_record(command, settings))
+    return path

@@ -1,4 +1,4 @@
-"""`looplm docs render`: the figures of README.md and docs/ written from their results files.
+"""The figures of README.md and docs/ written from their results files (`looplm docs render`).
 
 Every figure the docs quote lives once, in a figure set: a JSON file under docs/results/figures/ holding its
 figures, each with the quantity and the protocol it was measured under (a text of docs/results/protocols.json: the
@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from ..cli_args import HelpFormatter
 from ..errors import UsageError
 
 FIGURES = Path("docs/results/figures")
@@ -230,27 +228,3 @@ def render(root: Path, check: bool) -> tuple[list[str], list[str]]:
             page.write_text(new)
             print(f"wrote {page.relative_to(root)}")
     return differs, errors
-
-
-def cmd_render(args) -> int:
-    differs, errors = render(Path(args.root), args.check)
-    problems = errors + (differs if args.check else [])
-    for line in problems:
-        print(line, file=sys.stderr)
-    if problems:
-        what = "differ from their results files" if args.check else "cannot be rendered"
-        print(f"looplm docs render: {len(problems)} markers or figures {what}", file=sys.stderr)
-    return 1 if problems else 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("docs", help="the project's docs")
-    dsub = p.add_subparsers(dest="docs_command", required=True)
-    r = dsub.add_parser(
-        "render",
-        help="write the figures of README.md and docs/ from their results files (docs/results/figures/)",
-        formatter_class=HelpFormatter,
-    )
-    r.add_argument("--check", action="store_true", help="write nothing; exit 1 listing every figure that differs")
-    r.add_argument("--root", default=".", help="the repository root")
-    r.set_defaults(func=cmd_render)

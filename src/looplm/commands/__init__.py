@@ -1,0 +1,153 @@
+"""The `looplm` command. Every command is one settings dataclass and one function (a ``Command``), listed by the
+module of its area (``COMMANDS`` in commands/convert.py, data.py, ...); its flags, help, defaults, choices and
+advanced group come from the dataclass (looplm/settings.py ``setting``). This file builds the parser, reads
+``--config FILE`` and dispatches, turning known errors into one-line messages with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ..errors import ConfigError, UsageError
+from .args import HelpFormatter, RawEpilogFormatter, add_flags, add_positionals, from_args
+
+MODULES = ("convert", "data", "eval", "train", "serve", "bench", "docs")
+GROUPS = {  # commands with subcommands
+    "data": "training corpora",
+    "eval": "evaluate a model",
+    "bench": "benchmarks: serving, llama.cpp side by side, speculation, a heal step, a train step",
+    "docs": "the project's docs",
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    words: tuple[str, ...]  # ("eval", "suite"): `looplm eval suite`
+    settings: type  # its settings dataclass: every argument is a field
+    run: Callable  # run(settings) -> exit code
+    help: str
+    first: tuple[str, ...] = ()  # the flags its help lists first, in this order
+    epilog: Callable[[], str] | None = None  # help text after the flags, kept as written
+
+    @property
+    def name(self) -> str:
+        return "looplm " + " ".join(self.words)
+
+
+def all_commands() -> list[Command]:
+    return [c for m in MODULES for c in importlib.import_module(f"{__name__}.{m}").COMMANDS]
+
+
+def _subparsers(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:
+    found = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return found[0] if found else parser.add_subparsers(dest=dest, required=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="looplm", description="Relaxed Recursive Transformers: convert, uptrain, evaluate and serve looped LLMs."
+    )
+    for cmd in all_commands():
+        container = parser
+        for depth, word in enumerate(cmd.words[:-1]):
+            sub = _subparsers(container, "command" if depth == 0 else f"{cmd.words[depth - 1]}_command")
+            container = sub.choices.get(word) or sub.add_parser(word, help=GROUPS[word])
+        sub = _subparsers(container, "command" if len(cmd.words) == 1 else f"{cmd.words[-2]}_command")
+        p = sub.add_parser(
+            cmd.words[-1],
+            help=cmd.help,
+            formatter_class=RawEpilogFormatter if cmd.epilog else HelpFormatter,
+            epilog=cmd.epilog() if cmd.epilog else None,
+        )
+        add_positionals(p, cmd.settings)
+        add_flags(p, cmd.settings, first=cmd.first)
+        p.add_argument(
+            "--config",
+            default=None,
+            metavar="FILE",
+            help="read the settings from this JSON file (the command.json a run wrote, or {name: value}); flags "
+            "given beside it win",
+        )
+        p.set_defaults(_command=cmd)
+    return parser
+
+
+def _config_defaults(path: str, cmd: Command) -> dict:
+    """The settings a --config file gives, in the command line's spelling, refused where a name is not one of the
+    command's settings."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"--config {path}: cannot read it as JSON ({e})") from None
+    values = data.get("settings", data) if isinstance(data, dict) else None
+    if not isinstance(values, dict):
+        raise UsageError(f"--config {path}: expected a JSON object of settings")
+    known = {f.name: f for f in fields(cmd.settings) if "help" in f.metadata}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise UsageError(f"--config {path}: {', '.join(unknown)} are not settings of `{cmd.name}`; see its --help")
+    spelled = {k: known[k].metadata.get("spelled", {}) for k in values}
+    return {k: spelled[k].get(v, v) if spelled[k] else v for k, v in values.items()}
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, word in enumerate(argv):
+        if word == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith("--config="):
+            return word.partition("=")[2]
+    return None
+
+
+def parse(argv: list[str] | None = None):
+    """(the command, its settings) of a command line. With ``--config FILE`` the file's settings are the command's
+    defaults (the flags given beside it win), so a setting the file gives need not be given again."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    path = _config_path(argv)
+    if path is not None:
+        words = tuple(w for w in argv[:2] if not w.startswith("-"))
+        cmd = next((c for c in all_commands() if c.words == words[: len(c.words)]), None)
+        if cmd is not None:
+            leaf = _leaf(parser, cmd.words)
+            values = _config_defaults(path, cmd)
+            for action in leaf._actions:
+                if action.dest in values and action.required:
+                    action.required = False
+                    if not action.option_strings:
+                        action.nargs = "?"
+            leaf.set_defaults(**values)
+    args = parser.parse_args(argv)
+    return args._command, from_args(args._command.settings, args)
+
+
+def _leaf(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> argparse.ArgumentParser:
+    for word in words:
+        parser = _subparsers(parser, "")._name_parser_map[word]
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    name = "looplm " + next((w for w in words if not w.startswith("-")), "")
+    try:
+        cmd, settings = parse(argv)
+        name = cmd.name
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # transformers' per-file loading bars; ours report real work
+        return int(cmd.run(settings) or 0)
+    except (UsageError, ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["Command", "all_commands", "build_parser", "main", "parse"]

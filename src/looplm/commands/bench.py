@@ -1,0 +1,369 @@
+"""`looplm bench`: the maintained benchmarks. Each prints a short table naming the machine and writes its result
+as JSON with ``--out FILE``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..bench.llamacpp import Settings as LlamacppSettings
+from ..bench.report import token_range
+from ..errors import UsageError
+from ..settings import setting
+from ..train.heal import E2E_ROWS, HealConfig
+from ..train.loop import TrainConfig
+from ..train.settings import PRECISIONS
+from . import Command
+from .args import setting_values
+from .serve import OnTheFly, check_engine_args
+
+PRECISION_HELP = "auto: bf16 autocast where the hardware has bf16 matmuls"
+TRADEOFF = "the exit-policy table and the paper's simulated throughput"
+
+
+@dataclass
+class BenchOutput:
+    """What every benchmark is given: threads, and a file for its result."""
+
+    threads: int | None = setting(None, "torch threads (default: torch's own choice)")
+    out: str | None = setting(None, "also write the result as JSON to FILE", metavar="FILE")
+
+
+@dataclass
+class Speculate(BenchOutput):
+    models: list[str] = setting([], "embedded names or model directories", positional=True, nargs="+", metavar="MODEL")
+    weights: str = setting("fp32", "comma list of weight formats (fp32, bf16, int8, int4)")
+    modes: str = setting("context,loop1,both", "comma list of speculation modes to time")
+    new_tokens: int = setting(256, "generated tokens per prompt (EOS ignored)")
+    rounds: int = setting(1, "times each run repeats, interleaved (the best is kept)")
+    llamacpp: str | None = setting(
+        None,
+        "also time llama.cpp on this GGUF file (or an embedded model's own, by name), plain and with its prompt-lookup "
+        "decoding, on the same prompts and threads (needs the `bench` extra)",
+        metavar="GGUF",
+    )
+    json: bool = setting(False, "print the result as one JSON object")
+
+
+@dataclass
+class BenchServe(OnTheFly, BenchOutput):
+    model: str = setting("smollm2-135m", "the vanilla model (embedded name or directory)", positional=True)
+    looped: str | None = setting(None, "a saved looped model (default: convert MODEL on the fly)")
+    loops: int = setting(2, "B when converting on the fly")
+    requests: int = setting(24, "requests in the trace")
+    prompt_len: tuple[int, int] = setting((16, 96), "prompt tokens", parse=token_range, metavar="LO:HI")
+    output_len: tuple[int, int] = setting((8, 64), "generated tokens", parse=token_range, metavar="LO:HI")
+    arrivals: str = setting("all,poisson", "comma list of all (at once), poisson")
+    rate: float | None = setting(
+        None,
+        "Poisson requests/s (default: about 80%% of the sequence-wise capacity measured on the all-at-once trace)",
+    )
+    max_batch: int = setting(
+        8,
+        "requests served at once (KV cache rows)",
+        flag="--max-concurrency",
+        metavar="N",
+        renamed_from=("--max-batch",),
+    )
+    exit: str = setting(
+        "softmax:0.9",
+        "exit policy[:threshold][+copy[:BONUS]] of the depth-wise run (softmax, margin, entropy, cosine, probe, "
+        "oracle, none; +copy: also exit where the loop's argmax continues a repeat of the context, BONUS nats added "
+        "to that guess's logit first)",
+        flag="--exit-policy",
+        metavar="POLICY",
+        renamed_from=("--exit",),
+    )
+    extra: bool = setting(
+        False, "also: the other KV mode, and the looped model under sequence-wise batching without exits"
+    )
+    seed: int = setting(0, "seed of the traces and of an on-the-fly conversion")
+    json: bool = setting(False, "print the result as one JSON object (progress goes to stderr)")
+    hf: int = setting(
+        0,
+        "also time transformers generate (batch 1) and generate_batch on the first N requests against our engine "
+        "(vanilla, sequence-wise)",
+        advanced="the transformers comparison",
+    )
+    hf_b1: int = setting(
+        0,
+        "time generate at batch 1 on only the first N of the --hf requests (0: all of them)",
+        advanced="the transformers comparison",
+    )
+    hf_rounds: int = setting(
+        1,
+        "run generate_batch and our engine in turn this many times (medians and the median of per-round ratios are "
+        "reported)",
+        advanced="the transformers comparison",
+    )
+    hf_batch_tokens: int = setting(512, "generate_batch's max_batch_tokens", advanced="the transformers comparison")
+    hf_only: bool = setting(
+        False, "only the transformers comparison (with --hf N)", advanced="the transformers comparison"
+    )
+    tradeoff_tokens: int = setting(1024, "held-out tokens for the exit-policy table (0: skip it)", advanced=TRADEOFF)
+    sim_samples: int = setting(
+        8, "held-out windows for the paper's hypothetical throughput (0: skip it)", advanced=TRADEOFF
+    )
+    sim_prefix: int = setting(64, "prefix tokens of each simulated request", advanced=TRADEOFF)
+    sim_decode: int = setting(256, "decoded tokens of each simulated request", advanced=TRADEOFF)
+    sim_memory_mb: float = setting(
+        1024, "memory limit that sets each model's largest batch (weights + KV caches)", advanced=TRADEOFF
+    )
+    sim_max_batch: int = setting(64, "cap on the simulated batch", advanced=TRADEOFF)
+
+
+@dataclass
+class Llamacpp(LlamacppSettings, BenchOutput):
+    pass
+
+
+@dataclass
+class HealStep(BenchOutput):
+    model: str | None = setting(None, "the converted student (a looplm directory)", positional=True, required=True)
+    teacher: str | None = setting(None, "the original model the student was converted from", required=True)
+    data: str | None = setting(None, "a corpus from `looplm data build`", required=True)
+    seq_len: int = setting(HealConfig.seq_len, "tokens per row")
+    local_batch: int = setting(HealConfig.local_batch, "rows per tied depth of a local step")
+    e2e_batch: int = setting(HealConfig.e2e_batch, "rows of an end-to-end step")
+    e2e_rows: str = setting(
+        HealConfig.e2e_rows,
+        "where the end-to-end rows come from: the teacher cache, or any training row with the original run on it "
+        "each step",
+        choices=E2E_ROWS,
+    )
+    exit_adapter: str = setting(HealConfig.exit_adapter, "the exit stage's adapter: affine, head-lora:R, or none")
+    cache_rows: int = setting(8, "training rows in the teacher cache")
+    cache: str | None = setting(None, "keep the teacher cache in DIR (default: a temporary directory)", metavar="DIR")
+    precision: str = setting(HealConfig.precision, PRECISION_HELP, choices=PRECISIONS)
+    compile: bool = setting(False, "time the steps with each layer through torch.compile")
+    rounds: int = setting(2, "timings, each on a fresh copy of the student (the median is reported)")
+
+
+@dataclass
+class TrainStep(BenchOutput):
+    model: str | None = setting(
+        None, "the model to train (embedded name, HF or looplm directory)", positional=True, required=True
+    )
+    data: str | None = setting(None, "a corpus from `looplm data build`", required=True)
+    teacher: str | None = setting(None, "distil from this model too (as `looplm train --teacher`)")
+    batch_size: int = setting(TrainConfig.batch_size, "sequences per step")
+    seq_len: int | None = setting(None, "crop the corpus's rows (default: their full length)")
+    steps: int = setting(6, "steps to run")
+    warmup: int = setting(2, "first steps left out of the figures")
+    precision: str = setting(TrainConfig.precision, PRECISION_HELP, choices=PRECISIONS)
+
+
+def cmd_speculate(s: Speculate) -> int:
+    import functools
+    import sys
+
+    import torch
+
+    from ..bench.report import finish
+    from ..bench.speculate import bench_speculate
+    from ..util import machine, print_json
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    weights = [w.strip() for w in s.weights.split(",") if w.strip()]
+    modes = [m.strip() for m in s.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("context", "loop1", "both")]
+    if bad or not modes or s.new_tokens < 1 or s.rounds < 1:
+        raise UsageError("need --modes from context, loop1, both, --new-tokens >= 1 and --rounds >= 1")
+    gguf = s.llamacpp
+    if gguf:  # before anything loads
+        from ..bench.llamacpp import check_available
+        from ..models.loading import EMBEDDED, embedded_gguf
+
+        check_available()
+        gguf = str(embedded_gguf(gguf)) if gguf in EMBEDDED else gguf
+        if not Path(gguf).is_file():
+            raise UsageError(f"--llamacpp {gguf}: no such GGUF file; give a file or an embedded model's name")
+    say = functools.partial(print, file=sys.stderr, flush=True) if s.json else print
+    result = bench_speculate(
+        s.models, weights, modes, s.new_tokens, s.rounds, log=say, llamacpp=gguf, threads=s.threads
+    )
+    result["machine"] = machine()
+    result["settings"] = setting_values(s)
+    if s.json:
+        print_json(result)
+    rows = [
+        [
+            r["model"],
+            r["weights"],
+            r["prompt"],
+            r["speculate"],
+            r["tokens_per_s"],
+            r["vs_off"],
+            r["acceptance_rate"],
+            r["mean_accepted_length"],
+            r["same_tokens_as_off"],
+            r.get("vs_vanilla", ""),
+            r.get("vs_llamacpp", ""),
+        ]
+        for r in result["runs"]
+    ]
+    header = ["model", "weights", "prompt", "speculate", "tokens/s", "x off", "acceptance", "accepted length", "same"]
+    header += ["x vanilla off", "x llama.cpp off"]
+    finish(result, header, rows, s.out, say)
+    return 0
+
+
+def cmd_serve(s: BenchServe) -> int:
+    import functools
+    import sys
+
+    import torch
+
+    from ..bench.report import finish
+    from ..bench.serving import bench_serve
+    from ..util import machine, print_json
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    arrivals = [a.strip() for a in s.arrivals.split(",") if a.strip()]
+    if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
+        raise UsageError(f"--arrivals takes a comma list of all, poisson; got {s.arrivals!r}")
+    if s.requests < 1 or s.max_batch < 1:
+        raise UsageError("--requests and --max-concurrency must be >= 1")
+    check_engine_args(s)
+    if not s.looped and not s.hf_only:  # before anything loads
+        from ..serve.on_the_fly import check_unhealed
+
+        check_unhealed(s.model, s.loops, s.allow_unhealed)
+    say = functools.partial(print, file=sys.stderr, flush=True) if s.json else print
+    result = bench_serve(s, arrivals, log=say)
+    result["machine"] = {**machine(), **result.get("machine", {})}
+    result["settings"] = setting_values(s)
+    if s.json:
+        print_json(result)
+    rows = [
+        [name, fig["model"], fig["tokens_per_s"], fig["ttft_p50"], fig["tpot_p50"], fig.get("agreement", "")]
+        for name, fig in result.get("runs", {}).items()
+    ]
+    finish(result, ["run", "model", "tokens/s", "TTFT p50 s", "TPOT p50 s", "agreement"], rows, s.out, say)
+    return 0
+
+
+def cmd_llamacpp(s: Llamacpp) -> int:
+    import torch
+
+    from ..bench.llamacpp import bench_llamacpp, check_available
+    from ..bench.report import finish
+
+    check_available()  # before any model loads
+    if s.equalize and not s.calib_data:
+        raise UsageError("--equalize chooses its scales on calibration rows: add --calib-data DATA")
+    if min(s.b1_requests, s.b1_output, s.rounds, s.max_concurrency) < 1 or s.requests < 0:
+        raise UsageError("--b1-requests, --b1-new-tokens, --rounds and --max-concurrency must be >= 1")
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    r = bench_llamacpp(s)
+    r["settings"] = setting_values(s)
+    trace = [f"tokens/s {s.requests} requests"] if s.requests else []
+    rows = [
+        [
+            name,
+            c.get("batch1_tokens_per_s", ""),
+            *([c.get("trace_tokens_per_s", "")] if trace else []),
+            c.get("agreement_with_fp32", c.get("agreement_full_depth", "")),
+            c.get("perplexity") or "",
+        ]
+        for name, c in r["configs"].items()
+    ]
+    finish(r, ["configuration", "tokens/s batch 1", *trace, "agreement", "perplexity"], rows, s.out)
+    for part, ratios in r["ratios"].items():
+        if ratios:
+            print(f"{part}: " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
+    return 0
+
+
+def cmd_heal_step(s: HealStep) -> int:
+    import torch
+
+    from ..bench.heal_step import heal_step
+    from ..bench.report import finish
+    from ..train.heal import HealConfig
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    if s.rounds < 1:
+        raise UsageError("--rounds must be >= 1")
+    cfg = HealConfig(
+        model=s.model,
+        teacher=s.teacher,
+        data=s.data,
+        seq_len=s.seq_len,
+        local_batch=s.local_batch,
+        e2e_batch=s.e2e_batch,
+        e2e_rows=s.e2e_rows,
+        exit_adapter=s.exit_adapter,
+        cache_rows=s.cache_rows,
+        cache=s.cache,
+        precision=s.precision,
+        compile=s.compile,
+        progress=False,
+    )
+    r = heal_step(cfg, s.rounds)
+    r["settings"] = setting_values(s)
+    rows = [[name, s["seconds"], s["tokens_per_s"], s["note"]] for name, s in r["steps"].items()]
+    finish(r, ["step", "seconds", "tokens/s", "what it runs"], rows, s.out)
+    return 0
+
+
+def cmd_train_step(s: TrainStep) -> int:
+    import torch
+
+    from ..bench.report import finish
+    from ..bench.train_step import train_step
+    from ..train.loop import TrainConfig
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    if s.steps < 1 or s.warmup < 0:
+        raise UsageError("--steps must be >= 1 and --warmup >= 0")
+    cfg = TrainConfig(
+        model=s.model,
+        data=s.data,
+        teacher=s.teacher,
+        max_steps=s.steps,
+        batch_size=s.batch_size,
+        seq_len=s.seq_len,
+        precision=s.precision,
+        progress=False,
+    )
+    r = train_step(cfg, s.warmup)
+    r["settings"] = setting_values(s)
+    rows = [
+        [
+            f"{r['global_batch']} x {r['seq_len']} tokens, {r['precision']}",
+            r["seconds_per_step"],
+            r["tokens_per_s"],
+            r["steps"] - r["warmup"],
+        ]
+    ]
+    finish(r, ["step", "seconds", "tokens/s", "steps timed"], rows, s.out)
+    return 0
+
+
+COMMANDS = [
+    Command(
+        ("bench", "serve"), BenchServe, cmd_serve, "static vs sequence-wise vs depth-wise batching on real-text traces"
+    ),
+    Command(
+        ("bench", "llamacpp"), Llamacpp, cmd_llamacpp, "our engine and llama.cpp side by side (needs the `bench` extra)"
+    ),
+    Command(
+        ("bench", "heal-step"),
+        HealStep,
+        cmd_heal_step,
+        "seconds of a layer-local, an end-to-end and an exit-adapter step of `looplm heal`",
+    ),
+    Command(("bench", "train-step"), TrainStep, cmd_train_step, "seconds of a `looplm train` step"),
+    Command(
+        ("bench", "speculate"),
+        Speculate,
+        cmd_speculate,
+        "speculative decoding (--speculate) against plain decoding at batch 1, greedy, side by side",
+    ),
+]

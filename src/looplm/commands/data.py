@@ -1,0 +1,110 @@
+"""`looplm data build` (fetch, split, tokenise, pack) and `looplm data text`; `looplm data generate` is in
+commands/serve.py (it drives the engine)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..settings import setting
+from . import Command
+from .args import write_settings
+
+
+def _default_sources() -> list[str]:
+    from ..data.sources import DEFAULT_SOURCES
+
+    return list(DEFAULT_SOURCES)
+
+
+@dataclass
+class Build:
+    model: str = setting("smollm2-135m", "the model whose tokenizer packs the corpus", positional=True)
+    out: str | None = setting(None, "corpus directory (re-running it skips finished work)", required=True)
+    sources: str = setting(
+        ",".join(_default_sources()),
+        "comma list of source names and/or directories: of .txt files (one source per file) or from "
+        "`looplm data generate`; SOURCE:N keeps at most N training rows of a source (a mix's weights)",
+    )
+    seq_len: int = setting(512, "tokens per packed sequence (the healing recipe reads 512)")
+    refresh: bool = setting(False, "fetch sources again even if cached")
+    progress: bool = setting(True, "progress bars on stderr")
+    heldout: float = setting(0.02, "held-out fraction of each source (by block hash)", advanced=True)
+    block_chars: int = setting(16000, "size of the blocks the split assigns", advanced=True)
+
+
+@dataclass
+class Text:
+    corpus: str | None = setting(None, "corpus dir from `looplm data build`", positional=True, required=True)
+    out: str | None = setting(None, "directory to write train.txt into", required=True)
+    rows: int = setting(32, "training rows to decode (x the corpus's seq-len tokens)")
+    seed: int = setting(1234, "which rows: a seeded random choice")
+
+
+def _sources_epilog() -> str:
+    from ..data.sources import SOURCES
+
+    return "sources:\n" + "\n".join(f"  {k:12s} {v}" for k, v in SOURCES.items())
+
+
+def cmd_build(s: Build) -> int:
+    from ..data.corpus import build
+
+    meta = build(
+        s.out,
+        model=s.model,
+        sources=s.sources,
+        seq_len=s.seq_len,
+        heldout=s.heldout,
+        block_chars=s.block_chars,
+        refresh=s.refresh,
+        progress=s.progress,
+    )
+    write_settings(s.out, "looplm data build", s)
+    splits = meta["splits"]
+    print(
+        f"wrote {s.out}: {splits['train']['seqs']} train / {splits['heldout']['seqs']} held-out sequences of "
+        f"{meta['seq_len']} tokens ({len(meta['sources'])} sources, tokenizer {meta['tokenizer']})"
+    )
+    return 0
+
+
+def cmd_text(s: Text) -> int:
+    import numpy as np
+
+    from ..data.corpus import PackedCorpus, load_tokenizer
+    from ..errors import UsageError
+
+    corpus = PackedCorpus(s.corpus)
+    train = corpus.splits["train"]
+    if not 0 < s.rows <= len(train):
+        raise UsageError(f"--rows {s.rows} must be between 1 and the corpus's {len(train)} training rows")
+    tok = load_tokenizer(corpus.meta["model"])
+    picks = np.sort(np.random.default_rng(s.seed).choice(len(train), size=s.rows, replace=False))
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = "\n\n".join(tok.decode(np.asarray(train[i]).tolist(), skip_special_tokens=True) for i in picks)
+    tmp = out / ".train.txt.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out / "train.txt")
+    print(f"wrote {out / 'train.txt'}: {s.rows} training rows of {s.corpus} ({len(text):,} characters)")
+    return 0
+
+
+COMMANDS = [
+    Command(
+        ("data", "build"),
+        Build,
+        cmd_build,
+        "fetch sources, split held-out text, tokenise and pack into a corpus dir",
+        epilog=_sources_epilog,
+    ),
+    Command(
+        ("data", "text"),
+        Text,
+        cmd_text,
+        "decode rows of a built corpus's training split into a .txt file (calibration text for `looplm convert "
+        "--calib-data`; never held-out rows)",
+    ),
+]

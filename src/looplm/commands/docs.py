@@ -1,0 +1,39 @@
+"""`looplm docs render`: the figures of README.md and docs/ written from their results files (docs/render.py)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..settings import setting
+from . import Command
+
+
+@dataclass
+class Render:
+    check: bool = setting(False, "write nothing; exit 1 listing every figure that differs")
+    root: str = setting(".", "the repository root")
+
+
+def cmd_render(s: Render) -> int:
+    from ..docs.render import render
+
+    differs, errors = render(Path(s.root), s.check)
+    problems = errors + (differs if s.check else [])
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        what = "differ from their results files" if s.check else "cannot be rendered"
+        print(f"looplm docs render: {len(problems)} markers or figures {what}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+COMMANDS = [
+    Command(
+        ("docs", "render"),
+        Render,
+        cmd_render,
+        "write the figures of README.md and docs/ from their results files (docs/results/figures/)",
+    )
+]

@@ -1,0 +1,131 @@
+"""`looplm train`, `looplm heal` (their settings: TrainConfig and HealConfig) and `looplm plot`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..settings import setting
+from ..train.heal.config import COMPILE_MINUTES, DEFAULT_HEAL_MINUTES, HealConfig
+from ..train.loop import TrainConfig
+from . import Command
+from .args import write_settings
+
+# the flags each command's help lists first, in this order (the others follow in their dataclass's order: the
+# command's own settings, then those every run has: train/settings.py RunSettings)
+TRAIN_FLAGS_FIRST = (
+    "data",
+    "out",
+    "teacher",
+    "kd",
+    "kd_weight",
+    "early_exit",
+    "max_steps",
+    "train_tokens",
+    "budget_minutes",
+)
+HEAL_FLAGS_FIRST = ("teacher", "data", "out", "budget_minutes", "train_tokens", "base_weights", "compile")
+
+
+def cmd_train(s: TrainConfig) -> int:
+    from ..train.loop import train
+
+    result = train(s)
+    if int(os.environ.get("RANK", "0")) == 0:  # the main process reports the run
+        write_settings(s.out, "looplm train", s)
+        print(json.dumps(result))
+    return 0
+
+
+def cmd_heal(s: HealConfig) -> int:
+    from ..train.heal import heal
+
+    _heal_defaults(s)
+    r = heal(s)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # the main process reports the run
+    write_settings(r["out"], "looplm heal", s)
+    conv = r["converted"]["ppl"] if r["converted"] else float("nan")
+    print(
+        f"held-out perplexity ({r['healed']['eval_tokens']} tokens): original {r['teacher']['ppl']:.2f}, "
+        f"converted {conv:,.2f}, healed {r['healed']['ppl']:,.2f} "
+        f"(loop exits: {', '.join(f'{p:,.2f}' for p in r['healed']['ppl_per_loop'])})"
+    )
+    if "ood_ratio" in r["healed"]:
+        print(
+            f"out-of-domain perplexity ({', '.join(r['healed']['ood'])}): {r['healed']['ood_ratio']:.3f}x the "
+            f"original's (geometric mean; `looplm eval suite` scores more text)"
+        )
+    print(f"healed in {r['minutes']:.1f} min; wrote {r['final']} and {Path(r['out']) / 'heal.png'}")
+    return 0
+
+
+def _heal_defaults(s: HealConfig) -> None:
+    """Fill what the command line left out with the recipe's choices, build the default corpus if it is
+    missing, and say what was chosen."""
+    from ..errors import UsageError
+    from ..models.checkpoint import read_config
+
+    chosen = []
+    if not (Path(s.model) / "config.json").exists():
+        raise UsageError(f"{s.model} is not a converted model directory; make one with `looplm convert` first")
+    if s.teacher is None:
+        source = read_config(s.model).get("conversion", {}).get("source")
+        if not source:
+            raise UsageError(f"{s.model} records no model it was converted from; name it with --teacher")
+        s.teacher = source
+        chosen.append(f"teacher {source} (the model it was converted from)")
+    if s.data is None:
+        from ..recipes.teacher_text import recipe_corpus
+
+        s.data = recipe_corpus(s.teacher, s.seq_len, s.progress)
+        chosen.append(f"data {s.data}")
+    if s.out is None:
+        s.out = str(Path("out") / f"{Path(s.model).name}-healed")
+        chosen.append(f"out {s.out}")
+    if s.budget_minutes is None and s.train_tokens is None:
+        s.budget_minutes = DEFAULT_HEAL_MINUTES
+        chosen.append(f"{s.budget_minutes:g} minutes")
+    if s.compile is None:
+        import torch
+
+        from ..util import cpu_compiler
+
+        compiler = torch.cuda.is_available() or cpu_compiler() is not None
+        s.compile = bool(s.budget_minutes and s.budget_minutes >= COMPILE_MINUTES and compiler)
+        chosen.append("compiled" if s.compile else "not compiled")
+    if chosen:
+        print(f"looplm heal: {', '.join(chosen)}", file=sys.stderr)
+
+
+@dataclass
+class Plot:
+    runs: list[str] = setting([], "run directories of `looplm train` or `looplm heal`", positional=True, nargs="+")
+    out: str | None = setting(None, "directory for the PNGs (default: the first run)")
+
+
+def cmd_plot(s: Plot) -> int:
+    from ..train.plot import plot_runs
+
+    paths = plot_runs([Path(r) for r in s.runs], Path(s.out) if s.out else None)
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+COMMANDS = [
+    Command(
+        ("train",), TrainConfig, cmd_train, "uptrain / early-exit train a (relaxed) recursive model", TRAIN_FLAGS_FIRST
+    ),
+    Command(
+        ("heal",),
+        HealConfig,
+        cmd_heal,
+        "heal a converted model: layer-local then end-to-end distillation from the original",
+        HEAL_FLAGS_FIRST,
+    ),
+    Command(("plot",), Plot, cmd_plot, "loss and perplexity curves of one or more runs as PNG"),
+]
