@@ -398,15 +398,10 @@ def _calibration(s, vanilla, tok, heldout: str, data_aware: bool):
 
 def _corpus_text(corpus_dir: str, tokens: int) -> str:
     """The first training rows of a built corpus, decoded: at least ``tokens`` tokens of calibration text."""
-    import numpy as np
-
-    from ..data.corpus import PackedCorpus, load_tokenizer
+    from ..data.corpus import PackedCorpus
 
     corpus = PackedCorpus(corpus_dir)
-    train = corpus.splits["train"]
-    rows = min(len(train), -(-tokens // corpus.meta["seq_len"]) + 1)
-    tok = load_tokenizer(corpus.meta["model"])
-    return "\n\n".join(tok.decode(np.asarray(train[i]).tolist(), skip_special_tokens=True) for i in range(rows))
+    return corpus.training_text(range(min(len(corpus.splits["train"]), -(-tokens // corpus.meta["seq_len"]) + 1)))
 
 
 def cmd_info(s: Info) -> int:

@@ -73,18 +73,17 @@ def cmd_build(s: Build) -> int:
 def cmd_text(s: Text) -> int:
     import numpy as np
 
-    from ..data.corpus import PackedCorpus, load_tokenizer
+    from ..data.corpus import PackedCorpus
     from ..errors import UsageError
 
     corpus = PackedCorpus(s.corpus)
     train = corpus.splits["train"]
     if not 0 < s.rows <= len(train):
         raise UsageError(f"--rows {s.rows} must be between 1 and the corpus's {len(train)} training rows")
-    tok = load_tokenizer(corpus.meta["model"])
     picks = np.sort(np.random.default_rng(s.seed).choice(len(train), size=s.rows, replace=False))
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = "\n\n".join(tok.decode(np.asarray(train[i]).tolist(), skip_special_tokens=True) for i in picks)
+    text = corpus.training_text(picks)
     tmp = out / ".train.txt.tmp"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, out / "train.txt")

@@ -291,5 +291,11 @@ class PackedCorpus:
             left -= n
         return out
 
+    def training_text(self, rows) -> str:
+        """Training rows ``rows`` (indices) decoded with the corpus's tokenizer, joined by blank lines: calibration
+        text, never held out."""
+        train, tok = self.splits["train"], load_tokenizer(self.meta["model"])
+        return "\n\n".join(tok.decode(np.asarray(train[i]).tolist(), skip_special_tokens=True) for i in rows)
+
     def __len__(self) -> int:
         return len(self.splits["train"])
