@@ -292,23 +292,27 @@ def cmd_convert(s: Convert) -> int:
         )
     if s.json:
         print_json(result)
-        return 0
-    print(
-        f"converted {s.model}: {model.config.plan.describe()}, init {s.init}, "
-        f"norms {model.config.conversion['norms']}, "
-        f"LoRA {model.config.lora_ranks} ({s.lora_init if model.config.is_relaxed else 'none'})"
-        + (f", prefix {prefix} per depth ({after['prefix']:,} parameters)" if prefix else "")
-    )
-    print(f"N-emb   {before['n_emb']:>13,} -> {after['n_emb']:>13,} ({after['n_emb'] / before['n_emb']:.1%})")
-    print(f"total   {before['total']:>13,} -> {after['total']:>13,}")
-    print(f"time    load {t_load.seconds:.1f} s, convert {t_conv.seconds:.1f} s")
-    if s.ppl_tokens:
-        print(
-            f"held-out perplexity ({result['ppl_tokens']} tokens): original {result['ppl_before']:.2f}, "
-            f"converted {result['ppl_after']:.2f}"
-        )
-    print(f"wrote {out}")
+    else:
+        _print_conversion(s, model.config, result)
     return 0
+
+
+def _print_conversion(s: Convert, config, r: dict) -> None:
+    prefix = r["prefix_length"]
+    print(
+        f"converted {s.model}: {config.plan.describe()}, init {s.init}, norms {config.conversion['norms']}, "
+        f"LoRA {config.lora_ranks} ({s.lora_init if config.is_relaxed else 'none'})"
+        + (f", prefix {prefix} per depth ({r['prefix_params']:,} parameters)" if prefix else "")
+    )
+    print(f"N-emb   {r['n_emb_before']:>13,} -> {r['n_emb_after']:>13,} ({r['n_emb_after'] / r['n_emb_before']:.1%})")
+    print(f"total   {r['total_before']:>13,} -> {r['total_after']:>13,}")
+    print(f"time    load {r['load_seconds']:.1f} s, convert {r['convert_seconds']:.1f} s")
+    if "ppl_tokens" in r:
+        print(
+            f"held-out perplexity ({r['ppl_tokens']} tokens): original {r['ppl_before']:.2f}, "
+            f"converted {r['ppl_after']:.2f}"
+        )
+    print(f"wrote {r['out']}")
 
 
 def _plan(s, config):
