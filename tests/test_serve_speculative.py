@@ -9,7 +9,7 @@ import re
 import pytest
 import test_serve_engine as engine_tests
 import torch
-from conftest import FAMILIES, arrive_one_per_step, full_depth_greedy, make_hf_model
+from conftest import FAMILIES, TINY, arrive_one_per_step, full_depth_greedy, make_hf_model
 from scipy.stats import chisquare
 
 from looplm.convert import convert
@@ -17,7 +17,6 @@ from looplm.models import LoopLMConfig, LoopLMForCausalLM, from_hf_model
 from looplm.serve import Engine, ExitPolicy, Request, SamplingParams, make_scheduler, replay
 from looplm.serve.speculative import ContextDrafter, accept_greedy, accept_sampled
 
-SMALL = engine_tests.SMALL
 models = engine_tests.models  # the engine tests' fixture: its models of every kind and plan
 
 
@@ -167,7 +166,7 @@ def test_speculative_sampling_rule_draws_the_target_distribution():
 @pytest.fixture(scope="module")
 def tiny_vocab_model():
     torch.manual_seed(3)
-    cfg = {**SMALL, "vocab_size": 8, "initializer_range": 0.1}
+    cfg = {**TINY, "vocab_size": 8, "initializer_range": 0.1}
     vanilla = LoopLMForCausalLM(LoopLMConfig(**cfg)).eval()
     return convert(vanilla, loops=2, init="stepwise", lora_ranks=4, norms="per-depth").eval()
 
@@ -215,7 +214,7 @@ def test_generate_cli_speculate_reports_acceptance(tmp_path, capsys, smollm2_tok
 
     tok = smollm2_tokenizer
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SMALL, "vocab_size": len(tok)})).eval()
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**TINY, "vocab_size": len(tok)})).eval()
     path = save_model(convert(vanilla, loops=2, init="stepwise", lora_ranks=8), tok, tmp_path / "looped")
     args = ["generate", str(path), "one two one two one two one", "--max-new-tokens", "16", "--json"]
     assert main(args) == 0
@@ -275,7 +274,7 @@ def test_http_server_speculating_gives_the_same_completion_and_reports_acceptanc
 
     tok = smollm2_tokenizer
     torch.manual_seed(0)
-    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**SMALL, "vocab_size": len(tok)})).eval()
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**TINY, "vocab_size": len(tok)})).eval()
     model = convert(vanilla, loops=2, init="stepwise", lora_ranks=8, norms="per-depth").eval()
     prompt = tok("one two one two one two one", add_special_tokens=False)["input_ids"]
     plain = Engine(model, max_batch=1, max_seq_len=128)
