@@ -43,22 +43,20 @@ def all_commands() -> list[Command]:
     return [c for m in MODULES for c in importlib.import_module(f"{__name__}.{m}").COMMANDS]
 
 
-def _subparsers(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:
-    found = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return found[0] if found else parser.add_subparsers(dest=dest, required=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The `looplm` parser; ``parser.leaves`` maps each command's words to its own parser."""
     parser = argparse.ArgumentParser(
         prog="looplm", description="Relaxed Recursive Transformers: convert, uptrain, evaluate and serve looped LLMs."
     )
+    groups = {(): parser.add_subparsers(dest="command", required=True)}  # words so far -> their subcommands
+    parser.leaves = {}
     for cmd in all_commands():
-        container = parser
-        for depth, word in enumerate(cmd.words[:-1]):
-            sub = _subparsers(container, "command" if depth == 0 else f"{cmd.words[depth - 1]}_command")
-            container = sub.choices.get(word) or sub.add_parser(word, help=GROUPS[word])
-        sub = _subparsers(container, "command" if len(cmd.words) == 1 else f"{cmd.words[-2]}_command")
-        p = sub.add_parser(
+        for depth in range(1, len(cmd.words)):
+            path = cmd.words[:depth]
+            if path not in groups:
+                group = groups[path[:-1]].add_parser(path[-1], help=GROUPS[path[-1]])
+                groups[path] = group.add_subparsers(dest=f"{path[-1]}_command", required=True)
+        p = groups[cmd.words[:-1]].add_parser(
             cmd.words[-1],
             help=cmd.help,
             formatter_class=RawEpilogFormatter if cmd.epilog else HelpFormatter,
@@ -74,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
             "given beside it win",
         )
         p.set_defaults(_command=cmd)
+        parser.leaves[cmd.words] = p
     return parser
 
 
@@ -114,7 +113,7 @@ def parse(argv: list[str] | None = None):
         words = tuple(w for w in argv[:2] if not w.startswith("-"))
         cmd = next((c for c in all_commands() if c.words == words[: len(c.words)]), None)
         if cmd is not None:
-            leaf = _leaf(parser, cmd.words)
+            leaf = parser.leaves[cmd.words]
             values = _config_defaults(path, cmd)
             for action in leaf._actions:
                 if action.dest in values and action.required:
@@ -124,12 +123,6 @@ def parse(argv: list[str] | None = None):
             leaf.set_defaults(**values)
     args = parser.parse_args(argv)
     return args._command, from_args(args._command.settings, args)
-
-
-def _leaf(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> argparse.ArgumentParser:
-    for word in words:
-        parser = _subparsers(parser, "")._name_parser_map[word]
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
