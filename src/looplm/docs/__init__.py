@@ -1,1 +1,1 @@
-"""The project's docs built from its results files: `looplm docs render` (cli.py)."""
+"""The project's docs built from its results files: render.py (`looplm docs render`)."""

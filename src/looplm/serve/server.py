@@ -501,7 +501,7 @@ class UvicornServer(uvicorn.Server):
 
 
 def main(args) -> int:
-    """`looplm serve MODEL ...` (arguments defined in serve/cli.py)."""
+    """`looplm serve MODEL ...` (its settings: ``Serve`` in commands/serve.py)."""
     import torch
 
     from ..models import load_model
