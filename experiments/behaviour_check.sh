@@ -42,8 +42,8 @@ $PYTHON - "$OUT" <<'PY' > "$OUT/train-records.txt"
 import json, sys
 for side in ("before", "after"):
     rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{side}/train/metrics.jsonl")]
-    drop = ("time", "seconds", "elapsed", "tokens_per_s", "wall")
-    print(side, json.dumps([{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in rows]))
+    drop = ("time", "seconds", "elapsed", "per_s", "wall")
+    print(side, json.dumps([{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in rows], sort_keys=True))
 PY
 if [ "$(sed -n 1p "$OUT/train-records.txt" | cut -d' ' -f2-)" = "$(sed -n 2p "$OUT/train-records.txt" | cut -d' ' -f2-)" ]; then
   echo "same: train metrics"; else echo "DIFFERENT: train metrics ($OUT/train-records.txt)"; status=1; fi

@@ -14,7 +14,7 @@ the 5% agreement budget. This script measures each rule's ranking on teacher-for
   ``lr:confidence`` (the two feature sets of `looplm fit-exit-probe --features`), ``lr:all`` (both);
 - ``mlp:all``: a one-hidden-layer network on the same features as ``lr:all``;
 - ``margin+copy``: the context's own guess first. Where the loop's argmax is the token that followed the last
-  earlier occurrence of the current 3-gram in the row (serve/exits.py ``ContextGuess``; a small model's greedy
+  earlier occurrence of the current 3-gram in the row (serve/context_index.py ``ContextIndex``; a small model's greedy
   text repeats itself), the token ranks above every other, then by margin; ``lr:all+copy`` adds that match to
   ``lr:all``.
   The engine's ``+copy`` exit policies (``margin:0.19+copy``) apply the first.
@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from looplm.models import load_model
-from looplm.serve.exits import copy_guesses, with_copy_bonus
+from looplm.serve.context_index import copy_guesses
+from looplm.serve.exits import with_copy_bonus
 from looplm.serve.probe import PROBE_FILE, ExitProbe, confidence_features, exit_curve, fit_logistic, probe_features
 from looplm.data.corpus import PackedCorpus
 

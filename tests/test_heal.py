@@ -31,13 +31,13 @@ from looplm.train.heal import (
     prepare,
     relative_error,
     relative_error_log1p,
-    replan_due,
     streamed_rows,
 )
 from looplm.train.heal import plan as heal_plan
 from looplm.train.heal import steps as heal_steps
 from looplm.train.heal.inputs import step_batch, teacher_spans
 from looplm.train.losses import HIDDEN_LOSSES
+from looplm.train.step_loop import replan_due
 from looplm.train.teacher_cache import TeacherCache, build_cache, teacher_states
 from looplm.util import cpu_model
 

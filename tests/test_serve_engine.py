@@ -9,7 +9,8 @@ from looplm.convert import convert
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM
 from looplm.serve import Engine, ExitPolicy, Request, RequestError, SamplingParams, make_scheduler, replay
 from looplm.serve.batch import DepthRunner
-from looplm.serve.exits import ContextGuess, copy_guesses, parse_policy, with_copy_bonus
+from looplm.serve.context_index import ContextIndex, copy_guesses
+from looplm.serve.exits import parse_policy, with_copy_bonus
 
 
 def _model(**kw):
@@ -259,7 +260,7 @@ def test_cosine_policy_exits_some(models):
 
 
 def test_context_guess_is_what_copying_the_context_predicts():
-    """ContextGuess, a token at a time, against the brute-force definition: after position p, the token that
+    """ContextIndex, a token at a time, against the brute-force definition: after position p, the token that
     followed the last earlier occurrence of the 3-gram ending at p."""
     assert copy_guesses([1, 2, 3, 4, 1, 2, 3, 9, 2, 3]) == [-1] * 6 + [4, -1, -1, -1]
     g = torch.Generator().manual_seed(0)
@@ -269,7 +270,7 @@ def test_context_guess_is_what_copying_the_context_predicts():
         earlier = [j for j in range(2, p) if row[j - 2 : j + 1] == row[p - 2 : p + 1]]
         want.append(row[earlier[-1] + 1] if p >= 2 and earlier else -1)
     assert copy_guesses(row) == want and sum(w >= 0 for w in want) > 200
-    ctx = ContextGuess(row[:100])
+    ctx = ContextIndex(row[:100])
     ctx.extend(row[100:])
     assert ctx.guess == want[-1] and ctx.tokens == row
     row = torch.randint(0, 12, (300,), generator=g).tolist()  # twelve words: backing off to 2- and 1-grams matters
@@ -286,7 +287,7 @@ def test_context_guess_is_what_copying_the_context_predicts():
         counts.append(sum(w >= 0 for w in want))
     assert counts[0] < counts[1] < counts[2], counts
     with pytest.raises(ValueError, match="min_n"):
-        ContextGuess(n=3, min_n=4)
+        ContextIndex(n=3, min_n=4)
 
 
 def test_copy_policies_parse_and_refuse_what_they_cannot_do():

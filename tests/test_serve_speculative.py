@@ -15,7 +15,8 @@ from scipy.stats import chisquare
 from looplm.convert import convert
 from looplm.models import LoopLMConfig, LoopLMForCausalLM, from_hf_model
 from looplm.serve import Engine, ExitPolicy, Request, SamplingParams, make_scheduler, replay
-from looplm.serve.speculative import ContextDrafter, accept_greedy, accept_sampled
+from looplm.serve.context_index import ContextIndex
+from looplm.serve.speculative import Speculator, accept_greedy, accept_sampled
 
 models = engine_tests.models  # the engine tests' fixture: its models of every kind and plan
 
@@ -28,15 +29,13 @@ def prompts():
 
 
 def serve(model, ps, lens, speculate, max_batch=3, **kw):
-    """Speculation asked of the engine (it then picks the scheduler), or for ``both`` by the scheduler's name, as
-    `looplm serve` asks for it."""
-    by_name = speculate == "both"
-    engine = Engine(model, max_batch=max_batch, max_seq_len=64, speculate="off" if by_name else speculate)
+    """Speculative rounds by the scheduler's name, as `looplm serve --speculate MODE` asks for them."""
+    engine = Engine(model, max_batch=max_batch, max_seq_len=64)
     reqs = [Request(p, n, **kw) for p, n in zip(ps, lens)]
-    sched = make_scheduler("speculative:both" if by_name else "depth", engine)
+    sched = make_scheduler(f"speculative:{speculate}", engine)
     assert sched.name == "speculative"
     arrive_one_per_step(sched, reqs)
-    return engine, reqs
+    return engine, reqs, sched.speculator
 
 
 MODES = {"vanilla": ["context", "both"]}
@@ -56,12 +55,12 @@ def test_greedy_speculation_equals_full_depth_greedy(models, name, mode):
     model, ps = models[name], prompts()
     lens = [12, 9, 14, 16, 10, 12]
     want = [full_depth_greedy(model, p, n) for p, n in zip(ps, lens)]
-    engine, reqs = serve(model, ps, lens, mode)
+    engine, reqs, speculator = serve(model, ps, lens, mode)
     assert [r.output for r in reqs] == want
     assert all(r.status == "done" for r in reqs)
     assert engine.cache.free_rows == engine.cache.num_rows
-    s = engine.stats
-    assert 0 < s["spec_accepted"] < s["spec_drafted"], s
+    s = speculator.stats
+    assert 0 < s["accepted"] < s["drafted"], s
     assert all(set(r.exit_loops) == {model.config.num_loops} for r in reqs)  # every token verified at full depth
 
 
@@ -72,32 +71,33 @@ def test_every_family_both_sources_at_batch_1(family):
     model = convert(from_hf_model(make_hf_model(family)), loops=2, init="average", lora_ranks=4, norms="per-depth")
     ps = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 1, 2, 3]]
     want = [full_depth_greedy(model.eval(), [t % 128 for t in p], 14) for p in ps]
-    engine = Engine(model, max_batch=1, max_seq_len=48, speculate="both")
+    engine = Engine(model, max_batch=1, max_seq_len=48)
     reqs = [Request([t % 128 for t in p], 14) for p in ps]
-    replay(make_scheduler("sequence", engine), reqs)
+    sched = make_scheduler("speculative:both", engine)
+    replay(sched, reqs)
     assert [r.output for r in reqs] == want
-    assert engine.stats["spec_drafted"] > 0
+    assert sched.speculator.stats["drafted"] > 0
 
 
 def test_modes_refused_where_they_cannot_work(models):
     with pytest.raises(ValueError, match="one loop"):
-        Engine(models["vanilla"], speculate="loop1")
+        Speculator(Engine(models["vanilla"]), "loop1")
     with pytest.raises(ValueError, match="exit policy"):
-        Engine(models["relaxed"], speculate="context", exit_policy=ExitPolicy("margin", 0.5))
+        Speculator(Engine(models["relaxed"], exit_policy=ExitPolicy("margin", 0.5)), "context")
     with pytest.raises(ValueError, match="unknown speculation mode"):
-        Engine(models["relaxed"], speculate="maybe")
+        make_scheduler("speculative:maybe", Engine(models["relaxed"]))
 
 
-def test_context_drafter_copies_the_last_occurrence_of_the_longest_ngram():
-    d = ContextDrafter([1, 2, 3, 9, 2, 3, 8, 5, 2, 3])
+def test_context_drafts_copy_the_last_occurrence_of_the_longest_ngram():
+    d = ContextIndex([1, 2, 3, 9, 2, 3, 8, 5, 2, 3], min_n=1)
     assert d.draft(2) == [8, 5]  # "2 3" last occurred before "8 5"; "3" alone would also say 8
-    d = ContextDrafter([1, 2, 3, 4, 7, 2, 3, 4, 6, 3, 4])
-    assert d.draft(1) == [6]  # the last occurrence wins
+    d = ContextIndex([1, 2, 3, 4, 7, 2, 3, 4, 6, 3, 4], min_n=1)
+    assert d.draft(1) == [6] and d.guess == 6  # the last occurrence wins; the exits' copy guess is the first draft
     d.extend([5])
-    assert d.draft(3) == []  # "4 5", "5" never occurred
-    d = ContextDrafter([4, 7, 4, 7, 4])
+    assert d.draft(3) == [] and d.guess == -1  # "4 5", "5" never occurred
+    d = ContextIndex([4, 7, 4, 7, 4], min_n=1)
     assert d.draft(5) == [7, 4, 7, 4, 7]  # a copy that reaches the end runs on into its own drafts
-    assert ContextDrafter([1, 2, 3]).draft(4) == []
+    assert ContextIndex([1, 2, 3], min_n=1).draft(4) == []
 
 
 def test_accept_greedy_takes_the_agreeing_prefix_and_the_verifiers_token():
@@ -116,17 +116,18 @@ def test_kv_rollback_leaves_exactly_the_committed_tokens(models):
     plain = Engine(model, max_batch=1, max_seq_len=64)
     ref = Request(prompt, n)
     replay(make_scheduler("sequence", plain), [ref])
-    engine = Engine(model, max_batch=1, max_seq_len=64, speculate="both")
+    engine = Engine(model, max_batch=1, max_seq_len=64)
     req = Request(prompt, n)
-    sched = make_scheduler("sequence", engine)
+    sched = make_scheduler("speculative:both", engine)
+    stats = sched.speculator.stats
     sched.submit(req)
     P, rejected_rounds, checked = engine.cache.prefix_len, 0, 0
     while sched.has_work():
-        before = engine.stats["spec_drafted"] - engine.stats["spec_accepted"]
+        before = stats["drafted"] - stats["accepted"]
         sched.step()
         if req.status != "running":
             break
-        rejected_rounds += engine.stats["spec_drafted"] - engine.stats["spec_accepted"] > before
+        rejected_rounds += stats["drafted"] - stats["accepted"] > before
         pending = len(req.prompt) + len(req.output) - 1
         for cache, ref_cache in ((engine.cache.k, plain.cache.k), (engine.cache.v, plain.cache.v)):
             torch.testing.assert_close(cache[:, :, : P + pending], ref_cache[:, :, : P + pending], rtol=1e-4, atol=1e-4)
@@ -189,13 +190,15 @@ def test_sampled_output_has_the_models_distribution(tiny_vocab_model, mode):
             joint = (joint[:, None] * probs).reshape(-1)
             seqs = torch.cat([seqs.repeat_interleave(8, 0), torch.arange(8).repeat(len(seqs))[:, None]], 1)
     counts = torch.zeros(8**n_tok)
-    engine = Engine(model, max_batch=64, max_seq_len=16, speculate=mode)
+    engine, drafted, accepted = Engine(model, max_batch=64, max_seq_len=16), 0, 0
     for batch in range(32):
         reqs = [Request(prompt, n_tok, SamplingParams(**sp, seed=batch * 64 + i)) for i in range(64)]
-        replay(make_scheduler("sequence", engine), reqs)
+        sched = make_scheduler(f"speculative:{mode}", engine)
+        replay(sched, reqs)
+        drafted, accepted = drafted + sched.speculator.stats["drafted"], accepted + sched.speculator.stats["accepted"]
         for r in reqs:
             counts[(r.output[0] * 8 + r.output[1]) * 8 + r.output[2]] += 1
-    assert engine.stats["spec_accepted"] > 0 and engine.stats["spec_drafted"] > engine.stats["spec_accepted"]
+    assert 0 < accepted < drafted
     n = counts.sum()
     expected = joint * n
     big = expected >= 5  # cells expected fewer than 5 times are pooled into one
@@ -241,14 +244,13 @@ def test_smollm2_greedy_with_context_drafts_equals_plain_decoding(smollm2):
         tok("The capital of France is", add_special_tokens=False)["input_ids"],
     ]
     outs = {}
-    for mode in ("off", "context"):
-        engine = Engine(model, max_batch=2, max_seq_len=128, speculate=mode)
+    for scheduler in ("sequence", "speculative:context"):
+        sched = make_scheduler(scheduler, Engine(model, max_batch=2, max_seq_len=128))
         reqs = [Request(p, 48) for p in prompts]
-        replay(make_scheduler("sequence", engine), reqs)
-        outs[mode] = [r.output for r in reqs]
-        if mode == "context":
-            assert engine.stats["spec_accepted"] > 0
-    assert outs["context"] == outs["off"]
+        replay(sched, reqs)
+        outs[scheduler] = [r.output for r in reqs]
+    assert sched.speculator.stats["accepted"] > 0
+    assert outs["speculative:context"] == outs["sequence"]
 
 
 def test_server_metrics_report_acceptance():
@@ -256,7 +258,7 @@ def test_server_metrics_report_acceptance():
 
     m = Metrics(2)
     assert "looplm_speculative_acceptance_rate 0" in m.render()
-    m.speculation({"spec_drafted": 40, "spec_accepted": 30, "spec_rounds": 12, "spec_tokens": 42})
+    m.speculation({"drafted": 40, "accepted": 30, "rounds": 12, "tokens": 42})
     text = m.render()
     assert "looplm_speculative_drafted_tokens_total 40" in text
     assert "looplm_speculative_accepted_tokens_total 30" in text

@@ -201,31 +201,36 @@ def test_train_lora_only_changes_lora(setup):
 
 
 def test_time_budget_becomes_a_step_count_that_resume_keeps(setup, monkeypatch):
-    """--budget-minutes: the step count is fixed from the first timed steps, corrected once halfway from the steps
-    timed since (written to run.json), and the cosine schedule then runs over it; a resumed run keeps the count
-    instead of timing again. The loop's clock ticks 0.05 s a step, so the counts do not hang on the machine's speed
-    (0.6 s: 12 steps, fixed after 4 and corrected at step 7)."""
-    from looplm.train import loop
+    """--budget-minutes: the step count is fixed from the first timed steps by the step loop (written to run.json
+    with the steps it was fixed at), and the cosine schedule then runs over it; a resumed run keeps the count
+    instead of timing again. The loop's clock moves 1/16 s a step, so the count does not hang on the machine's
+    speed (0.75 s: 12 steps, fixed before step 3 from steps 1 and 2; the first warms up)."""
+    from looplm.train import step_loop
+    from looplm.train.loop import Trainer
 
-    ticks = iter(0.05 * i for i in range(10**6))
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    now = [0.0]
+    monkeypatch.setattr(step_loop, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    one_step = Trainer._step
+
+    def timed_step(self, *args):
+        now[0] += 0.0625
+        return one_step(self, *args)
+
+    monkeypatch.setattr(Trainer, "_step", timed_step)
     tmp = setup[0]
     logged = []
-    train(_cfg(setup, "budget", max_steps=None, budget_minutes=0.01, lr=1e-3), logged.append)
+    train(_cfg(setup, "budget", max_steps=None, budget_minutes=0.0125, lr=1e-3), logged.append)
     run = json.loads((tmp / "budget" / "run.json").read_text())
     total = run["max_steps"]
-    assert run["budget_fixed"] and run["budget_corrected"]
-    fixed, corrected = [m for m in logged if m.startswith("budget")]
-    first = int(fixed.split(" steps fill")[0].rsplit(" ", 1)[1])
-    at = int(corrected.removeprefix("budget corrected at step ").split(":")[0])
-    assert (first, at, total) == (12, 7, 12) and f" {total} steps fill" in corrected
+    assert (total, run["replanned_at"]) == (12, [3])
+    assert [m for m in logged if m.startswith("budget")] == ["budget: 0.06 s per step, 12 steps fill 0.0125 minutes"]
     recs = [r for r in metrics(tmp / "budget") if not r.get("eval")]
     assert [r["step"] for r in recs] == list(range(1, total + 1))
     f = lr_lambda_factory(max(1, round(0.05 * total)), total, 0.1)
-    for r in recs[at:]:  # steps after the correction follow the corrected count's schedule
+    for r in recs[3:]:  # steps after the fix follow the count's schedule
         assert r["lr"] == pytest.approx(1e-3 * f(r["step"] - 1))
     assert (tmp / "budget" / "final" / "config.json").exists()
-    train(_cfg(setup, "budget", max_steps=None, budget_minutes=0.01, lr=1e-3, resume=True), lambda *a: None)
+    train(_cfg(setup, "budget", max_steps=None, budget_minutes=0.0125, lr=1e-3, resume=True), lambda *a: None)
     run = json.loads((tmp / "budget" / "run.json").read_text())
     assert run["max_steps"] == total and run["machines"] == [cpu_model()]  # the minutes' machine, named once
     assert len([r for r in metrics(tmp / "budget") if not r.get("eval")]) == total

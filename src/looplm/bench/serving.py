@@ -21,6 +21,7 @@ from ..models.quantized import prepare, stored_format, stored_lora, weight_bytes
 from ..serve import Engine, Request
 from ..serve.exits import ExitPolicy
 from ..serve.schedulers import make_scheduler, replay, rss_mb, warm_up
+from ..serve.speculative import figures
 from .hypothetical import hypothetical
 
 
@@ -81,12 +82,12 @@ def run_trace(
         exit_policy=policy,
         kv_mode=kv_mode,
         compile=compile,
-        speculate=speculate,
     )
     compile_s = warm_up(engine)  # compiled graphs are built before the clock starts
     reqs = [Request(r["prompt"], r["max_tokens"], arrival=r["arrival"]) for r in trace]
     rss0 = rss_mb()
-    res = replay(make_scheduler(scheduler, engine), reqs)
+    sched = make_scheduler(f"speculative:{speculate}" if speculate != "off" else scheduler, engine)
+    res = replay(sched, reqs)
     ok = [r for r in reqs if r.status == "done"]
     tokens = sum(len(r.output) for r in ok)
     first = min(r.arrival for r in reqs)
@@ -120,10 +121,8 @@ def run_trace(
         "step_ms_per_token": {k: round(1e3 * v / max(1, tokens), 3) for k, v in stats["seconds"].items()},
     }
     if speculate != "off":
-        s = stats
-        fig["speculate"] = speculate
-        fig["acceptance_rate"] = round(s["spec_accepted"] / s["spec_drafted"], 4) if s["spec_drafted"] else None
-        fig["mean_accepted_length"] = round(s["spec_tokens"] / s["spec_rounds"], 3) if s["spec_rounds"] else None
+        spec = figures(sched.speculator.stats)
+        fig.update(speculate=speculate, **{k: spec[k] for k in ("acceptance_rate", "mean_accepted_length")})
     if compile:
         fig["compile_seconds"] = round(compile_s, 1)
     return fig, reqs, engine

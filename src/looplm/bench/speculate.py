@@ -37,21 +37,22 @@ PROMPTS = {
 def _engine_run(model, ids, n, mode):
     from ..serve import Engine, Request
     from ..serve.schedulers import make_scheduler, replay
+    from ..serve.speculative import figures
 
-    engine = Engine(model, max_batch=1, max_seq_len=len(ids) + n + 1, speculate=mode)
-    replay(make_scheduler("sequence", engine), [Request(ids[:8], 8)])  # warm-up, untimed
-    engine.reset_stats()
-    req = Request(ids, n)
+    engine = Engine(model, max_batch=1, max_seq_len=len(ids) + n + 1)
+    scheduler = "sequence" if mode == "off" else f"speculative:{mode}"
+    replay(make_scheduler(scheduler, engine), [Request(ids[:8], 8)])  # warm-up, untimed
+    req, sched = Request(ids, n), make_scheduler(scheduler, engine)
     t0 = time.perf_counter()
-    replay(make_scheduler("sequence", engine), [req])
+    replay(sched, [req])
     seconds = time.perf_counter() - t0
-    s = engine.stats
+    spec = figures(sched.speculator.stats) if mode != "off" else {}
     return req.output, {
         "tokens": len(req.output),
         "seconds": round(seconds, 3),
         "tokens_per_s": round(len(req.output) / seconds, 2),
-        "acceptance_rate": round(s["spec_accepted"] / s["spec_drafted"], 4) if s["spec_drafted"] else None,
-        "mean_accepted_length": round(s["spec_tokens"] / s["spec_rounds"], 3) if s["spec_rounds"] else None,
+        "acceptance_rate": spec.get("acceptance_rate"),
+        "mean_accepted_length": spec.get("mean_accepted_length"),
     }
 
 

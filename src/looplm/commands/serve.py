@@ -278,20 +278,6 @@ def cmd_fit_exit_probe(s: FitExitProbe) -> int:
     return 0
 
 
-def speculation_figures(counts) -> dict:
-    """Acceptance rate (accepted / drafted tokens) and mean accepted length (tokens committed per verification,
-    the verifier's own token included) from an engine's stats or a request's speculation state."""
-    get = counts.get if isinstance(counts, dict) else lambda k: getattr(counts, k.removeprefix("spec_"))
-    drafted, accepted, rounds, tokens = (get(f"spec_{k}") for k in ("drafted", "accepted", "rounds", "tokens"))
-    return {
-        "drafted": drafted,
-        "accepted": accepted,
-        "verifications": rounds,
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-        "mean_accepted_length": round(tokens / rounds, 3) if rounds else None,
-    }
-
-
 def cmd_generate(s: Generate) -> int:
     from ..models import load_model
     from ..models.quantized import load_dtype, prepare
@@ -322,10 +308,13 @@ def cmd_generate(s: Generate) -> int:
         exit_policy=parse_policy(s.exit_policy),
         kv_mode=s.kv_mode,
         compile=s.compile,
-        speculate=s.speculate,
     )
     warm_up(engine)
-    res = replay(make_scheduler(s.scheduler, engine), reqs)
+    from ..serve.speculative import figures
+
+    scheduler = make_scheduler(f"speculative:{s.speculate}" if s.speculate != "off" else s.scheduler, engine)
+    res = replay(scheduler, reqs)
+    speculator = getattr(scheduler, "speculator", None)
     out = [
         {
             "prompt": p,
@@ -335,7 +324,7 @@ def cmd_generate(s: Generate) -> int:
             "tokens": len(r.output),
             "token_ids": r.output,
             "exit_loops": r.exit_loops,
-            **({"speculation": speculation_figures(r.spec)} if r.spec is not None else {}),
+            **({"speculation": figures(st)} if speculator and (st := speculator.state_of(r)) else {}),
         }
         for p, r in zip(s.prompt, reqs)
     ]
@@ -344,7 +333,7 @@ def cmd_generate(s: Generate) -> int:
         summary = {"results": out, "seconds": round(res["seconds"], 3)}
         summary["tokens_per_second"] = round(total / res["seconds"], 2) if res["seconds"] > 0 else None
         if s.speculate != "off":
-            summary["speculation"] = {"mode": s.speculate, **speculation_figures(engine.stats)}
+            summary["speculation"] = {"mode": s.speculate, **figures(speculator.stats)}
         print_json(summary)
     else:
         for o in out:

@@ -32,19 +32,7 @@ from .request import Decision, Item, Request
 from .sampling import RequestError, SamplingParams, sample
 
 KV_MODES = ("copy", "later")
-SPECULATE_MODES = ("off", "context", "loop1", "both")  # speculative decoding's draft sources (serve/speculative.py)
 STEP_PARTS = ("execute", "head", "decide", "kv_fill", "sample", "commit")  # stats["seconds"] of a step
-
-
-def check_speculate(mode: str, num_loops: int) -> None:
-    """A usage error (ValueError) for a speculation mode this model cannot run."""
-    if mode not in SPECULATE_MODES:
-        raise ValueError(f"unknown speculation mode {mode!r}; use one of {', '.join(SPECULATE_MODES)}")
-    if mode == "loop1" and num_loops < 2:
-        raise ValueError(
-            "--speculate loop1 drafts with the model's first loop, and this model has one loop (B = 1): "
-            "its loop 1 is the whole model; use --speculate context"
-        )
 
 
 class _Loop:  # an (item, row) pair's item, as far as the exit head reads it: its 0-based loop
@@ -65,7 +53,6 @@ class Engine:
         clock=None,
         tune_products: bool = True,
         compile: bool = False,
-        speculate: str = "off",
     ):
         if kv_mode not in KV_MODES:
             raise ValueError(f"unknown kv mode {kv_mode!r}; use one of {KV_MODES}")
@@ -105,15 +92,6 @@ class Engine:
                     k, v = model.model.layers[c.layer_map[d]].attn.prefix_kv(c.slot_map[d])
                     self.cache.set_prefix(d, k[0], v[0])
         self.policy = (exit_policy or ExitPolicy()).bind(model)
-        # speculative decoding (serve/speculative.py): off, context, loop1 or both; schedulers.make_scheduler then
-        # serves in speculative rounds
-        check_speculate(speculate, self.B)
-        if speculate != "off" and self.policy.active:
-            raise ValueError(
-                "speculative decoding gives the full model's tokens and an exit policy changes them: "
-                "use one or the other"
-            )
-        self.speculate = speculate
         self.kv_mode = kv_mode
         self.clock = clock or time.perf_counter
         self.reset_stats()
@@ -134,10 +112,6 @@ class Engine:
             # routing), the KV of loops an exited token skipped (kv mode later: queuing the items that compute
             # it in later steps' execute), sampling and committing tokens to requests
             "seconds": dict.fromkeys(STEP_PARTS, 0.0),
-            "spec_rounds": 0,  # speculative decoding: verifications, drafted, accepted and committed tokens
-            "spec_drafted": 0,
-            "spec_accepted": 0,
-            "spec_tokens": 0,
         }
 
     # --- request life ---------------------------------------------------------------------------

@@ -13,11 +13,11 @@ a loop.
   final one (the paper's oracle exit trajectory)
 
 ``+copy`` (``margin:0.19+copy``; ``copy`` alone: no other rule) also lets a token leave when the loop's argmax is
-what copying the context predicts (``ContextGuess``): the token that followed the last earlier occurrence of the
-sequence's final 3-gram. A small model's greedy text repeats itself, and where loop 1 already agrees with the
-context the full depth almost always does too, so on a model's own greedy text it lets many more tokens leave
-after loop 1 at the same agreement than the margin rule alone. It costs no model work, only a dictionary per
-sequence.
+what copying the context predicts (``ContextIndex.guess``, serve/context_index.py): the token that followed the
+last earlier occurrence of the sequence's final 3-gram. A small model's greedy text repeats itself, and where
+loop 1 already agrees with the context the full depth almost always does too, so on a model's own greedy text it
+lets many more tokens leave after loop 1 at the same agreement than the margin rule alone. It costs no model work,
+only a dictionary per sequence.
 
 ``+copy:BONUS`` (``margin:0.49+copy:8``) goes further: the guess's exit logit gains ``BONUS`` before the rule
 decides and before the token is drawn, so a token leaves with the guess when loop 1 ranks it within ``BONUS``
@@ -45,42 +45,6 @@ DEFAULTS = {
 }  # probe: the threshold saved with the fitted probe
 
 
-class ContextGuess:
-    """What copying the context predicts next: the token that followed the last earlier occurrence of the
-    sequence's final ``n``-gram, or -1. With ``min_n`` < ``n`` a shorter final k-gram (k = n - 1 .. min_n)
-    answers where the n-gram never occurred before: the longest repeated suffix decides. Kept up to date a
-    token at a time (one dictionary of k-grams)."""
-
-    def __init__(self, tokens=(), n: int = 3, min_n: int | None = None):
-        self.n, self.min_n = n, n if min_n is None else min_n
-        if not 1 <= self.min_n <= n:
-            raise ValueError(f"copy n-grams need 1 <= min_n <= n, got n={n}, min_n={min_n}")
-        self.tokens, self.guess = [], -1
-        self._last: dict[tuple, int] = {}  # k-gram -> position of its last token, up to the previous one
-        self.extend(tokens)
-
-    def extend(self, tokens) -> None:
-        for t in tokens:
-            self.tokens.append(int(t))
-            p = len(self.tokens) - 1
-            self.guess = -1
-            for k in range(min(self.n, p + 1), self.min_n - 1, -1):
-                gram = tuple(self.tokens[p - k + 1 :])
-                j = self._last.get(gram)
-                if self.guess < 0 and j is not None:
-                    self.guess = self.tokens[j + 1]
-                self._last[gram] = p
-
-
-def copy_guesses(tokens, n: int = 3, min_n: int | None = None) -> list[int]:
-    """``ContextGuess.guess`` after each of ``tokens``: at position p, what copying predicts for p + 1."""
-    ctx, out = ContextGuess(n=n, min_n=min_n), []
-    for t in tokens:
-        ctx.extend([t])
-        out.append(ctx.guess)
-    return out
-
-
 def with_copy_bonus(logits: torch.Tensor, guesses: torch.Tensor, bonus: float) -> torch.Tensor:
     """``logits`` [n, V] with ``bonus`` added to each row's copy guess (``guesses`` [n], -1: none, unchanged)."""
     if not bonus:
@@ -98,7 +62,7 @@ class ExitPolicy:
     kind: str = "none"
     threshold: float | None = None
     probe: object | None = field(default=None, repr=False)  # probe.ExitProbe, bound by the engine
-    copy: bool = False  # also exit where the loop's argmax is the context's copy guess (ContextGuess)
+    copy: bool = False  # also exit where the loop's argmax is the context's copy guess (context_index.ContextIndex)
     copy_bonus: float = 0.0  # +copy:BONUS: added to the guess's exit logit (exit_logits)
     # oracle (analysis): each token's argmax after every loop so far, keyed by (request, position)
     _trail: dict = field(default_factory=dict, repr=False, compare=False)
@@ -177,7 +141,7 @@ class ExitPolicy:
         those of ``exit_logits``), h and h_prev [n, hidden]; the probe also needs each token's 0-based loop
         index and the model (its final norm); ``+copy`` each sequence's copy guess [n] (-1: none)."""
         if self.copy and guesses is None:
-            raise ValueError("a +copy policy decides with each sequence's copy guess (ContextGuess)")
+            raise ValueError("a +copy policy decides with each sequence's copy guess (context_index.ContextIndex)")
         leave = self._decide(logits, h, h_prev, loops, model)
         return leave | (logits.argmax(-1) == guesses.to(logits.device)) if self.copy else leave
 

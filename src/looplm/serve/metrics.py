@@ -25,7 +25,7 @@ class Metrics:
         self.occupancy = [0] * num_loops  # items at each loop in the last step
         self.exits = [0] * num_loops  # tokens emitted after each loop (from the engine)
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
-        self.spec = {"drafted": 0, "accepted": 0, "rounds": 0, "tokens": 0}  # speculative decoding (engine stats)
+        self.spec = {"drafted": 0, "accepted": 0, "rounds": 0, "tokens": 0}  # speculative decoding (Speculator.stats)
 
     def observe_step(self, items) -> None:
         counts = [0] * self.num_loops
@@ -48,9 +48,9 @@ class Metrics:
                 self.recent.popleft()
 
     def speculation(self, stats: dict) -> None:
-        """Speculative decoding's counts, from the engine's stats (``spec_*``) after a step."""
+        """Speculative decoding's counts (``Speculator.stats``) after a step."""
         with self.lock:
-            self.spec = {k: stats.get(f"spec_{k}", 0) for k in self.spec}
+            self.spec = {k: stats.get(k, 0) for k in self.spec}
 
     def set_load(self, queued: int, running: int) -> None:
         with self.lock:

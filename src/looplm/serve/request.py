@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from .exits import ContextGuess
+from .context_index import ContextIndex
 from .sampling import SamplingParams
 
 _ids = itertools.count()
@@ -44,13 +44,12 @@ class Request:
         self.row: int | None = None
         self.generator: torch.Generator | None = None
         self.finish_time: float | None = None
-        self._context: ContextGuess | None = None  # +copy exit policies: built on first use
-        self.spec = None  # speculative decoding: its state (speculative.SpecState), built on first use
+        self._context: ContextIndex | None = None  # +copy exit policies: built on first use
 
     def copy_guess(self) -> int:
-        """What copying this sequence's context predicts next (exits.ContextGuess), or -1."""
+        """What copying this sequence's context predicts next (``ContextIndex.guess``), or -1."""
         if self._context is None:
-            self._context = ContextGuess(self.prompt)
+            self._context = ContextIndex(self.prompt)
         self._context.extend(self.output[len(self._context.tokens) - len(self.prompt) :])
         return self._context.guess
 

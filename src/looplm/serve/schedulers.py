@@ -123,13 +123,11 @@ class SpeculativeScheduler(Scheduler):
 
     name = "speculative"
 
-    def __init__(self, engine: Engine, mode: str | None = None, max_draft: int = 8):
+    def __init__(self, engine: Engine, mode: str = "both", max_draft: int = 8):
         from .speculative import Speculator
 
         super().__init__(engine)
-        self.speculator = Speculator(
-            engine, mode or (engine.speculate if engine.speculate != "off" else "both"), max_draft
-        )
+        self.speculator = Speculator(engine, mode, max_draft)
 
     def step(self):
         self._prune()
@@ -147,11 +145,11 @@ SCHEDULERS = {"static": StaticScheduler, "sequence": SequenceScheduler, "depth":
 
 
 def make_scheduler(name: str, engine: Engine) -> Scheduler:
-    """The scheduler ``name`` on ``engine``. ``speculative:MODE`` (or an engine built with ``speculate`` other
-    than off, whatever the name) serves in speculative rounds, which are their own batching."""
+    """The scheduler ``name`` on ``engine``. ``speculative:MODE`` (``speculative``: both sources) serves in
+    speculative rounds, which are their own batching."""
     kind, _, mode = name.partition(":")
-    if kind == "speculative" or engine.speculate != "off":
-        return SpeculativeScheduler(engine, mode or None)
+    if kind == "speculative":
+        return SpeculativeScheduler(engine, mode or "both")
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; use one of {', '.join(SCHEDULERS)} or speculative:MODE")
     return SCHEDULERS[name](engine)

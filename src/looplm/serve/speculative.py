@@ -30,56 +30,35 @@ Exit policies are refused: speculation is the lossless alternative to early exit
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from .engine import SPECULATE_MODES as MODES  # noqa: F401  (the modes, for callers of this module)
-from .engine import Engine, check_speculate
+from .context_index import ContextIndex
+from .engine import Engine
 from .request import Item, Request
 from .sampling import draw, filtered_probs
 
+MODES = ("off", "context", "loop1", "both")  # the draft sources (off: no speculation)
 
-class ContextDrafter:
-    """Prompt lookup over a request's committed tokens (prompt + output): the tokens that followed the last
-    earlier occurrence of the longest final n-gram, n = ``max_n`` .. 1. Kept up to date a token at a time."""
 
-    def __init__(self, tokens=(), max_n: int = 3):
-        self.max_n = max_n
-        self.tokens: list[int] = []
-        self._last: dict[tuple, int] = {}  # n-gram -> end position of its last occurrence
-        self.match = -1  # end position of the last earlier occurrence of the longest final n-gram, or -1
-        self.extend(tokens)
-
-    def extend(self, tokens) -> None:
-        for t in tokens:
-            self.tokens.append(int(t))
-            p = len(self.tokens) - 1
-            self.match = -1
-            for n in range(min(self.max_n, p + 1), 0, -1):
-                gram = tuple(self.tokens[p - n + 1 :])
-                j = self._last.get(gram)
-                if self.match < 0 and j is not None:
-                    self.match = j
-                self._last[gram] = p
-
-    def draft(self, k: int) -> list[int]:
-        """Up to k tokens that continue the last occurrence of the final n-gram (none when it never occurred);
-        a copy that reaches the end continues into its own drafted tokens."""
-        if self.match < 0 or k <= 0:
-            return []
-        ext, j = self.tokens, self.match
-        out: list[int] = []
-        for i in range(k):
-            src = j + 1 + i
-            out.append(ext[src] if src < len(ext) else out[src - len(ext)])
-        return out
+def check_mode(mode: str, num_loops: int) -> None:
+    """A usage error (ValueError) for a speculation mode this model cannot run."""
+    if mode not in MODES:
+        raise ValueError(f"unknown speculation mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "loop1" and num_loops < 2:
+        raise ValueError(
+            "--speculate loop1 drafts with the model's first loop, and this model has one loop (B = 1): "
+            "its loop 1 is the whole model; use --speculate context"
+        )
 
 
 class SpecState:
-    """One request's speculation: its context drafter, draft lengths per source and counts."""
+    """One request's speculation: its context index (prompt lookup, n-grams of 3 down to 1), draft lengths per
+    source and counts."""
 
     def __init__(self, req: Request, max_draft: int):
-        self.context = ContextDrafter(req.prompt)
+        self.context = ContextIndex(req.prompt, n=3, min_n=1)
         self.max_draft = max_draft
         self.rate = {"context": 0.5, "loop1": 0.5}  # recent fraction of drafted tokens accepted, per source
         self.drafted = self.accepted = self.rounds = self.tokens = 0
@@ -95,6 +74,37 @@ class SpecState:
         self.accepted += accepted
         self.rounds += 1
         self.tokens += committed
+
+
+def figures(counts) -> dict:
+    """Acceptance rate (accepted / drafted tokens) and mean accepted length (tokens committed per verification,
+    the verifier's own token included) from a Speculator's stats or one request's SpecState."""
+    get = counts.get if isinstance(counts, dict) else lambda k: getattr(counts, k)
+    drafted, accepted, rounds, tokens = (get(k) for k in ("drafted", "accepted", "rounds", "tokens"))
+    return {
+        "drafted": drafted,
+        "accepted": accepted,
+        "verifications": rounds,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "mean_accepted_length": round(tokens / rounds, 3) if rounds else None,
+    }
+
+
+@dataclass
+class Draft:
+    """One request's round: its pending-token item, the drafted tokens and their source (None: no draft, the
+    pending token is verified alone); for loop-1 drafts the count k, each draft's loop-1 state and (sampling) the
+    distribution it was drawn from; then the item that verifies them and the full model's logits over it."""
+
+    item: Item
+    state: SpecState
+    drafts: list[int] = field(default_factory=list)
+    source: str | None = None
+    k: int = 0
+    h: list[torch.Tensor] = field(default_factory=list)
+    q: list[torch.Tensor | None] = field(default_factory=list)
+    verify: Item | None = None
+    logits: torch.Tensor | None = None
 
 
 def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
@@ -128,10 +138,11 @@ def accept_sampled(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generato
 
 class Speculator:
     """Speculative rounds on an engine. ``round(items)`` takes the pending-token items of decoding requests and
-    returns the next ones (requests that finished drop out)."""
+    returns the next ones (requests that finished drop out). ``stats``: verifications, drafted, accepted and
+    committed tokens, over every request; ``state_of(request)`` one request's."""
 
     def __init__(self, engine: Engine, mode: str, max_draft: int = 8):
-        check_speculate(mode, engine.B)
+        check_mode(mode, engine.B)
         if mode == "off":
             raise ValueError("a Speculator needs a speculation mode other than off")
         if engine.policy.active:
@@ -141,11 +152,16 @@ class Speculator:
         self.engine, self.mode, self.max_draft = engine, mode, max_draft
         self.use_loop1 = mode in ("loop1", "both") and engine.B > 1
         self.use_context = mode in ("context", "both")
+        self.states: dict = {}  # request id -> SpecState (a finished request's: its counts alone)
+        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "tokens": 0}
 
-    def state(self, req: Request) -> SpecState:
-        if req.spec is None:
-            req.spec = SpecState(req, self.max_draft)
-        st = req.spec
+    def state_of(self, req: Request) -> SpecState | None:
+        return self.states.get(req.id)
+
+    def _state(self, req: Request) -> SpecState:
+        st = self.states.get(req.id)
+        if st is None:
+            st = self.states[req.id] = SpecState(req, self.max_draft)
         st.context.extend(req.output[len(st.context.tokens) - len(req.prompt) :])
         return st
 
@@ -156,41 +172,40 @@ class Speculator:
         if not items:
             return []
         try:
-            plans = self._draft(items)
-            self._verify(plans)
+            drafts = self._draft(items)
+            self._verify(drafts)
         except Exception as e:  # a fault fails the requests of this round, not the engine
             eng.fail(items, e)
             return []
-        return [nxt for plan in plans if (nxt := self._accept(plan)) is not None]
+        return [nxt for d in drafts if (nxt := self._accept(d)) is not None]
 
     # --- 1. draft ------------------------------------------------------------------------------------
-    def _draft(self, items: list[Item]) -> list[dict]:
-        eng, plans, by_loop1 = self.engine, [], []
+    def _draft(self, items: list[Item]) -> list[Draft]:
+        eng, out, by_loop1 = self.engine, [], []
         for it in items:
-            req, st = it.req, self.state(it.req)
+            req, st = it.req, self._state(it.req)
             room = req.max_tokens - len(req.output) - 1  # the drafts and the verifier's token fit max_tokens
-            plan = {"item": it, "state": st, "drafts": [], "source": None, "q": None, "h": None}
+            d = Draft(it, st)
             if room > 0 and self.use_context:
-                drafts = st.context.draft(min(room, st.k("context")))
-                if drafts:
-                    plan.update(drafts=drafts, source="context")
-            if room > 0 and not plan["drafts"] and self.use_loop1:
-                plan.update(source="loop1", k=min(room, st.k("loop1")), h=[], q=[])
-                by_loop1.append(plan)
-            plans.append(plan)
+                d.drafts = st.context.draft(min(room, st.k("context")))
+                d.source = "context" if d.drafts else None
+            if room > 0 and not d.drafts and self.use_loop1:
+                d.source, d.k = "loop1", min(room, st.k("loop1"))
+                by_loop1.append(d)
+            out.append(d)
         # loop 1, one single-token step per draft for all drafting requests at once: the pending token, then
         # each draft; every draft is read at loop 1's exit
         step = 0
         while True:
-            active = [pl for pl in by_loop1 if step < pl["k"]]
+            active = [d for d in by_loop1 if step < d.k]
             if not active:
                 break
-            owner, work = {}, []  # id(work item) -> its plan
-            for pl in active:
-                it = pl["item"]
-                tok = it.ids if step == 0 else torch.tensor([pl["drafts"][-1]], device=eng.device)
+            owner, work = {}, []  # id(work item) -> its draft
+            for d in active:
+                it = d.item
+                tok = it.ids if step == 0 else torch.tensor([d.drafts[-1]], device=eng.device)
                 w = Item(it.req, it.pos + step, 1, 0, "token", ids=tok)
-                owner[id(w)] = pl
+                owner[id(w)] = d
                 work.append(w)
             order = eng.schedule(work)
             h = self._run(order)
@@ -199,28 +214,28 @@ class Speculator:
             greedy = all(p.greedy for p in params)
             q = None if greedy else filtered_probs(logits, params)
             for i, w in enumerate(order):
-                pl = owner[id(w)]
-                pl["h"].append(h[i : i + 1])
+                d = owner[id(w)]
+                d.h.append(h[i : i + 1])
                 if greedy or w.req.sampling.greedy:
-                    pl["drafts"].append(int(logits[i].argmax()))
-                    pl["q"].append(None)
+                    d.drafts.append(int(logits[i].argmax()))
+                    d.q.append(None)
                 else:
-                    pl["drafts"].append(draw(q[i], w.req.generator))
-                    pl["q"].append(q[i])
+                    d.drafts.append(draw(q[i], w.req.generator))
+                    d.q.append(q[i])
             step += 1
-        return plans
+        return out
 
     # --- 2. verify -----------------------------------------------------------------------------------
-    def _verify(self, plans: list[dict]) -> None:
+    def _verify(self, drafts: list[Draft]) -> None:
         eng = self.engine
-        for pl in plans:
-            it = pl["item"]
-            if pl["source"] == "loop1":  # the pending token and k - 1 drafts, from their loop-1 states
-                pl["verify"] = Item(it.req, it.pos, pl["k"], 1, "verify", h=torch.cat(pl["h"]))
+        for d in drafts:
+            it = d.item
+            if d.source == "loop1":  # the pending token and k - 1 drafts, from their loop-1 states
+                d.verify = Item(it.req, it.pos, d.k, 1, "verify", h=torch.cat(d.h))
             else:  # the pending token and the context's drafts (or none), from their embeddings
-                ids = torch.tensor([int(it.ids[0])] + pl["drafts"], device=eng.device)
-                pl["verify"] = Item(it.req, it.pos, len(ids), 0, "verify", ids=ids)
-        todo = [pl["verify"] for pl in plans]
+                ids = torch.tensor([int(it.ids[0])] + d.drafts, device=eng.device)
+                d.verify = Item(it.req, it.pos, len(ids), 0, "verify", ids=ids)
+        todo = [d.verify for d in drafts]
         for loop in range(min(v.loop for v in todo), eng.B):  # every step runs one loop: uniform batches
             order = eng.schedule([v for v in todo if v.loop == loop])
             if not order:
@@ -233,8 +248,8 @@ class Speculator:
         logits = dict(
             zip(map(id, order), eng.exit_logits(rows, [eng.B - 1] * rows.shape[0]).split([v.length for v in order]))
         )
-        for pl in plans:  # a request cancelled meanwhile has none (and is not accepted)
-            pl["logits"] = logits.get(id(pl["verify"]))
+        for d in drafts:  # a request cancelled meanwhile has none (and is not accepted)
+            d.logits = logits.get(id(d.verify))
 
     def _run(self, order: list[Item]) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -243,17 +258,16 @@ class Speculator:
         return h
 
     # --- 3. accept, commit, roll back ----------------------------------------------------------------
-    def _accept(self, plan: dict) -> Item | None:
-        eng, it, st = self.engine, plan["item"], plan["state"]
-        req, drafts, logits = it.req, plan["drafts"], plan["logits"]
+    def _accept(self, d: Draft) -> Item | None:
+        eng, it, req, drafts, logits = self.engine, d.item, d.item.req, d.drafts, d.logits
         if req.status != "running":
             return None
         if req.sampling.greedy:
             tokens = accept_greedy(drafts, logits.argmax(-1).tolist())
         else:
             p = filtered_probs(logits, [req.sampling] * logits.shape[0])
-            if plan["source"] == "loop1":
-                q = torch.stack(plan["q"])
+            if d.source == "loop1":
+                q = torch.stack(d.q)
             else:  # a context draft is certain: q is one-hot at it
                 q = torch.zeros(len(drafts), p.shape[1], device=p.device)
                 if drafts:
@@ -266,16 +280,15 @@ class Speculator:
             if not eng.commit_token(req, tok, eng.B, now):
                 alive = False
                 break
-        st.update(plan["source"], len(drafts), accepted, committed)
-        s = eng.stats
-        s["spec_rounds"] += 1
-        s["spec_drafted"] += len(drafts)
-        s["spec_accepted"] += accepted
-        s["spec_tokens"] += committed
+        d.state.update(d.source, len(drafts), accepted, committed)
+        for key, n in (("rounds", 1), ("drafted", len(drafts)), ("accepted", accepted), ("tokens", committed)):
+            self.stats[key] += n
+        if req.finished:  # its counts stay for the caller; its index of the context goes
+            d.state.context = None
         if not alive:
             return None
         new_pos = it.pos + len(tokens)  # the new pending token's position; the KV beyond it is rejected drafts
-        written = it.pos + plan["verify"].length
+        written = it.pos + d.verify.length
         if written > new_pos:
             eng.cache.truncate(req.row, new_pos, written)
         return Item(req, new_pos, 1, 0, "token", ids=torch.tensor([tokens[-1]], device=eng.device))

@@ -99,7 +99,8 @@ class Worker:
                 self.metrics.after_step(
                     sum(stats["exits_per_loop"]) - before, time.perf_counter() - t0, stats["exits_per_loop"]
                 )
-                self.metrics.speculation(stats)
+                if speculator := getattr(self.scheduler, "speculator", None):
+                    self.metrics.speculation(speculator.stats)
         self._notify_finished()
         self.metrics.set_load(
             sum(r.status == "queued" for r in self.scheduler.waiting),

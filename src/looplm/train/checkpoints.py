@@ -11,13 +11,14 @@ from pathlib import Path
 from ..errors import UsageError
 from ..util import write_json_atomic
 from .run_dir import RunDir
+from .step_loop import Position
 
 
 class Checkpoints:
     """The Trainer's checkpoint methods (a mixin: they read the Trainer's accelerator, model, config and corpus)."""
 
-    def _save(self, out: Path, step: int, tokens: int, elapsed: float) -> None:
-        acc, run = self.acc, RunDir(out)
+    def _save(self, out: Path, position: Position) -> None:
+        acc, run, step = self.acc, RunDir(out), position.step
         name = f"step-{step:07d}"
         tmp = run.checkpoints / f".{name}.tmp"
         if acc.is_main_process:
@@ -30,8 +31,8 @@ class Checkpoints:
                 tmp / "state.json",
                 {
                     "step": step,
-                    "tokens": tokens,
-                    "time": elapsed,
+                    "tokens": position.tokens,
+                    "time": position.time,
                     "global_batch": self.global_batch,
                     "world": self.world,
                     "epoch": step // (len(self.corpus) // self.global_batch),
@@ -94,7 +95,7 @@ class Checkpoints:
             "new_rows": self.cfg.data_rows == "new",
         }
 
-    def _load(self, ck: Path) -> tuple[int, int, float]:
+    def _load(self, ck: Path) -> Position:
         state = json.loads((ck / "state.json").read_text())
         if state["global_batch"] != self.global_batch:
             raise UsageError(
@@ -102,7 +103,7 @@ class Checkpoints:
                 f"{self.global_batch}; keep batch-size x grad-accum x processes the same"
             )
         self.acc.load_state(str(ck / "accelerate"))
-        return int(state["step"]), int(state["tokens"]), float(state["time"])
+        return Position(int(state["step"]), int(state["tokens"]), float(state["time"]))
 
 
 def tensorboard_writer(out: Path):

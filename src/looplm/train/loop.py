@@ -62,9 +62,9 @@ from .preflight import (
 )
 from .run_dir import RunDir, append_record
 from .settings import RunSettings
+from .step_loop import Every, Position, RunClock, StepLoop
 
-BUDGET_TIMED = 3  # steps timed (after the first, which warms up) before a time budget becomes a step count
-BUDGET_WARMUP = 20  # warm-up steps assumed until then
+BUDGET_WARMUP = 20  # warm-up steps assumed until a time budget becomes a step count
 
 
 @dataclass
@@ -316,17 +316,16 @@ class Trainer(Checkpoints):
                 f"--grad-accum, or build a bigger corpus"
             )
         tokens_per_step = self.global_batch * seq
-        # A time budget becomes a step count once the first steps are timed (stored in run.json, so that a
-        # resumed run keeps it); until then the count is open. The first steps run slower than the rest, so the
-        # count is corrected once, halfway, from the steps timed since.
-        self.budget_open = c.budget_minutes is not None and not (prev_run or {}).get("budget_fixed")
-        self.budget_corrected = c.budget_minutes is None or bool((prev_run or {}).get("budget_corrected"))
+        # A time budget becomes a step count once the first steps are timed and is fixed again as the run goes
+        # (step_loop.py); run.json keeps the count and the steps it was fixed at, so that a resumed run follows them.
+        # Until the first fix the count is open (None).
+        self.replanned_at = list((prev_run or {}).get("replanned_at", []))
         if c.budget_minutes is not None:
-            self.max_steps = prev_run["max_steps"] if not self.budget_open else 10**9
+            self.max_steps = (prev_run or {}).get("max_steps")
         else:
             self.max_steps = c.max_steps if c.max_steps is not None else math.ceil(c.train_tokens / tokens_per_step)
-        if self.max_steps < 1:
-            raise UsageError("the budget is less than one step; raise --max-steps or --train-tokens")
+            if self.max_steps < 1:
+                raise UsageError("the budget is less than one step; raise --max-steps or --train-tokens")
 
         model, tok = load_model(c.model)
         if tok is None:
@@ -367,36 +366,34 @@ class Trainer(Checkpoints):
         """Warm-up (5% of the steps unless --warmup-steps) and cosine decay over the run's step count; while a
         time budget is still open, warm-up over BUDGET_WARMUP steps."""
         c = self.cfg
-        if self.budget_open:
+        if self.max_steps is None:
             return (step + 1) / ((c.warmup_steps if c.warmup_steps is not None else BUDGET_WARMUP) + 1)
         warmup = c.warmup_steps if c.warmup_steps is not None else max(1, round(0.05 * self.max_steps))
         return lr_lambda_factory(warmup, self.max_steps, c.min_lr_ratio)(step)
 
-    def _fix_budget(self, step: int, elapsed: float, seconds_per_step: float, correct: bool = False) -> None:
-        """Turn --budget-minutes into a step count from the steps just timed (``correct``: the count fixed before,
-        corrected); every process takes the main process's count, and run.json keeps it for --resume."""
-        left = self.cfg.budget_minutes * 60 - elapsed
-        total = torch.tensor([steps_to_fill(step, left, seconds_per_step, at_least=1)], device=self.acc.device)
-        from accelerate.utils import broadcast
-
-        self.max_steps = int(broadcast(total, from_process=0).item())
-        self.budget_open, self.budget_corrected = False, correct
-        # the scheduler already set the next step's rate under the open (or the first) count: set it under this one
+    def _replan(self, step: int, seconds_per_step: float, now: float) -> int:
+        """The step count that fills what is left of --budget-minutes at run clock ``now`` (the step loop's fix, at
+        the same step on every process); run.json keeps it for --resume."""
+        first = self.max_steps is None
+        self.max_steps = steps_to_fill(step, self.cfg.budget_minutes * 60 - now, seconds_per_step, at_least=1)
+        # the scheduler already set the next step's rate under the open (or the last) count: set it under this one
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
         if self.acc.is_main_process:
             run_dir = RunDir(self.cfg.out)
-            fixed = {"max_steps": self.max_steps, "budget_fixed": True, "budget_corrected": correct}
-            run_dir.write_settings({**run_dir.settings(), **fixed})
+            run_dir.write_settings(
+                {**run_dir.settings(), "max_steps": self.max_steps, "replanned_at": self.replanned_at}
+            )
             self.log(
-                f"budget{f' corrected at step {step}' if correct else ''}: {seconds_per_step:.2f} s per step, "
+                f"budget{'' if first else f' fixed again at step {step}'}: {seconds_per_step:.2f} s per step, "
                 f"{self.max_steps} steps fill {self.cfg.budget_minutes:g} minutes"
             )
+        return self.max_steps
 
     # ----- the run itself
-    def _start(self) -> tuple[int, int, float, bool]:
+    def _start(self) -> tuple[Position, bool]:
         """The model, optimizer and schedule under Accelerate, and the run directory opened (a new run's run.json
-        written); a resumed run continues from its checkpoint. Returns step, tokens, seconds and whether the run
+        written); a resumed run continues from its checkpoint. Returns where the run is and whether the run
         directory was made now."""
         c, acc, out = self.cfg, self.acc, Path(self.cfg.out)
         torch.manual_seed(c.seed)
@@ -416,11 +413,11 @@ class Trainer(Checkpoints):
             else (lambda: torch.autocast(dev.type, enabled=False))
         )
 
-        step, tokens, elapsed = 0, 0, 0.0
-        created = False
+        position, created = Position(), False
         if self.latest:
-            step, tokens, elapsed = self._load(out / "checkpoints" / self.latest)
-            self.log(f"resumed {out} at step {step} ({tokens:,} tokens)")
+            position = self._load(out / "checkpoints" / self.latest)
+            self.log(f"resumed {out} at step {position.step} ({position.tokens:,} tokens)")
+        step = position.step
         run_dir = RunDir(out)
         if acc.is_main_process:
             created = not out.exists()
@@ -445,13 +442,14 @@ class Trainer(Checkpoints):
             if machines != settings.get("machines"):  # the run's minutes are these machines'
                 run_dir.write_settings({**settings, "machines": machines})
         acc.wait_for_everyone()
-        return step, tokens, elapsed, created
+        return position, created
 
-    def _step(self, step: int) -> tuple[dict, torch.Tensor | None, float]:
-        """One optimizer step over the global batch of ``step`` (this process's micro-batches, accumulated):
-        the loss parts averaged over the micro-batches, the gradient norm before clipping and the learning rate
-        the step used."""
+    def _step(self, step: int, total: int | None = None) -> dict:
+        """One optimizer step over the global batch of ``step`` (this process's micro-batches, accumulated): its
+        record's values, the loss parts averaged over the micro-batches and the processes, the gradient norm before
+        clipping and the learning rate the step used."""
         c, acc, module, optimizer = self.cfg, self.acc, self.module, self.optimizer
+        t0 = time.perf_counter()
         train = self.corpus.splits["train"]
         idx = self.rows[batch_indices(step, self.global_batch, len(self.rows), c.seed)]
         module.train()
@@ -480,71 +478,56 @@ class Trainer(Checkpoints):
         optimizer.step()
         self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return sums, grad_norm, lr
+        keys = sorted(sums)
+        means = acc.reduce(torch.stack([sums[k] for k in keys]).to(acc.device), reduction="mean")
+        return {
+            **{k: float(v) for k, v in zip(keys, means)},
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tok_per_s": self.global_batch * self.seq / (time.perf_counter() - t0),
+        }
 
     def run(self) -> dict:
         self.prepare()
         c, acc, out = self.cfg, self.acc, Path(self.cfg.out)
-        step, tokens, elapsed, created = self._start()
+        position, created = self._start()
         run_dir = RunDir(out)
         tb = tensorboard_writer(out) if acc.is_main_process else None
-
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=None if self.budget_open else self.max_steps,
-            initial=step,
-            desc="train",
-            unit="step",
-            disable=not (c.progress and acc.is_main_process),
-        )
+        self.clock = RunClock(position.time)
         if acc.is_main_process:
             self.log(
                 f"training {self.n_train:,} of {self.n_params:,} parameters on {acc.device} ({self.precision}), "
                 f"{self.world} process(es), global batch {self.global_batch} x {self.seq} tokens, "
-                + (f"steps to fill {c.budget_minutes:g} minutes" if self.budget_open else f"{self.max_steps} steps")
+                + (f"{self.max_steps} steps" if self.max_steps else f"steps to fill {c.budget_minutes:g} minutes")
             )
-        if c.eval_every_steps and step == 0:
-            self._log_eval(out, tb, step, tokens)
-        timed: list[float] = []  # step times of this process since it started, for an open time budget
+        loop = StepLoop(
+            self._step,
+            self.max_steps,
+            position,
+            self.clock,
+            "train",
+            tokens_per_step=self.global_batch * self.seq,
+            show=c.progress and acc.is_main_process,
+            record=lambda r: run_dir.append(r, tb) if acc.is_main_process else None,
+            record_every=c.log_every,
+            save=lambda: self._save(out, position),
+            save_every=Every(steps=c.save_every_steps or None),
+            evaluate=lambda: self._log_eval(out, tb, position),
+            evaluate_every=Every(steps=c.eval_every_steps or None),
+            replan=self._replan if c.budget_minutes is not None else None,
+            replanned_at=self.replanned_at,
+            processes=acc,
+        )
         try:
-            while step < self.max_steps:
-                t0 = time.perf_counter()
-                sums, grad_norm, lr = self._step(step)
-                step += 1
-                tokens += self.global_batch * self.seq
-                dt = time.perf_counter() - t0
-                elapsed += dt
-                timed.append(dt)
-                if self.budget_open and len(timed) > BUDGET_TIMED:  # the first step warms up
-                    self._fix_budget(step, elapsed, sum(timed[1:]) / (len(timed) - 1))
-                    bar.total = self.max_steps
-                elif not self.budget_corrected and step >= self.max_steps // 2 and len(timed) > 2 * BUDGET_TIMED:
-                    since = timed[len(timed) // 2 :]  # this process's later steps: past the slow first ones
-                    self._fix_budget(step, elapsed, sum(since) / len(since), correct=True)
-                    bar.total = self.max_steps
-                keys = sorted(sums)
-                vals = acc.reduce(torch.stack([sums[k] for k in keys]).to(acc.device), reduction="mean")
-                rec = {
-                    "step": step,
-                    "tokens": tokens,
-                    **{k: float(v) for k, v in zip(keys, vals)},
-                    "lr": lr,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tok_per_s": self.global_batch * self.seq / dt,
-                    "time": round(elapsed, 3),
-                }
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tok_per_s']:.0f}")
-                if acc.is_main_process and (step % c.log_every == 0 or step == self.max_steps):
-                    run_dir.append(rec, tb)
-                if c.eval_every_steps and (step % c.eval_every_steps == 0 or step == self.max_steps):
-                    self._log_eval(out, tb, step, tokens)
-                if (c.save_every_steps and step % c.save_every_steps == 0) or step == self.max_steps:
-                    self._save(out, step, tokens, elapsed)
+            if c.eval_every_steps and position.step == 0:
+                self._log_eval(out, tb, position)
+            if loop.run():
+                if c.eval_every_steps:
+                    self._log_eval(out, tb, position)
+                self._save(out, position)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if isinstance(e, torch.OutOfMemoryError) or "memory" in str(e).lower():
-                if created and step == 0 and acc.is_main_process:
+                if created and position.step == 0 and acc.is_main_process:
                     shutil.rmtree(out, ignore_errors=True)
                 raise UsageError(
                     f"out of memory at batch {c.batch_size} x {self.seq} tokens; lower --batch-size "
@@ -553,24 +536,25 @@ class Trainer(Checkpoints):
                 ) from None
             raise
         finally:
-            bar.close()
             if tb is not None:
                 tb.close()
-        self._write_final(out, step)
-        return {"out": str(out), "steps": step, "tokens": tokens, "seconds": round(elapsed, 2)}
+        self._write_final(out, position.step)
+        return {"out": str(out), "steps": position.step, "tokens": position.tokens, "seconds": round(position.time, 2)}
 
     # ----- evaluation
     def evaluate(self) -> dict | None:
         return evaluate_exits(self.module, self.corpus, self.cfg.eval_rows, self.seq, self.acc, self.autocast)
 
-    def _log_eval(self, out, tb, step, tokens):
-        ev = self.evaluate()
+    def _log_eval(self, out, tb, position: Position) -> None:
+        with self.clock.paused():
+            ev = self.evaluate()
         if ev is None:
             return
         if self.acc.is_main_process:
-            append_record(out / "metrics.jsonl", {"step": step, "tokens": tokens, "eval": True, **ev}, tb)
+            record = {"step": position.step, "tokens": position.tokens, "eval": True, **ev}
+            append_record(out / "metrics.jsonl", record, tb)
             self.log(
-                f"held-out perplexity at step {step}: "
+                f"held-out perplexity at step {position.step}: "
                 + ", ".join(f"loop {k.split('_')[1]} {v:.2f}" for k, v in ev.items() if k.startswith("ppl_"))
             )
 

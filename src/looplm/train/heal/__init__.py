@@ -58,13 +58,12 @@ counted) or ``tokens``, divided among the stages by plan.py. Run directory (run_
 The modules, in the order a run uses them: config (settings and their checks), inputs (what the run reads, each
 step's rows), sharding (the layers sharded over processes, FSDP2), plan (the budget as step counts), steps (the step
 math as plain functions), run (progress, clock, records, checkpoints, evaluations), stages (local, end to end, exit
-adapters), recipe (``heal``: all of it from top to bottom).
+adapters; the last two on train/step_loop.py's loop), recipe (``heal``: all of it from top to bottom).
 """
 
 from ..losses import relative_error, relative_error_log1p, token_errors
 from .config import BASE_WEIGHTS, E2E_ROWS, EXIT_TARGETS, LOCAL_MODES, HealConfig
 from .inputs import cached_rows, heldout_set, streamed_rows
-from .plan import replan_due
 from .recipe import heal, prepare
 from .run import logged_by
 
@@ -81,7 +80,6 @@ __all__ = [
     "prepare",
     "relative_error",
     "relative_error_log1p",
-    "replan_due",
     "streamed_rows",
     "token_errors",
 ]

@@ -19,13 +19,6 @@ from .config import HealConfig
 from .sharding import sharded_copy
 from .steps import body_params, compile_layers, e2e_step, eager, exit_params, exit_step, local_step, local_visits
 
-# Steps of the end-to-end and exit stages after which a time budget's step count is fixed again from the
-# steps since the last fix: steps get faster after the first few (and the plan timed them before they were
-# compiled or warm), so a count fixed from the first three alone leaves part of the budget unused.
-REPLAN_AT = (3, 30)
-# ... and at these shares of the count: the machine's speed also changes late, and a run fixed only once overruns
-# its budget. The shares are of the count fixed last, each used once.
-REPLAN_SHARES = (0.5, 0.75, 0.9)
 STAGE_NAMES = {"e2e": "end-to-end", "exit": "exit adapters"}
 
 
@@ -134,22 +127,10 @@ def time_steps(inputs, cache, c: HealConfig, exit_spec, log) -> tuple[float, flo
     return t_local, t_e2e, t_exit
 
 
-def replan_due(step: int, total: int, done: list[int]) -> bool:
-    """Whether the end-to-end step count is fixed again before ``step`` (``done``: steps already replanned)."""
-    if step in done:
-        return False
-    if step in REPLAN_AT:
-        return True
-    # each share once, in order; a share the count has already passed (it shrank at the last fix) is skipped
-    pending = REPLAN_SHARES[sum(1 for d in done if d > REPLAN_AT[-1]) :]
-    late = [share * total for share in pending if share * total > max(done, default=0)]
-    return step > REPLAN_AT[-1] and bool(late) and step >= late[0]
-
-
 def replan_stage(plan: dict, stage: str, step: int, seconds_per_step: float, now: float, c: HealConfig, log) -> int:
     """The step count of ``stage`` (e2e or exit) that fills what is left of the time budget at run clock ``now``,
-    from the steps just timed; the end-to-end stage leaves the exit stage the seconds the plan gave it. Kept in
-    ``plan``."""
+    from the steps just timed (the step loop's fix, train/step_loop.py); the end-to-end stage leaves the exit stage
+    the seconds the plan gave it. Kept in ``plan``."""
     left = c.budget_minutes * 60 - now
     if stage == "e2e":
         left -= plan.get("exit_steps", 0) * plan.get("exit_step_seconds", 0.0)
@@ -158,7 +139,6 @@ def replan_stage(plan: dict, stage: str, step: int, seconds_per_step: float, now
         f"{STAGE_NAMES[stage]}: {seconds_per_step:.1f} s per step, {total} steps fill the budget "
         f"(planned {plan[f'{stage}_steps']})"
     )
-    plan[f"{stage}_replanned_at"].append(step)
     plan[f"{stage}_steps"] = total
     if stage == "e2e":
         plan["e2e_tokens"] = total * c.e2e_batch * c.seq_len

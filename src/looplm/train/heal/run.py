@@ -27,6 +27,7 @@ from ...util import write_json_atomic
 from ..evaluate import exit_sums, heldout_rows, perplexity, score_rows
 from ..optim import WeightAverage
 from ..run_dir import RunDir
+from ..step_loop import Position, RunClock, agreed
 from ..teacher_cache import OneProcess
 from .config import HealConfig
 from .inputs import HealInputs
@@ -37,14 +38,12 @@ CHECKPOINTS_KEPT = 2
 
 
 @dataclass
-class Progress:
-    """Where a run is; a checkpoint's state.json."""
+class Progress(Position):
+    """Where a run is (``step``: steps done in the stage, end to end or exit; ``tokens``: trained on after the local
+    stage, its end-to-end steps then the exit adapters'; ``time``: the run clock); a checkpoint's state.json."""
 
     stage: str = "cache"  # cache, local, e2e, exit, done
     visit: int = 0  # local visits done
-    step: int = 0  # steps done in the stage (end to end or exit)
-    time: float = 0.0  # run clock, seconds
-    tokens: int = 0  # tokens trained on after the local stage: its end-to-end steps, then the exit adapters'''s
     local_tokens: int = 0  # tokens of the local stage's steps
 
     @classmethod
@@ -71,8 +70,7 @@ class HealRun:
         self.settings = settings  # run.json: None until the run writes it
         self.progress = Progress()
         self.cache = None  # the teacher cache, once open
-        self.eval_seconds = 0.0  # wall time of evaluations, which the budget does not count
-        self._started = time.perf_counter()
+        self.clock = RunClock()  # evaluations paused: the budget does not count them
         self._last_eval = 0.0
 
     @property
@@ -81,11 +79,7 @@ class HealRun:
 
     def start_clock(self) -> None:
         """The run clock goes on from the progress's time."""
-        self._started = time.perf_counter() - self.progress.time
-        self.eval_seconds = 0.0
-
-    def clock(self) -> float:
-        return time.perf_counter() - self._started - self.eval_seconds
+        self.clock.start(self.progress.time)
 
     def write_settings(self) -> None:
         if self.main:
@@ -94,11 +88,7 @@ class HealRun:
     # ----- what the processes share
     def agreed(self, value):
         """The main process's ``value`` (a picklable object), on every process."""
-        if self.processes.num_processes == 1:
-            return value
-        from accelerate.utils import broadcast_object_list
-
-        return broadcast_object_list([value])[0]
+        return agreed(self.processes, value)
 
     def mean(self, values: dict) -> dict:
         """Each of ``values`` (floats: this process's losses on its share of a step) averaged over the processes."""
@@ -122,8 +112,13 @@ class HealRun:
     @torch.no_grad()
     @eager()
     def evaluate(self, model) -> dict:
+        with self.clock.paused():
+            result = self._evaluate(model)
+        self._last_eval = time.perf_counter()
+        return result
+
+    def _evaluate(self, model) -> dict:
         c, inputs = self.cfg, self.inputs
-        t0 = time.perf_counter()
         rows = heldout_rows(inputs.corpus, c.eval_rows, c.seq_len)
         if not rows:
             raise UsageError(f"the corpus {c.data} has no held-out rows to evaluate on")
@@ -133,8 +128,6 @@ class HealRun:
         for name, windows in inputs.ood.items():  # the final exit on text the run never heals on
             domain_nll, _, domain_count = self.score(model, windows, final_only=True)
             ood[name] = perplexity(float(domain_nll[-1]) / domain_count)
-        self.eval_seconds += time.perf_counter() - t0
-        self._last_eval = time.perf_counter()
         ppl = [perplexity(float(x) / count) for x in nll]
         # top-1 agreement of each loop's exit with the final one (teacher-forced): what an oracle exit rule gets
         return {

@@ -1,7 +1,8 @@
 """The stages of a healing run, each resumable from its checkpoints: the rounding of the shared weights
-(``--base-weights``), the layer-local stage, and the end-to-end and exit-adapter stages, which share one step loop
-(``train_steps``). On several processes each stage's step takes the same rows as on one, each process its share of
-them, and averages the gradients (steps.py), so that the run follows one process's at the same global batch."""
+(``--base-weights``), the layer-local stage, and the end-to-end and exit-adapter stages, which run on the step loop
+of `looplm train` (``train_steps``, train/step_loop.py). On several processes each stage's step takes the same rows
+as on one, each process its share of them, and averages the gradients (steps.py), so that the run follows one
+process's at the same global batch."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 from ...models.gptq import gptq_portable, input_moments, output_error
 from ...models.quantized import dequantize, linears
 from ..optim import WeightAverage, adamw, cosine
+from ..step_loop import Every, StepLoop
 from . import steps
-from .plan import replan_due, replan_local, replan_stage
+from .plan import replan_local, replan_stage
 from .run import HealRun
 from .sharding import full_state, shard_as
 
@@ -219,72 +221,58 @@ def train_steps(
     evaluate: bool = False,
     average: float = 0.0,
 ) -> None:
-    """The step loop of the end-to-end and exit stages: AdamW on ``params`` (its state restored on resume), a
-    cosine schedule over ``total`` steps, ``step_fn(model, step, opt, lr) -> record`` each step (``model``: the
-    student, or its DDP wrapper, ``synced``), a JSONL record per step (the losses averaged over the processes), a
-    checkpoint every ``save_every_seconds`` and, with ``evaluate``, held-out evaluations on their schedule. Under
-    a time budget the step count is fixed again at the ``replan_due`` steps. With ``average`` (a decay), an
-    exponential moving average of ``params`` is kept beside them (``WeightAverage``), evaluated beside them (tag
-    ``<stage>-average``), and copied into them when the stage ends."""
-    from tqdm import tqdm
-
+    """The end-to-end and exit stages on the step loop (train/step_loop.py): AdamW on ``params`` (its state restored
+    on resume), a cosine schedule over ``total`` steps, ``step_fn(model, step, opt, lr) -> record`` each step
+    (``model``: the student, or its DDP wrapper, ``synced``), a JSONL record per step (the losses averaged over the
+    processes), a checkpoint every ``save_every_seconds`` and, with ``evaluate``, held-out evaluations every
+    ``eval_every_seconds``. Under a time budget the count is fixed again at the loop's ``replan_due`` steps. With
+    ``average`` (a decay), an exponential moving average of ``params`` is kept beside them (``WeightAverage``),
+    evaluated beside them (tag ``<stage>-average``), and copied into them when the stage ends."""
     c, student, progress = run.cfg, run.inputs.student, run.progress
-    replan = bool(c.budget_minutes)
     opt = adamw(params, lr=base_lr, weight_decay=0.0)
     avg = WeightAverage(params, average) if average else None
     if progress.step > 0:
         run.load_optimizer(opt, avg)
-    first = progress.step
-    bar = tqdm(total=total, initial=progress.step, desc=desc, unit="step", disable=not (c.progress and run.main))
-    last_save = time.perf_counter()
-    mark = (progress.step, run.clock())  # the steps since the last fix time the next one
-    warming_up = True
-    replanned_at = run.plan.setdefault(f"{stage}_replanned_at", [])  # replan_stage appends to it
-    try:
-        while progress.step < total:
-            s = progress.step
-            if replan and replan_due(s, total, replanned_at) and s > mark[0]:
-                seconds_per_step, now = run.agreed(((run.clock() - mark[1]) / (s - mark[0]), run.clock()))
-                total = replan_stage(run.plan, stage, s, seconds_per_step, now, c, run.log)
-                run.write_settings()
-                mark = (s, run.clock())
-                bar.total = total
-            lr = base_lr * cosine(s, total, warmup_steps(total))
-            rec = run.mean(step_fn(model, s, opt, lr))
-            if avg is not None:
-                avg.update()
-            if warming_up:  # this process's first step (compiling, first allocations) is not timed
-                mark, warming_up = (s + 1, run.clock()), False
-            progress.step = s + 1
-            progress.tokens += tokens_per_step
-            progress.time = run.clock()
-            bar.update(1)
-            bar.set_postfix(kd=f"{rec.get('kd', rec['loss']):.3f}")
-            run.append(
-                {
-                    "stage": stage,
-                    "step": s + 1,
-                    "lr": lr,
-                    **rec,
-                    "time": round(progress.time, 2),
-                    "tokens": progress.tokens,
-                    "local_tokens": progress.local_tokens,
-                }
-            )
-            if run.agreed(time.perf_counter() - last_save > c.save_every_seconds) and progress.step < total:
-                run.save(opt, avg)
-                last_save = time.perf_counter()
-            if evaluate and run.eval_due() and progress.step < total:
-                student.eval()
-                run.log_eval(tag=stage)
-                if avg is not None:
-                    with avg.swapped_in():
-                        run.log_eval(tag=f"{stage}-average")
-                student.train()
-    finally:
-        bar.close()
-    if avg is not None and progress.step > first:  # the weights' own end, then the average the stage
-        # ends on (a run resumed from the stage's last checkpoint has both logged and the average in place)
+
+    def step(s: int, total: int) -> dict:
+        lr = base_lr * cosine(s, total, warmup_steps(total))
+        values = {"lr": lr, **run.mean(step_fn(model, s, opt, lr))}
+        if avg is not None:
+            avg.update()
+        return values
+
+    def replan(s: int, seconds_per_step: float, now: float) -> int:
+        total = replan_stage(run.plan, stage, s, seconds_per_step, now, c, run.log)
+        run.write_settings()
+        return total
+
+    def evaluate_now() -> None:
+        student.eval()
+        run.log_eval(tag=stage)
+        if avg is not None:
+            with avg.swapped_in():
+                run.log_eval(tag=f"{stage}-average")
+        student.train()
+
+    loop = StepLoop(
+        step,
+        total,
+        progress,
+        run.clock,
+        desc,
+        tokens_per_step=tokens_per_step,
+        show=c.progress and run.main,
+        record=lambda r: run.append({"stage": stage, **r, "local_tokens": progress.local_tokens}),
+        save=lambda: run.save(opt, avg),
+        save_every=Every(seconds=c.save_every_seconds),
+        evaluate=evaluate_now if evaluate else (lambda: None),
+        evaluate_every=Every(seconds=c.eval_every_seconds),
+        replan=replan if c.budget_minutes else None,
+        replanned_at=run.plan.setdefault(f"{stage}_replanned_at", []),
+        processes=run.processes,
+    )
+    if loop.run() and avg is not None:  # the weights' own end, then the average the stage ends on (a run
+        # resumed from the stage's last checkpoint has both logged and the average in place)
         student.eval()
         run.log_eval(tag=stage)
         avg.copy_in()
