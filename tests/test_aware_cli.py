@@ -139,3 +139,27 @@ def test_gemma3_full_rank_aware_svd_is_exact_with_per_depth_norms_and_warns_with
     assert "warning" not in exact.stderr
     tied = run(*common, "--norms", "tied-avg", "--out", str(tmp_path / "tied"))
     assert tied.returncode == 0 and "use --norms per-depth" in tied.stderr
+
+
+def test_python_converts_as_the_command_line_does(hf_dir, calib_text, tmp_path):
+    """``convert_model(ConvertConfig(...))`` is `looplm convert` with the same settings: the command line's defaults
+    (middle-cycle, the equal-N-emb rank, aware-svd on per-depth norms) and the same weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from looplm.convert import ConvertConfig, convert_model
+    from looplm.models import save_model
+
+    calib = ["--calib-text", str(calib_text), "--calib-tokens", "512", "--calib-seq-len", "128", "--scored-tokens", "0"]
+    run("convert", str(hf_dir), *calib, "--out", str(tmp_path / "cli"))
+    config = ConvertConfig(str(hf_dir), calib_text=[str(calib_text)], calib_tokens=512, calib_seq_len=128, ppl_tokens=0)
+    model, tok, report = convert_model(config)
+    assert (config.strategy, config.norms, model.config.conversion["lora_init"]) == (
+        "middle-cycle",
+        "per-depth",
+        "aware-svd",
+    )
+    assert model.config.is_relaxed and report["out"].endswith("-b2-r111")  # the rank of the paper's N-emb
+    save_model(model, tok, tmp_path / "py")
+    cli, py = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cli", "py"))
+    assert cli.keys() == py.keys() and all(torch.equal(cli[k], py[k]) for k in cli)

@@ -49,6 +49,15 @@ def setup(tmp_path_factory, one_torch_thread, ood_texts):  # noqa: F811 (the fix
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
 
 
+def heal_config(setup, out, model=None, **kw) -> HealConfig:
+    """The tests' healing run: the fixture's student (or ``model``) healed from its original on its corpus into
+    ``out``, on small rows and batches, quietly; ``kw``: what the test varies."""
+    _, models, corpus = setup
+    small = dict(seq_len=32, cache_rows=16, local_batch=2, e2e_batch=2, eval_rows=4, progress=False)
+    student = str(model or models["student"])
+    return HealConfig(model=student, teacher=str(models["teacher"]), data=str(corpus), out=str(out), **{**small, **kw})
+
+
 def heal_args(models, corpus, out, *extra):
     return [
         "heal",
@@ -270,20 +279,13 @@ def _student_gap(models, model_dir, corpus_dir):
 def test_local_stage_lowers_every_layers_error(setup, mode):
     tmp, models, corpus = setup
     out = tmp / f"local-{mode}"
-    cfg = HealConfig(
-        model=str(models["student"]),
-        teacher=str(models["teacher"]),
-        data=str(corpus),
-        out=str(out),
+    cfg = heal_config(
+        setup,
+        out,
         train_tokens=64 * 40,
         local_share=1.0,
         local_mode=mode,
-        seq_len=32,
-        cache_rows=16,
-        local_batch=2,
         local_lr=3e-3,
-        eval_rows=4,
-        progress=False,
         cache=str(tmp / f"cache-{mode}"),
     )
     r = heal(cfg, log=lambda *a: None)
@@ -350,20 +352,13 @@ def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
     and the healed model is saved with its adapter."""
     tmp, models, corpus = setup
     out = tmp / "exit-stage"
-    cfg = HealConfig(
-        model=str(models["student"]),
-        teacher=str(models["teacher"]),
-        data=str(corpus),
-        out=str(out),
+    cfg = heal_config(
+        setup,
+        out,
         train_tokens=64 * 40,
         local_share=0.0,
         exit_share=0.5,
         exit_lr=1e-2,
-        seq_len=32,
-        cache_rows=16,
-        e2e_batch=2,
-        eval_rows=4,
-        progress=False,
         cache=str(tmp / "cache-exit"),
     )
     r = heal(cfg, log=lambda *a: None)
@@ -386,11 +381,9 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
     from looplm.train.losses import kd_loss
 
     tmp, models, corpus = setup
-    cfg = HealConfig(
-        model=str(models["student"]),
-        teacher=str(models["teacher"]),
-        data=str(corpus),
-        out=str(tmp / f"exit-term-{target}"),
+    cfg = heal_config(
+        setup,
+        tmp / f"exit-term-{target}",
         train_tokens=64 * 4,
         local_share=0.0,
         exit_share=0.0,
@@ -398,11 +391,7 @@ def test_the_exit_term_matches_its_target_and_trains_the_body(setup, target):
         exit_target=target,
         e2e_rows="online",
         precision="fp32",
-        seq_len=32,
         cache_rows=4,
-        e2e_batch=2,
-        eval_rows=4,
-        progress=False,
         cache=str(tmp / "cache-exit-term"),
     )
     inputs = prepare(cfg, log=lambda *a: None).inputs
@@ -434,20 +423,14 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
     the other row source."""
     tmp, models, corpus = setup
     out = tmp / "online"
-    cfg = HealConfig(
-        model=str(models["student"]),
-        teacher=str(models["teacher"]),
-        data=str(corpus),
-        out=str(out),
+    cfg = heal_config(
+        setup,
+        out,
         train_tokens=64 * 40,
         local_share=0.0,
         e2e_rows="online",
         e2e_lr=1e-3,
-        seq_len=32,
         cache_rows=4,
-        e2e_batch=2,
-        eval_rows=4,
-        progress=False,
         cache=str(tmp / "cache-online"),
     )
     inputs = prepare(cfg, log=lambda *a: None).inputs
@@ -499,22 +482,14 @@ def test_rounded_base_weights_stay_on_their_grid_while_the_rest_learns(setup):
 
     tmp, models, corpus = setup
     out = tmp / "int4-base"
-    cfg = HealConfig(
-        model=str(models["student"]),
-        teacher=str(models["teacher"]),
-        data=str(corpus),
-        out=str(out),
+    cfg = heal_config(
+        setup,
+        out,
         train_tokens=64 * 40,
         local_lr=3e-3,
         e2e_lr=1e-3,
         exit_adapter="none",
         base_weights="int4",
-        seq_len=32,
-        cache_rows=16,
-        local_batch=2,
-        e2e_batch=2,
-        eval_rows=4,
-        progress=False,
         cache=str(tmp / "cache-int4"),
     )
     heal(cfg, log=lambda *a: None)
@@ -654,23 +629,15 @@ def test_the_exit_stage_fills_its_share_of_the_budget_when_the_plan_timed_its_st
     monkeypatch.setattr(heal_plan, "time_steps", lambda *a: (lambda t: (t[0], t[1], t[2] * 20))(timed(*a)))
     logs = []
     out = tmp / "exit-replan"
-    cfg = HealConfig(
-        model=str(models["student"]),
-        teacher=str(models["teacher"]),
-        data=str(corpus),
-        out=str(out),
+    cfg = heal_config(
+        setup,
+        out,
         budget_minutes=0.3,
         local_share=0.1,
         exit_share=0.5,
         e2e_rows="cache",
         precision="fp32",
-        seq_len=32,
-        cache_rows=16,
-        local_batch=2,
-        e2e_batch=2,
-        eval_rows=4,
         ood_windows=0,
-        progress=False,
     )
     heal(cfg, log=logs.append)
     planned = int(next(m for m in logs if m.startswith("plan:")).rsplit(", ", 1)[1].split()[0])
@@ -755,18 +722,11 @@ def test_the_cache_holds_the_rows_cached_rows_draws(setup):
     tmp, models, corpus = setup
     out = tmp / "overfit"
     heal(
-        HealConfig(
-            model=str(models["student"]),
-            teacher=str(models["teacher"]),
-            data=str(corpus),
-            out=str(out),
+        heal_config(
+            setup,
+            out,
             train_tokens=64 * 4,
-            seq_len=32,
-            cache_rows=16,
-            local_batch=2,
-            eval_rows=4,
             e2e_rows="cache",
-            progress=False,
         ),
         log=lambda *a: None,
     )
@@ -808,11 +768,9 @@ def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
     records = {}
     for compiled in (False, True):
         out = tmp / f"compile-{compiled}"
-        cfg = HealConfig(
-            model=str(models["student"]),
-            teacher=str(models["teacher"]),
-            data=str(corpus),
-            out=str(out),
+        cfg = heal_config(
+            setup,
+            out,
             train_tokens=64 * 6,
             local_share=0.5,
             e2e_rows="online",
@@ -820,11 +778,7 @@ def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
             exit_adapter="none",
             precision="fp32",
             compile=compiled,
-            seq_len=32,
             cache_rows=4,
-            e2e_batch=2,
-            eval_rows=4,
-            progress=False,
             cache=str(tmp / "cache-compile"),
         )
         torch._dynamo.reset()
@@ -857,22 +811,15 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
     finals = {}
     for stopped in (False, True):
         out = tmp / f"average-{stopped}"
-        cfg = HealConfig(
-            model=str(models["student"]),
-            teacher=str(models["teacher"]),
-            data=str(corpus),
-            out=str(out),
+        cfg = heal_config(
+            setup,
+            out,
             train_tokens=64 * 16,
             local_share=0.25,
             e2e_lr=1e-3,
             e2e_average=0.8,
             exit_adapter="none",
             precision="fp32",
-            seq_len=32,
-            cache_rows=16,
-            e2e_batch=2,
-            eval_rows=4,
-            progress=False,
             eval_every_seconds=0.0,
             save_every_seconds=0.0,
             cache=str(tmp / "cache-average"),
@@ -917,21 +864,14 @@ def test_a_plan_with_unique_layers_heals_its_shared_blocks_locally_and_everythin
         tmp / "middle",
     )
     out = tmp / "heal-middle"
-    cfg = HealConfig(
-        model=str(student),
-        teacher=str(models["teacher"]),
-        data=str(corpus),
-        out=str(out),
+    cfg = heal_config(
+        setup,
+        out,
+        model=student,
         train_tokens=64 * 40,
         local_share=0.5,
         exit_share=0.3,
         local_lr=3e-3,
-        seq_len=32,
-        cache_rows=16,
-        local_batch=2,
-        e2e_batch=2,
-        eval_rows=4,
-        progress=False,
         cache=str(tmp / "cache-middle"),
     )
     r = heal(cfg, log=lambda *a: None)

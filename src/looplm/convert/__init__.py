@@ -1,5 +1,7 @@
-"""Conversion: sharing strategies, layer and norm init, SVD/zero LoRA init, parameter counts."""
+"""Conversion: sharing strategies, layer and norm init, SVD/zero LoRA init, parameter counts; and the recipe of
+`looplm convert` (``ConvertConfig``, ``convert_model``: the command line's defaults from Python)."""
 
+from .recipe import ConvertConfig, convert_model
 from .recursive import (
     INITS,
     LORA_INITS,
@@ -16,10 +18,12 @@ from .recursive import (
 )
 
 __all__ = [
+    "ConvertConfig",
     "INITS",
     "LORA_INITS",
     "NORMS",
     "convert",
+    "convert_model",
     "count_parameters",
     "describe",
     "equal_nemb_rank",

@@ -119,7 +119,8 @@ class DepthRunner:
                 "at step k); use the static or sequence scheduler for this model"
             )
         segs = items[n_dec:]
-        lengths = torch.tensor([it.length for it in segs], dtype=torch.long, device=dev)
+        # prompt segments' lengths: a decode step (most steps) has none and builds no tensor for them
+        lengths = torch.tensor([it.length for it in segs], dtype=torch.long, device=dev) if segs else None
 
         def per_token(values: list[int]) -> torch.Tensor:  # decode tokens' own, then each segment's repeated
             dec = torch.tensor(values[:n_dec], dtype=torch.long, device=dev)
