@@ -147,8 +147,8 @@ def test_python_converts_as_the_command_line_does(hf_dir, calib_text, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from looplm.convert import ConvertConfig, convert_model
     from looplm.models import save_model
+    from looplm.recipes import ConvertConfig, convert_model
 
     calib = ["--calib-text", str(calib_text), "--calib-tokens", "512", "--calib-seq-len", "128", "--scored-tokens", "0"]
     run("convert", str(hf_dir), *calib, "--out", str(tmp_path / "cli"))

@@ -6,8 +6,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..convert.recipe import ConvertConfig
 from ..errors import UsageError
+from ..recipes.convert import ConvertConfig
 from ..settings import setting
 from ..util import print_json
 from . import Command
@@ -134,8 +134,8 @@ def _ppl(model, tok, text, max_tokens):
 
 
 def cmd_convert(s: Convert) -> int:
-    from ..convert.recipe import convert_model
     from ..models import save_model
+    from ..recipes.convert import convert_model
 
     model, tok, report = convert_model(s)
     save_model(model, tok, report["out"])

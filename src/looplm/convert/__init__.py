@@ -1,7 +1,6 @@
-"""Conversion: sharing strategies, layer and norm init, SVD/zero LoRA init, parameter counts; and the recipe of
-`looplm convert` (``ConvertConfig``, ``convert_model``: the command line's defaults from Python)."""
+"""Conversion: sharing strategies, layer and norm init, SVD/zero LoRA init, parameter counts. The command line's
+choices around them (plan, rank, calibration) are recipes/convert.py's."""
 
-from .recipe import ConvertConfig, convert_model
 from .recursive import (
     INITS,
     LORA_INITS,
@@ -18,12 +17,10 @@ from .recursive import (
 )
 
 __all__ = [
-    "ConvertConfig",
     "INITS",
     "LORA_INITS",
     "NORMS",
     "convert",
-    "convert_model",
     "count_parameters",
     "describe",
     "equal_nemb_rank",

@@ -1,6 +1,12 @@
-"""Recipes: work that drives one area with another, above both data/ and serve/.
+"""Recipes: work that drives one area with another, above data/, convert/, eval/ and serve/.
 
-teacher_text (`looplm data generate`) writes the original model's own text for the healing corpus by running
-the serving engine (through what `looplm.serve` exports) and storing it in data/generated.py's format. A
-recipe may import serve/ and data/ (and the areas below them); serve/ and data/ never import a recipe.
+convert (`looplm convert`): the command line's conversion, its settings (``ConvertConfig``) and choices of plan,
+rank and calibration (``convert_model``), also for Python users. teacher_text (`looplm data generate`) writes the
+original model's own text for the healing corpus by running the serving engine (through what `looplm.serve`
+exports) and storing it in data/generated.py's format. A recipe may import the areas below it; they never import
+a recipe.
 """
+
+from .convert import ConvertConfig, convert_model
+
+__all__ = ["ConvertConfig", "convert_model"]

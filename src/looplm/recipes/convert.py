@@ -3,7 +3,7 @@ loads the original, picks the plan (middle-cycle unless the model's attention pa
 (the LoRA rank that keeps N-emb at the paper's cycle plan's at rank 64) and the calibration a data-aware init needs,
 then converts. From Python it is the command line's conversion::
 
-    from looplm.convert import ConvertConfig, convert_model
+    from looplm.recipes import ConvertConfig, convert_model
     looped, tok, report = convert_model(ConvertConfig("smollm2-135m"))
 """
 
@@ -13,12 +13,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..convert.recursive import INITS, LORA_INITS, NORMS
 from ..data import sample_text
 from ..errors import UsageError
 from ..models.plan import SHARING_STRATEGIES
 from ..settings import setting
 from ..util import Timer, read_text_arg
-from .recursive import INITS, LORA_INITS, NORMS
 
 BEST = "the defaults are the conversion that heals best"
 
@@ -139,8 +139,8 @@ def convert_model(c: ConvertConfig, log=_note):
     and total parameters before and after, the LoRA ranks, the prefix, the calibration, the seconds taken, the
     output directory the command writes to and, with ``ppl_tokens``, the perplexity before and after on ``text``.
     ``c`` is completed with the defaults taken (``strategy``, ``norms``)."""
+    from ..convert import convert, count_parameters, parse_lora_ranks
     from ..models import load_model
-    from . import convert, count_parameters, parse_lora_ranks
 
     with Timer() as t_load:
         vanilla, tok = load_model(c.model)
@@ -230,7 +230,7 @@ def _relaxation(s, vanilla, plan) -> tuple[str, int]:
             raise UsageError("--prefix-length needs --relax prefix")
         if s.lora_rank is not None:
             return s.lora_rank, 0
-        from . import equal_nemb_rank
+        from ..convert import equal_nemb_rank
 
         return str(equal_nemb_rank(vanilla, plan)), 0
     prefix = 64 if prefix is None else prefix
@@ -244,9 +244,9 @@ def _calibration(s, vanilla, tok, heldout: str, data_aware: bool, log):
     text when the init is data-aware and none is given (None when nothing asks for them)."""
     if not (s.calib_text or s.calib_data or data_aware):
         return None
+    from ..convert import aware
     from ..data import CALIBRATION_TEXT
     from ..models import ConfigError
-    from . import aware
 
     files = s.calib_text if s.calib_text or s.calib_data else [CALIBRATION_TEXT]
     corpora = [d for d in s.calib_data if (Path(d) / "meta.json").exists()]
