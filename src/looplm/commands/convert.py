@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import UsageError
 from ..recipes.convert import ConvertConfig
+from ..recipes.quantize import QuantizeConfig
 from ..settings import setting
 from ..util import print_json
 from . import Command
@@ -27,63 +26,6 @@ class Unroll:
         None, "a looped model: embedded name or looplm directory", positional=True, required=True
     )
     out: str | None = setting(None, "directory of the unrolled model", required=True)
-
-
-@dataclass
-class Quantize:
-    model: str | None = setting(
-        None, "a float model: embedded name or looplm directory", positional=True, required=True
-    )
-    out: str | None = setting(None, "directory of the quantized model", required=True)
-    weights: str = setting(
-        "int4",
-        "int8: one scale per output channel; int4: one scale and minimum per group of inputs",
-        choices=("int8", "int4"),
-    )
-    calib_data: str | None = setting(
-        None,
-        "round by GPTQ against each linear's inputs on the first rows of this corpus's training split "
-        "(`looplm data build`), instead of to nearest",
-        metavar="DATA",
-        renamed_from=("--calibrate",),
-    )
-    calib_rows: int = setting(
-        16,
-        "training rows (x the corpus's sequence length) for --calib-data",
-        metavar="N",
-        renamed_from=("--calibration-rows",),
-    )
-    lora: str = setting(
-        "shared",
-        "a relaxed model's LoRA: kept in float on the shared weights, or merged into one quantized weight per depth "
-        "(no LoRA matmuls when serving)",
-        choices=("shared", "merged"),
-    )
-    group_size: int | None = setting(
-        None,
-        "int4 group size (default: 32, the most accurate, at about the speed of the larger ones)",
-        choices=(32, 64, 128, 256),
-        advanced=True,
-    )
-    dtype: str = setting(
-        "fp32",
-        "dtype of the float parameters left (LoRA, norms, biases) and of the residual stream",
-        choices=("fp32", "bf16"),
-        advanced=True,
-    )
-    act_dtype: str = setting(
-        "bf16",
-        "activations of the quantized matmuls (bf16: the CPU's fast integer-times-bf16 kernels)",
-        choices=("fp32", "bf16"),
-        advanced=True,
-    )
-    equalize: bool | None = setting(
-        None,
-        "with --calib-data: before rounding, scale each linear's input channels by the AWQ-style scales that round "
-        "it with the least output error, folded into the norms and the rows that produce them (the model computes "
-        "the same function; default: on with --calib-data)",
-        advanced=True,
-    )
 
 
 @dataclass
@@ -216,59 +158,14 @@ def cmd_unroll(s: Unroll) -> int:
     return 0
 
 
-def cmd_quantize(s: Quantize) -> int:
-    from ..models import load_model
-    from ..models.loading import save_quantized
-    from ..models.quantized import DEFAULT_GROUP, DTYPES, GROUPS, check_format, stored_format, weight_bytes
+def cmd_quantize(s: QuantizeConfig) -> int:
+    from ..recipes.quantize import quantize_model
 
-    _DTYPE = {"fp32": DTYPES["float32"], "bf16": DTYPES["bfloat16"]}
-    group = s.group_size or DEFAULT_GROUP
-    if group not in GROUPS:
-        raise UsageError(f"--group-size must be one of {', '.join(map(str, GROUPS))}; got {group}")
-    check_format(s.weights, "cpu")
-    if s.calib_rows <= 0:
-        raise UsageError(f"--calib-rows must be positive; got {s.calib_rows}")
-    model, tok = load_model(s.model)
-    if stored_format(model) != "fp32":
-        raise UsageError(f"{s.model} is already quantized ({stored_format(model)}); quantize its float checkpoint")
-    if s.equalize and not s.calib_data:
-        raise UsageError("--equalize chooses its scales on calibration rows: add --calib-data DATA")
-    if s.equalize is None:  # equalized channels, then GPTQ: the rounding that keeps the model closest
-        s.equalize = bool(s.calib_data)
-    moments = calibration = None
-    if s.calib_data:
-        moments, calibration = _calibrate(model, tok, s)
-    if s.equalize:
-        from ..models.equalize import equalize
-
-        print("looplm quantize: choosing each linear's equalization scales", file=sys.stderr, flush=True)
-        moments, groups = equalize(model, moments, s.weights, group)
-        plain, scaled = sum(g["error_before"] for g in groups), sum(g["error"] for g in groups)
-        calibration["equalized"] = {
-            "groups": len(groups),
-            "scaled": sum(g["alpha"] + g["beta"] > 0 for g in groups),
-            "output_error_ratio": scaled / plain if plain else 1.0,
-        }
-    before = weight_bytes(model)
-    save_quantized(
-        model,
-        tok,
-        s.out,
-        s.weights,
-        group,
-        _DTYPE[s.dtype],
-        act_dtype=_DTYPE[s.act_dtype],
-        lora=s.lora,
-        moments=moments,
-        calibration=calibration,
-        progress=moments is not None,
-    )
-    from ..models.checkpoint import WEIGHTS
-
-    size = (Path(s.out) / WEIGHTS).stat().st_size
+    r = quantize_model(s)
+    calibration = r["calibration"]
     print(
         f"quantized {s.model} to {s.weights}"
-        + (f" (groups of {group})" if s.weights == "int4" else "")
+        + (f" (groups of {r['group']})" if s.weights == "int4" else "")
         + (", LoRA merged per depth" if s.lora == "merged" else "")
         + (f", GPTQ on {calibration['tokens']:,} calibration tokens" if calibration else "")
         + (
@@ -277,35 +174,9 @@ def cmd_quantize(s: Quantize) -> int:
             if s.equalize
             else ""
         )
-        + f": {before / 2**20:.0f} MB of float weights -> {size / 2**20:.0f} MB; wrote {s.out}"
+        + f": {r['float_bytes'] / 2**20:.0f} MB of float weights -> {r['bytes'] / 2**20:.0f} MB; wrote {s.out}"
     )
     return 0
-
-
-def _calibrate(model, tok, s) -> tuple[dict, dict]:
-    """GPTQ's input moments from the first ``--calib-rows`` rows of the corpus's training split."""
-    import numpy as np
-    import torch
-
-    from ..data.corpus import PackedCorpus
-    from ..models.gptq import input_moments
-    from ..models.loading import tokenizer_fingerprint
-
-    corpus = PackedCorpus(s.calib_data)
-    if tok is None or tokenizer_fingerprint(tok) != corpus.tokenizer:
-        raise UsageError(
-            f"the corpus {s.calib_data} was tokenised with another tokenizer ({corpus.meta['model']}) "
-            f"than {s.model}'s; rebuild it with `looplm data build {s.model} --out DIR`"
-        )
-    train = corpus.splits["train"]
-    rows = torch.from_numpy(np.array(train[: s.calib_rows], dtype=np.int64))
-    print(
-        f"looplm quantize: running {rows.numel():,} calibration tokens through {s.model}",
-        file=sys.stderr,
-        flush=True,
-    )
-    moments = input_moments(model.float(), rows)
-    return moments, {"data": str(s.calib_data), "split": "train", "rows": len(rows), "tokens": rows.numel()}
 
 
 def cmd_export_gguf(s: ExportGguf) -> int:
@@ -353,7 +224,7 @@ COMMANDS = [
         cmd_unroll,
         "export the equivalent vanilla model: each depth's LoRA merged into dense weights",
     ),
-    Command(("quantize",), Quantize, cmd_quantize, "store a model with int8 or int4 weights for CPU serving"),
+    Command(("quantize",), QuantizeConfig, cmd_quantize, "store a model with int8 or int4 weights for CPU serving"),
     Command(
         ("export-gguf",),
         ExportGguf,
