@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from conftest import TINY as CONFTEST_TINY
 from test_gptq import FORMATS
 from test_train_fixtures import build_corpus, make_models
 
@@ -16,13 +17,10 @@ from looplm.models import gptq as G
 from looplm.models import quantized as Q
 
 TINY = dict(
+    CONFTEST_TINY,
     vocab_size=97,
     hidden_size=32,
     intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.2,
     num_loops=2,
     per_depth_vectors=True,
     lora_ranks={"q": 2, "kv": 2, "out": 2, "ffn": 2},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import full_depth_greedy
+from conftest import TINY, full_depth_greedy
 from test_train_fixtures import build_corpus, make_models
 
 from looplm.commands import main
@@ -29,15 +29,7 @@ from looplm.train.losses import objective
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.2,
-)
+SMALL = dict(TINY, num_hidden_layers=6)
 SPECS = [("head-lora", 8), ("affine", None)]
 
 

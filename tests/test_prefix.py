@@ -10,21 +10,14 @@ import math
 import pytest
 import torch
 from conftest import GEMMA_LIKE, arrive_one_per_step, full_depth_greedy, run_cli
+from conftest import TINY as CONFTEST_TINY
 
 from looplm.convert import convert, count_parameters, unroll
 from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, load_checkpoint, save_checkpoint
 from looplm.serve import Engine, ExitPolicy, Request, make_scheduler
 from looplm.serve.batch import DepthRunner
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.2,
-)
+TINY = dict(CONFTEST_TINY, vocab_size=97, hidden_size=32, intermediate_size=48)
 
 
 def _model(seed=0, **kw):
