@@ -75,32 +75,16 @@ def test_serve(setup, tmp_path, capsys):
     assert cpu_model() in printed and "| depth | looped |" in printed
 
 
-def test_heal_step(setup, tmp_path, capsys):
+def heal_step(setup) -> list:
+    """`looplm bench heal-step` on the fixture's student and original, small rows and batches, one round."""
     _, models, corpus = setup
+    student = ["heal-step", models["student"], "--teacher", models["teacher"], "--data", corpus]
+    return [*student, "--seq-len", 32, "--local-batch", 2, "--cache-rows", 4, "--rounds", 1]
+
+
+def test_heal_step(setup, tmp_path, capsys):
     out = tmp_path / "heal.json"
-    printed = run(
-        capsys,
-        "heal-step",
-        models["student"],
-        "--teacher",
-        models["teacher"],
-        "--data",
-        corpus,
-        "--seq-len",
-        32,
-        "--local-batch",
-        2,
-        "--e2e-batch",
-        2,
-        "--cache-rows",
-        4,
-        "--precision",
-        "fp32",
-        "--rounds",
-        1,
-        "--out",
-        out,
-    )
+    printed = run(capsys, *heal_step(setup), "--e2e-batch", 2, "--precision", "fp32", "--out", out)
     result = json.loads(out.read_text())
     assert set(result["steps"]) == {"local", "e2e", "exit"}
     assert all(s["seconds"] > 0 and len(s["rounds"]) == 1 for s in result["steps"].values())
@@ -109,28 +93,14 @@ def test_heal_step(setup, tmp_path, capsys):
 
 
 def test_heal_step_without_an_exit_stage_from_cached_rows(setup, tmp_path, capsys):
-    _, models, corpus = setup
     out = tmp_path / "heal.json"
     run(
         capsys,
-        "heal-step",
-        models["student"],
-        "--teacher",
-        models["teacher"],
-        "--data",
-        corpus,
-        "--seq-len",
-        32,
-        "--local-batch",
-        2,
-        "--cache-rows",
-        4,
+        *heal_step(setup),
         "--e2e-rows",
         "cache",
         "--exit-adapter",
         "none",
-        "--rounds",
-        1,
         "--cache",
         tmp_path / "cache",
         "--out",

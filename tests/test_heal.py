@@ -17,7 +17,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train_fixtures import SRC, build_corpus, byte_tokenizer, make_models, ood_texts, run_cli, tiny_vanilla  # noqa: F401 (fixture)
+from test_train_fixtures import (  # noqa: F401 (fixture)
+    SRC,
+    build_corpus,
+    byte_tokenizer,
+    make_models,
+    metrics,
+    ood_texts,
+    run_cli,
+    tiny_vanilla,
+)
 
 from looplm.convert import convert, stepwise_layers
 from looplm.data.corpus import PackedCorpus
@@ -289,7 +298,7 @@ def test_local_stage_lowers_every_layers_error(setup, mode):
         cache=str(tmp / f"cache-{mode}"),
     )
     r = heal(cfg, log=lambda *a: None)
-    visits = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    visits = metrics(out)
     visits = [v for v in visits if v.get("stage") == "local"]
     assert len(visits) == (4 if mode == "sequential" else 2)
     assert all(v["err_last"] < v["err_first"] for v in visits)
@@ -327,7 +336,7 @@ def test_kill9_resumes_and_heals(setup):
     # exit adapters (3 steps); the summary's tokens are both stages' (the budget's share after the local stage)
     assert summary["tokens"] == (27 + 3) * 2 * 32 and summary["local_tokens"] == 30 * 2 * 32 * 2
     assert summary["machines"] == [cpu_model()]  # resumed on the machine it began on: named once
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(out)
     exits = [r for r in records if r.get("stage") == "exit"]
     assert [r["step"] for r in exits] == [1, 2, 3]
     assert [r["tokens"] for r in exits] == [(27 + i) * 2 * 32 for i in (1, 2, 3)]
@@ -362,7 +371,7 @@ def test_exit_stage_trains_the_adapter_and_leaves_the_body(setup):
         cache=str(tmp / "cache-exit"),
     )
     r = heal(cfg, log=lambda *a: None)
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(out)
     exits = [x for x in records if x.get("stage") == "exit"]
     assert len(exits) == 20 and len([x for x in records if x.get("stage") == "e2e"]) == 20
     assert sum(x["exit1"] for x in exits[-4:]) < sum(x["exit1"] for x in exits[:4])
@@ -463,7 +472,7 @@ def test_online_rows_read_the_whole_training_split_with_the_originals_states(set
     assert all(relative_error(online[b], cache.boundary(b, [0, 1])) < 1e-4 for b in (1, L))
 
     r = heal(cfg, log=lambda *a: None)
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = metrics(out)
     assert len([x for x in steps if x.get("stage") == "e2e"]) == 36
     assert _student_gap(models, out / "final", corpus) < _student_gap(models, models["student"], corpus)
     assert r["healed"]["eval_tokens"] > 0
@@ -603,17 +612,13 @@ def test_a_time_budget_is_replanned_after_warm_up_and_late_in_the_stage(setup):
     r = run_cli(*heal_args(models, corpus, out, "--budget-minutes", 0.25, "--local-share", 0.1, "--e2e-rows", "cache"))
     assert r.returncode == 0, r.stderr
     plan = json.loads((out / "run.json").read_text())["plan"]
-    steps = [
-        x["step"]
-        for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-        if x.get("stage") == "e2e" and not x.get("eval")
-    ]
+    steps = [x["step"] for x in metrics(out) if x.get("stage") == "e2e" and not x.get("eval")]
     assert plan["e2e_steps"] > 60, "too few steps to check the late fixes"
     fixed = plan["e2e_replanned_at"]
     assert fixed[:2] == [3, 30] and fixed == sorted(fixed) and 3 <= len(fixed) <= 5 and fixed[-1] < plan["e2e_steps"]
     assert steps == list(range(1, plan["e2e_steps"] + 1))
     # the local visits were replanned too: every visit ran the count stored for it, and the stage's tokens add up
-    visits = [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if x.get("stage") == "local"]
+    visits = [x for x in metrics(out) if x.get("stage") == "local"]
     by_visit = plan["local_steps_by_visit"]
     assert len(by_visit) == len(visits) == plan["visits"] and min(by_visit) >= 1
     assert 0 < plan["local_end_seconds"] < 0.25 * 60
@@ -642,11 +647,7 @@ def test_the_exit_stage_fills_its_share_of_the_budget_when_the_plan_timed_its_st
     heal(cfg, log=logs.append)
     planned = int(next(m for m in logs if m.startswith("plan:")).rsplit(", ", 1)[1].split()[0])
     plan = json.loads((out / "run.json").read_text())["plan"]
-    steps = [
-        x["step"]
-        for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-        if x.get("stage") == "exit" and not x.get("eval")
-    ]
+    steps = [x["step"] for x in metrics(out) if x.get("stage") == "exit" and not x.get("eval")]
     assert planned > 3, "too few planned exit steps to fix the count again"
     assert plan["exit_replanned_at"][0] == 3 and plan["exit_steps"] > 5 * planned
     assert steps == list(range(1, plan["exit_steps"] + 1))
@@ -669,7 +670,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_on_the_budget_it_had_s
     r = run_cli(*args, "--resume")
     assert r.returncode == 0, r.stderr
     assert "after its plan" in r.stdout and (out / "final").exists()
-    steps = [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not x.get("eval")]
+    steps = [x for x in metrics(out) if not x.get("eval")]
     assert steps and all(x["time"] >= run["plan_clock"] for x in steps)
 
 
@@ -784,7 +785,7 @@ def test_compiled_training_stages_take_the_eager_steps(setup, monkeypatch):
         torch._dynamo.reset()
         counters.clear()
         heal(cfg, log=lambda *a: None)
-        records[compiled] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        records[compiled] = metrics(out)
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
     local = {k: [r for r in recs if r.get("stage") == "local"] for k, recs in records.items()}
     assert len(local[True]) == len(local[False]) > 0
@@ -841,7 +842,7 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
             assert (out / "checkpoints" / (out / "latest").read_text().strip() / "average.pt").exists()
             cfg.resume = True
         r = heal(cfg, log=lambda *a: None)
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        records = metrics(out)
         averaged = [x for x in records if x.get("eval") and x["tag"] == "e2e-average"]
         weights = [x for x in records if x.get("eval") and x["tag"] == "e2e"]
         assert len(averaged) >= 2 and len(weights) >= 2
@@ -875,7 +876,7 @@ def test_a_plan_with_unique_layers_heals_its_shared_blocks_locally_and_everythin
         cache=str(tmp / "cache-middle"),
     )
     r = heal(cfg, log=lambda *a: None)
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(out)
     assert len([x for x in records if x.get("stage") == "local"]) == 1  # one visit: the shared block
     assert [x for x in records if x.get("stage") == "e2e"] and [x for x in records if x.get("stage") == "exit"]
     assert r["exit_adapter"] == {"kind": "affine"}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_heal import heal_args
-from test_train_fixtures import ROOT, SRC, build_corpus, free_port, make_models, ood_texts  # noqa: F401 (fixture)
+from test_train_fixtures import ROOT, SRC, build_corpus, free_port, make_models, metrics, ood_texts  # noqa: F401 (fixture)
 
 # Two processes average two half-batch gradients where one process takes the mean over the whole batch: the same
 # sums in another order, in float32, whose last-bit differences AdamW carries on. Measured on this config: held-out
@@ -77,14 +77,10 @@ def uninterrupted(setup):
     return outs
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def by_step(out: Path) -> dict:
     """The run's records by what they record: a local visit, an end-to-end or exit step, an evaluation's tag."""
     keyed = {}
-    for r in records(out):
+    for r in metrics(out):
         key = ("eval", r["tag"]) if r.get("eval") else (r["stage"], r.get("visit", r.get("step")))
         assert key not in keyed, f"{key} recorded twice in {out}"
         keyed[key] = r

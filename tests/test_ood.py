@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train_fixtures import build_corpus, byte_tokenizer, make_models, ood_texts, run_cli, tiny_vanilla  # noqa: F401 (fixture)
+from test_train_fixtures import build_corpus, byte_tokenizer, make_models, metrics, ood_texts, run_cli, tiny_vanilla  # noqa: F401 (fixture)
 
 from looplm.data.ood import DOMAINS, domain_text, domain_windows, geometric_ratio, parse_domains
 from looplm.errors import UsageError
@@ -152,7 +152,7 @@ def test_heal_logs_the_suite_mean_at_every_evaluation(setup):
         log=lambda *a: None,
     )
     teacher = json.loads((out / "run.json").read_text())["teacher_eval"]
-    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    evals = [r for r in metrics(out) if r.get("eval")]
     assert [e["tag"] for e in evals][0] == "converted" and all(set(e["ood"]) == set(DOMAINS) for e in evals)
     model, tok = load_model(out / "final")
     ref, _ = load_model(models["teacher"])

@@ -30,6 +30,16 @@ def tiny_dir(tmp_path_factory):
     return save_model(model, tok, tmp_path_factory.mktemp("m") / "tiny")
 
 
+def small_bench(tiny_dir) -> list[str]:
+    """`looplm bench serve` on the tiny model at its smallest: two requests arriving at once, no exit table, no
+    hypothetical simulation."""
+    return [
+        *("bench", "serve", str(tiny_dir), "--requests", "2", "--prompt-len", "4:8", "--output-len", "2:3"),
+        *("--max-concurrency", "2", "--arrivals", "all", "--tradeoff-tokens", "0", "--lora-rank", "8"),
+        *("--sim-samples", "0", "--allow-unhealed", "--json"),
+    ]
+
+
 def test_bench_serve_json(tiny_dir, capsys):
     rc = main(
         [
@@ -82,31 +92,7 @@ def test_bench_serve_json(tiny_dir, capsys):
 
 
 def test_bench_serve_without_the_exit_table(tiny_dir, capsys):
-    rc = main(
-        [
-            "bench",
-            "serve",
-            str(tiny_dir),
-            "--requests",
-            "2",
-            "--prompt-len",
-            "4:8",
-            "--output-len",
-            "2:3",
-            "--max-concurrency",
-            "2",
-            "--arrivals",
-            "all",
-            "--tradeoff-tokens",
-            "0",
-            "--lora-rank",
-            "8",
-            "--sim-samples",
-            "0",
-            "--allow-unhealed",
-            "--json",
-        ]
-    )
+    rc = main(small_bench(tiny_dir))
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert (
@@ -161,29 +147,7 @@ def test_weights_flag_quantizes_and_reports_memory(tiny_dir, capsys):
 
     if "int8" not in supported_formats("cpu"):
         pytest.skip("this torch build cannot run int8 weights on CPU")
-    flags = [
-        "bench",
-        "serve",
-        str(tiny_dir),
-        "--requests",
-        "2",
-        "--prompt-len",
-        "4:8",
-        "--output-len",
-        "2:3",
-        "--max-concurrency",
-        "2",
-        "--arrivals",
-        "all",
-        "--tradeoff-tokens",
-        "0",
-        "--lora-rank",
-        "8",
-        "--sim-samples",
-        "0",
-        "--allow-unhealed",
-        "--json",
-    ]
+    flags = small_bench(tiny_dir)
     figs = {}
     for fmt in ("fp32", "int8"):
         assert main(flags + ["--weights", fmt]) == 0

@@ -90,27 +90,16 @@ def test_tokenizer_mismatches(setup, capsys, tmp_path):
     assert not out.exists()
 
 
+def trains(model, corpus, out) -> None:
+    """Two steps of `looplm train` of ``model`` on ``corpus`` into ``out``, which succeed."""
+    args = ["train", str(model), "--data", str(corpus), "--out", str(out), "--max-steps", "2"]
+    assert main([*args, "--precision", "fp32", "--no-progress"]) == 0
+
+
 def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
     tmp, models, corpus = setup
     out = tmp / "run-student"
-    assert (
-        main(
-            [
-                "train",
-                str(models["student"]),
-                "--data",
-                str(corpus),
-                "--out",
-                str(out),
-                "--max-steps",
-                "2",
-                "--precision",
-                "fp32",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    trains(models["student"], corpus, out)
     capsys.readouterr()
     before = snapshot(out)
     fails(
@@ -133,24 +122,7 @@ def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
     )
     # a checkpoint dir swapped in from another model's run
     other = tmp / "run-recursive"
-    assert (
-        main(
-            [
-                "train",
-                str(models["recursive"]),
-                "--data",
-                str(corpus),
-                "--out",
-                str(other),
-                "--max-steps",
-                "2",
-                "--precision",
-                "fp32",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    trains(models["recursive"], corpus, other)
     capsys.readouterr()
     import shutil
 

@@ -3,6 +3,7 @@ as a looplm directory, a small real-text corpus. (Imported by the other test_tra
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,8 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def metrics(run) -> list[dict]:
+    """A run directory's records (metrics.jsonl), in order."""
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_train_fixtures import SRC, build_corpus, free_port, make_models, run_cli
+from test_train_fixtures import SRC, build_corpus, free_port, make_models, metrics, run_cli
 
 from looplm.commands import main
 from looplm.models import load_model
@@ -24,10 +24,6 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loop")
     models = make_models(tmp)
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
-
-
-def metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def train_losses(run):
