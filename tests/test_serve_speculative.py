@@ -61,6 +61,8 @@ def test_greedy_speculation_equals_full_depth_greedy(models, name, mode):
     assert engine.cache.free_rows == engine.cache.num_rows
     s = speculator.stats
     assert 0 < s["accepted"] < s["drafted"], s
+    # finished requests keep their counts (for `generate --json`), not their context index
+    assert not speculator.states and sum(speculator.state_of(r).drafted for r in reqs) == s["drafted"]
     assert all(set(r.exit_loops) == {model.config.num_loops} for r in reqs)  # every token verified at full depth
 
 

@@ -30,6 +30,7 @@ Exit policies are refused: speculation is the lossless alternative to early exit
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ from .request import Item, Request
 from .sampling import draw, filtered_probs
 
 MODES = ("off", "context", "loop1", "both")  # the draft sources (off: no speculation)
+FINISHED_KEPT = 4096  # finished requests whose counts a Speculator keeps for state_of
 
 
 def check_mode(mode: str, num_loops: int) -> None:
@@ -58,6 +60,7 @@ class SpecState:
     source and counts."""
 
     def __init__(self, req: Request, max_draft: int):
+        self.request = req
         self.context = ContextIndex(req.prompt, n=3, min_n=1)
         self.max_draft = max_draft
         self.rate = {"context": 0.5, "loop1": 0.5}  # recent fraction of drafted tokens accepted, per source
@@ -152,11 +155,12 @@ class Speculator:
         self.engine, self.mode, self.max_draft = engine, mode, max_draft
         self.use_loop1 = mode in ("loop1", "both") and engine.B > 1
         self.use_context = mode in ("context", "both")
-        self.states: dict = {}  # request id -> SpecState (a finished request's: its counts alone)
+        self.states: dict = {}  # request id -> SpecState, while the request runs
+        self.finished: OrderedDict = OrderedDict()  # the last FINISHED_KEPT finished requests' states (counts only)
         self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "tokens": 0}
 
     def state_of(self, req: Request) -> SpecState | None:
-        return self.states.get(req.id)
+        return self.states.get(req.id) or self.finished.get(req.id)
 
     def _state(self, req: Request) -> SpecState:
         st = self.states.get(req.id)
@@ -165,9 +169,19 @@ class Speculator:
         st.context.extend(req.output[len(st.context.tokens) - len(req.prompt) :])
         return st
 
+    def _retire_finished(self) -> None:
+        """Finished requests (done, failed or cancelled) keep their counts a while, for ``state_of`` (a server runs
+        for ever); their context index goes."""
+        for rid in [rid for rid, st in self.states.items() if st.request.finished]:
+            st = self.finished[rid] = self.states.pop(rid)
+            st.context = st.request = None
+        while len(self.finished) > FINISHED_KEPT:
+            self.finished.popitem(last=False)
+
     @torch.no_grad()
     def round(self, items: list[Item]) -> list[Item]:
         eng = self.engine
+        self._retire_finished()
         items = [it for it in items if it.req.status == "running"]
         if not items:
             return []
@@ -176,8 +190,11 @@ class Speculator:
             self._verify(drafts)
         except Exception as e:  # a fault fails the requests of this round, not the engine
             eng.fail(items, e)
+            self._retire_finished()
             return []
-        return [nxt for d in drafts if (nxt := self._accept(d)) is not None]
+        following = [nxt for d in drafts if (nxt := self._accept(d)) is not None]
+        self._retire_finished()
+        return following
 
     # --- 1. draft ------------------------------------------------------------------------------------
     def _draft(self, items: list[Item]) -> list[Draft]:
@@ -283,8 +300,6 @@ class Speculator:
         d.state.update(d.source, len(drafts), accepted, committed)
         for key, n in (("rounds", 1), ("drafted", len(drafts)), ("accepted", accepted), ("tokens", committed)):
             self.stats[key] += n
-        if req.finished:  # its counts stay for the caller; its index of the context goes
-            d.state.context = None
         if not alive:
             return None
         new_pos = it.pos + len(tokens)  # the new pending token's position; the KV beyond it is rejected drafts
