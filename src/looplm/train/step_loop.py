@@ -88,6 +88,10 @@ class Every:
     steps: int | None = None
     seconds: float | None = None
 
+    @property
+    def ever(self) -> bool:
+        return self.steps is not None or self.seconds is not None
+
     def due(self, step: int, seconds_since: float) -> bool:
         by_steps = bool(self.steps) and step % self.steps == 0
         return by_steps or (self.seconds is not None and seconds_since >= self.seconds)
@@ -155,10 +159,15 @@ class StepLoop:
                     self.record({"step": p.step, **values, "time": round(p.time, 2), "tokens": p.tokens})
                 if last:
                     break
-                if agreed(self.processes, self.save_every.due(p.step, time.perf_counter() - last_save)):
+                # a cadence that never comes asks no process (each ask is an exchange on several)
+                if self.save_every.ever and agreed(
+                    self.processes, self.save_every.due(p.step, time.perf_counter() - last_save)
+                ):
                     self.save()
                     last_save = time.perf_counter()
-                if agreed(self.processes, self.evaluate_every.due(p.step, time.perf_counter() - last_eval)):
+                if self.evaluate_every.ever and agreed(
+                    self.processes, self.evaluate_every.due(p.step, time.perf_counter() - last_eval)
+                ):
                     self.evaluate()
                     last_eval = time.perf_counter()
         finally:
