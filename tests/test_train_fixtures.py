@@ -3,13 +3,14 @@ as a looplm directory, a small real-text corpus. (Imported by the other test_tra
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from looplm.util import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -142,4 +143,4 @@ def free_port() -> int:
 
 def metrics(run) -> list[dict]:
     """A run directory's records (metrics.jsonl), in order."""
-    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    return read_jsonl(Path(run) / "metrics.jsonl")

@@ -181,7 +181,6 @@ class Speculator:
     @torch.no_grad()
     def round(self, items: list[Item]) -> list[Item]:
         eng = self.engine
-        self._retire_finished()
         items = [it for it in items if it.req.status == "running"]
         if not items:
             return []
@@ -190,10 +189,9 @@ class Speculator:
             self._verify(drafts)
         except Exception as e:  # a fault fails the requests of this round, not the engine
             eng.fail(items, e)
-            self._retire_finished()
-            return []
+            drafts = []
         following = [nxt for d in drafts if (nxt := self._accept(d)) is not None]
-        self._retire_finished()
+        self._retire_finished()  # also those cancelled or failed since the last round
         return following
 
     # --- 1. draft ------------------------------------------------------------------------------------
