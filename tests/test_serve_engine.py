@@ -124,6 +124,15 @@ def test_depth_batches_mix_loops_and_lora_slots(models):
     assert engine.stats["mixed_stages"] > 0
 
 
+def test_replay_reports_every_step_so_a_progress_bar_moves_within_a_batch(models):
+    engine = Engine(models["relaxed"], max_batch=2, max_seq_len=64)
+    reqs = [Request(p, 6) for p in prompts(2)]
+    made = []
+    res = replay(make_scheduler("depth", engine), reqs, on_step=lambda: made.append(sum(len(r.output) for r in reqs)))
+    assert len(made) == res["steps"] and made == sorted(made)
+    assert made[0] < 12 == made[-1]  # the tokens so far, step by step, up to the 2 x 6 asked for
+
+
 def test_sampling_seeded_and_param_effects(models):
     model = models["relaxed"]
     ps = prompts(3)

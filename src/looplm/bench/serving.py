@@ -20,7 +20,7 @@ import torch
 from ..models.quantized import prepare, stored_format, stored_lora, weight_bytes
 from ..serve import Engine, Request
 from ..serve.exits import ExitPolicy
-from ..serve.schedulers import make_scheduler, replay, rss_mb, warm_up
+from ..serve.schedulers import make_scheduler, replay, rss_mb, scheduler_name, warm_up
 from ..serve.speculative import figures
 from .hypothetical import hypothetical
 
@@ -86,7 +86,7 @@ def run_trace(
     compile_s = warm_up(engine)  # compiled graphs are built before the clock starts
     reqs = [Request(r["prompt"], r["max_tokens"], arrival=r["arrival"]) for r in trace]
     rss0 = rss_mb()
-    sched = make_scheduler(f"speculative:{speculate}" if speculate != "off" else scheduler, engine)
+    sched = make_scheduler(scheduler_name(scheduler, speculate), engine)
     res = replay(sched, reqs)
     ok = [r for r in reqs if r.status == "done"]
     tokens = sum(len(r.output) for r in ok)

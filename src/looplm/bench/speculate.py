@@ -36,11 +36,11 @@ PROMPTS = {
 
 def _engine_run(model, ids, n, mode):
     from ..serve import Engine, Request
-    from ..serve.schedulers import make_scheduler, replay
+    from ..serve.schedulers import make_scheduler, replay, scheduler_name
     from ..serve.speculative import figures
 
     engine = Engine(model, max_batch=1, max_seq_len=len(ids) + n + 1)
-    scheduler = "sequence" if mode == "off" else f"speculative:{mode}"
+    scheduler = scheduler_name("sequence", mode)
     replay(make_scheduler(scheduler, engine), [Request(ids[:8], 8)])  # warm-up, untimed
     req, sched = Request(ids, n), make_scheduler(scheduler, engine)
     t0 = time.perf_counter()

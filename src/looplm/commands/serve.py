@@ -198,6 +198,7 @@ def cmd_data_generate(s: GenerateConfig) -> int:
 
 def cmd_serve(s: Serve) -> int:
     from ..serve.exits import parse_policy
+    from ..serve.schedulers import scheduler_name
 
     body_ok = s.max_body_bytes is None or s.max_body_bytes >= 1
     if s.max_concurrency < 1 or s.max_queue < 0 or s.max_seq_len < 2 or not body_ok:
@@ -209,8 +210,7 @@ def cmd_serve(s: Serve) -> int:
         )
     check_engine_args(s, s.device or "cpu")
     check_speculate_args(s)
-    if s.speculate != "off":  # speculative rounds are the serving schedule (schedulers.SpeculativeScheduler)
-        s.scheduler = f"speculative:{s.speculate}"
+    s.scheduler = scheduler_name(s.scheduler, s.speculate)
     from ..serve.on_the_fly import check_unhealed
 
     check_unhealed(s.model, s.loops, s.allow_unhealed)
@@ -284,7 +284,7 @@ def cmd_generate(s: Generate) -> int:
     from ..serve import Engine, Request
     from ..serve.exits import parse_policy
     from ..serve.sampling import SamplingParams
-    from ..serve.schedulers import make_scheduler, replay, warm_up
+    from ..serve.schedulers import make_scheduler, replay, scheduler_name, warm_up
 
     check_engine_args(s)
     check_speculate_args(s)
@@ -312,7 +312,7 @@ def cmd_generate(s: Generate) -> int:
     warm_up(engine)
     from ..serve.speculative import figures
 
-    scheduler = make_scheduler(f"speculative:{s.speculate}" if s.speculate != "off" else s.scheduler, engine)
+    scheduler = make_scheduler(scheduler_name(s.scheduler, s.speculate), engine)
     res = replay(scheduler, reqs)
     speculator = getattr(scheduler, "speculator", None)
     out = [

@@ -295,7 +295,13 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
                 )
             )
         t0 = time.perf_counter()
-        replay(make_scheduler("depth", engine), reqs)
+        at = bar.n
+
+        def moved():  # every engine step, not once a shard: the shard's tokens (or seconds) so far
+            so_far = sum(len(r.output) for r in reqs) if budget_tokens else time.perf_counter() - t0
+            bar.update(at + so_far - bar.n)
+
+        replay(make_scheduler("depth", engine), reqs, on_step=moved)
         seconds = time.perf_counter() - t0
         failed = [r for r in reqs if r.status != "done"]
         if failed:
@@ -345,7 +351,7 @@ def generate_corpus(cfg: GenerateConfig, log=print) -> dict:
         manifest["tokens_per_second"] = round(gen_total / max(manifest["seconds"], 1e-9), 1)
         manifest["machine"] = machine()
         write_json_atomic(out / "manifest.json", manifest)  # the commit marker of this shard
-        bar.update(kept_tokens if budget_tokens else int(seconds))
+        bar.n = min(manifest["tokens"], budget_tokens) if budget_tokens else manifest["seconds"]  # what was kept
         bar.set_postfix(tok_s=manifest["tokens_per_second"], kept=manifest["kept"])
     bar.close()
     return manifest

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -144,6 +145,12 @@ class SpeculativeScheduler(Scheduler):
 SCHEDULERS = {"static": StaticScheduler, "sequence": SequenceScheduler, "depth": DepthScheduler}
 
 
+def scheduler_name(scheduler: str, speculate: str) -> str:
+    """The scheduler that ``--scheduler`` and ``--speculate`` ask for together: speculative rounds are their own
+    batching, so a speculation mode other than ``off`` takes the scheduler's place."""
+    return scheduler if speculate == "off" else f"speculative:{speculate}"
+
+
 def make_scheduler(name: str, engine: Engine) -> Scheduler:
     """The scheduler ``name`` on ``engine``. ``speculative:MODE`` (``speculative``: both sources) serves in
     speculative rounds, which are their own batching."""
@@ -181,9 +188,12 @@ class Clock:
             self.offset += t - now
 
 
-def replay(scheduler: Scheduler, requests: list[Request], max_steps: int | None = None) -> dict:
-    """Submit each request at its arrival time (seconds from the start) and run until all finish.
-    Returns {"seconds", "peak_rss_mb", "steps"}; results and timings are on the requests."""
+def replay(
+    scheduler: Scheduler, requests: list[Request], max_steps: int | None = None, on_step: Callable | None = None
+) -> dict:
+    """Submit each request at its arrival time (seconds from the start) and run until all finish; ``on_step()``
+    runs after each step (a progress bar's update). Returns {"seconds", "peak_rss_mb", "steps"}; results and
+    timings are on the requests."""
     clock = Clock()
     engine = scheduler.engine
     engine.clock = clock
@@ -199,6 +209,8 @@ def replay(scheduler: Scheduler, requests: list[Request], max_steps: int | None 
             continue
         scheduler.step()
         steps += 1
+        if on_step is not None:
+            on_step()
         if steps % 4 == 0:
             peak = max(peak, rss_mb())
         if max_steps is not None and steps >= max_steps:
