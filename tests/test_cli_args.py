@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from looplm.commands import all_commands, build_parser, main, parse
-from looplm.commands.args import HelpFormatter, write_settings
+from looplm.commands.args import HelpFormatter, call_with, write_settings
 
 
 def _parsers(parser, path=()):
@@ -157,3 +157,19 @@ def test_the_settings_a_run_writes_repeat_it(tmp_path):
     assert record["command"] == "looplm heal" and record["settings"]["base_weights"] == "float"
     _, again = parse(["heal", "--config", str(tmp_path / "command.json")])  # the model, too, from the file
     assert again == s
+
+
+def test_call_with_passes_the_settings_a_function_takes_by_name_and_given_values_first():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Settings:
+        model: str = "m"
+        windows: int = 4
+        json: bool = True  # a command's own: the function takes no such parameter
+
+    def score(model, windows=16, limit=None, tasks=None):
+        return model, windows, limit, tasks
+
+    assert call_with(score, Settings()) == ("m", 4, None, None)
+    assert call_with(score, Settings(), model="loaded", tasks=["a"]) == ("loaded", 4, None, ["a"])

@@ -8,6 +8,7 @@ default in place of what it meant."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import types
 import typing
 from dataclasses import MISSING, Field, asdict, fields, is_dataclass
@@ -186,6 +187,15 @@ def from_args(cls: type, args: argparse.Namespace):
                 value = {v: k for k, v in spelled.items()}.get(value, value)
             values[f.name] = value
     return cls(**values)
+
+
+def call_with(target, settings, **given):
+    """``target(...)``, a library function or settings dataclass, with each of its parameters that the command's
+    ``settings`` hold under the same name, then ``given``: what the command computes, renames or keeps from it. A
+    setting is passed on by its name instead of restated field by field."""
+    params = inspect.signature(target).parameters
+    held = {name: getattr(settings, name) for name in params if name not in given and hasattr(settings, name)}
+    return target(**held, **given)
 
 
 def setting_values(settings) -> dict:

@@ -14,7 +14,7 @@ from ..train.heal import E2E_ROWS, HealConfig
 from ..train.loop import TrainConfig
 from ..train.settings import PRECISIONS
 from . import Command
-from .args import setting_values
+from .args import call_with, setting_values
 from .serve import OnTheFly, check_engine_args
 
 PRECISION_HELP = "auto: bf16 autocast where the hardware has bf16 matmuls"
@@ -289,21 +289,8 @@ def cmd_heal_step(s: HealStep) -> int:
         torch.set_num_threads(s.threads)
     if s.rounds < 1:
         raise UsageError("--rounds must be >= 1")
-    cfg = HealConfig(
-        model=s.model,
-        teacher=s.teacher,
-        data=s.data,
-        seq_len=s.seq_len,
-        local_batch=s.local_batch,
-        e2e_batch=s.e2e_batch,
-        e2e_rows=s.e2e_rows,
-        exit_adapter=s.exit_adapter,
-        cache_rows=s.cache_rows,
-        cache=s.cache,
-        precision=s.precision,
-        compile=s.compile,
-        progress=False,
-    )
+    # out: the benchmark's JSON; the steps run in a directory of their own
+    cfg = call_with(HealConfig, s, out=None, progress=False)
     r = heal_step(cfg, s.rounds)
     r["settings"] = setting_values(s)
     rows = [[name, s["seconds"], s["tokens_per_s"], s["note"]] for name, s in r["steps"].items()]
@@ -322,16 +309,7 @@ def cmd_train_step(s: TrainStep) -> int:
         torch.set_num_threads(s.threads)
     if s.steps < 1 or s.warmup < 0:
         raise UsageError("--steps must be >= 1 and --warmup >= 0")
-    cfg = TrainConfig(
-        model=s.model,
-        data=s.data,
-        teacher=s.teacher,
-        max_steps=s.steps,
-        batch_size=s.batch_size,
-        seq_len=s.seq_len,
-        precision=s.precision,
-        progress=False,
-    )
+    cfg = call_with(TrainConfig, s, out=None, max_steps=s.steps, progress=False)
     r = train_step(cfg, s.warmup)
     r["settings"] = setting_values(s)
     rows = [

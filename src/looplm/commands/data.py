@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..settings import setting
 from . import Command
-from .args import write_settings
+from .args import call_with, write_settings
 
 
 def _default_sources() -> list[str]:
@@ -51,16 +51,7 @@ def _sources_epilog() -> str:
 def cmd_build(s: Build) -> int:
     from ..data.corpus import build
 
-    meta = build(
-        s.out,
-        model=s.model,
-        sources=s.sources,
-        seq_len=s.seq_len,
-        heldout=s.heldout,
-        block_chars=s.block_chars,
-        refresh=s.refresh,
-        progress=s.progress,
-    )
+    meta = call_with(build, s)
     write_settings(s.out, "looplm data build", s)
     splits = meta["splits"]
     print(

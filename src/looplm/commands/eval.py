@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ..settings import setting
 from ..util import print_json
 from . import Command
-from .args import setting_values
+from .args import call_with, setting_values
 
 MODEL_HELP = "embedded name, HF/looplm directory or .gguf file"
 JSON_HELP = "print one JSON object instead of text"
@@ -191,18 +191,7 @@ def cmd_fewshot(s: Fewshot) -> int:
     # lm-eval prints to stdout (e.g. "bootstrapping for stddev: perplexity"): keep --json's stdout one document
     quiet = contextlib.redirect_stdout(sys.stderr) if s.json else contextlib.nullcontext()
     with quiet:
-        result = run_fewshot(
-            model,
-            tok,
-            tasks,
-            limit=s.limit,
-            exit_loop=s.exit_loop,
-            all_loops=s.all_loops,
-            batch_size=s.batch_size,
-            num_fewshot=s.num_fewshot,
-            log_samples=s.log_samples,
-            progress=not s.json,
-        )
+        result = call_with(run_fewshot, s, model=model, tokenizer=tok, tasks=tasks, progress=not s.json)
     result["model_spec"] = s.model
     save = _save_dir(s)
     if save is not None:
@@ -252,18 +241,13 @@ def cmd_suite(s: Suite) -> int:
     if js is not None:
         js.parent.mkdir(parents=True, exist_ok=True)
     with quiet:
-        result = run_suite(
-            s.models,
-            domains=s.domains,
-            windows=s.windows,
-            seq_len=s.seq_len,
-            data=s.data,
+        result = call_with(
+            run_suite,
+            s,
+            specs=s.models,
             tasks=tasks,
             limit=s.limit or None,
-            batch_size=s.batch_size,
             compare=pairs,
-            resamples=s.resamples,
-            seed=s.seed,
             scored=scored,
             on_row=save_partial if js is not None else None,
             log=log,
