@@ -289,16 +289,12 @@ def ggufs(s: Settings, vanilla, tok, tmp: Path) -> dict[str, str]:
 # --- the run ------------------------------------------------------------------------------------
 
 
-def bench_llamacpp(s: Settings, log=print) -> dict:
-    check_available()
+def _looped_configs(s: Settings, tok) -> tuple[dict, dict, object]:
+    """With ``--looped``: each format x exit policy's model and bound policy by config name, and the float looped
+    model their outputs are compared with; else nothing."""
     from ..models import load_model
     from ..serve.exits import parse_policy
-    from .serving import heldout_text, make_trace
 
-    vanilla, tok = load_model(s.model)
-    vanilla.eval()
-    moments = calibration_moments(vanilla, tok, s)
-    ours = {f"looplm {f}": served(vanilla, f, moments, s) for f in s.formats}
     looped, policies, base = {}, {}, None
     if s.looped:
         base, _ = load_model(s.looped)
@@ -309,53 +305,51 @@ def bench_llamacpp(s: Settings, log=print) -> dict:
             for e in s.exit_policies:
                 looped[f"looped {f} {e}"] = model
                 policies[f"looped {f} {e}"] = parse_policy(e).bind(model)  # a missing probe fails here
-    ids = tok(heldout_text(), add_special_tokens=False)["input_ids"]
-    b1 = make_trace(ids, s.b1_requests, s.prompt_len, (s.b1_output, s.b1_output), "all", seed=1)
-    trace = make_trace(ids, s.requests, s.prompt_len, s.output_len, "all", seed=0)
-    max_len = s.prompt_len[1] + max(s.output_len[1], s.b1_output) + 1
+    return looped, policies, base
+
+
+def _round_runs(s: Settings, ours, looped, policies, files, llamas, b1, trace) -> list[tuple]:
+    """One round's runs, in order: (part, config name, runner, its arguments)."""
+    runs = [("batch1", name, _engine, (m, b1, 1, s.compile)) for name, m in ours.items()]
+    runs += [("batch1", k, _llama, (llamas[(k, 1)], b1)) for k in files]
+    runs += [
+        ("batch1", name, _engine, (m, b1, 1, s.compile, "depth", policies[name], s.kv_mode))
+        for name, m in looped.items()
+    ]
+    if s.requests:
+        runs += [("trace", name, _engine, (m, trace, s.max_concurrency, s.compile)) for name, m in ours.items()]
+        runs += [("trace", f"{k} x{n}", _llama, (llamas[(k, n)], trace)) for k in files for n in s.llama_concurrency]
+    return runs
+
+
+def _timed_rounds(s: Settings, files, max_len, ours, looped, policies, b1, trace, log) -> tuple[dict, dict]:
+    """Every configuration in turn, ``s.rounds`` times: tokens/s per round and the first round's outputs, by part
+    (batch1, trace) and config name."""
     times: dict[str, dict[str, list[float]]] = {"batch1": {}, "trace": {}}
     outputs: dict[str, dict[str, list]] = {"batch1": {}, "trace": {}}
-    with tempfile.TemporaryDirectory(prefix="looplm-bench-llamacpp-") as tmp:
-        files = ggufs(s, vanilla, tok, Path(tmp))
-        threads = machine()["torch_threads"]
-        sizes = {1, *s.llama_concurrency} if s.requests else {1}
-        llamas = {(k, n): LlamaCpp(v, threads, n, max_len) for k, v in files.items() for n in sizes}
-        try:
-            for rnd in range(s.rounds):
-                log(f"round {rnd + 1} of {s.rounds}")
-                runs = [("batch1", name, _engine, (m, b1, 1, s.compile)) for name, m in ours.items()]
-                runs += [("batch1", k, _llama, (llamas[(k, 1)], b1)) for k in files]
-                runs += [
-                    ("batch1", name, _engine, (m, b1, 1, s.compile, "depth", policies[name], s.kv_mode))
-                    for name, m in looped.items()
-                ]
-                if s.requests:
-                    runs += [
-                        ("trace", name, _engine, (m, trace, s.max_concurrency, s.compile)) for name, m in ours.items()
-                    ]
-                    runs += [
-                        ("trace", f"{k} x{n}", _llama, (llamas[(k, n)], trace))
-                        for k in files
-                        for n in s.llama_concurrency
-                    ]
-                for part, name, fn, fn_args in runs:
-                    tps, out = fn(*fn_args)
-                    times[part].setdefault(name, []).append(tps)
-                    outputs[part].setdefault(name, out)
-                    log(f"  {part:<7} {name:<28} {tps:8.1f} tokens/s")
-        finally:
-            for ll in llamas.values():
-                ll.close()
-    result = {
-        "benchmark": "llamacpp",
-        "settings": {k: v for k, v in vars(s).items()},
-        "gguf": files,
-        "configs": {},
-        "machine": machine(),
-    }
+    threads = machine()["torch_threads"]
+    sizes = {1, *s.llama_concurrency} if s.requests else {1}
+    llamas = {(k, n): LlamaCpp(v, threads, n, max_len) for k, v in files.items() for n in sizes}
+    try:
+        for rnd in range(s.rounds):
+            log(f"round {rnd + 1} of {s.rounds}")
+            for part, name, fn, fn_args in _round_runs(s, ours, looped, policies, files, llamas, b1, trace):
+                tps, out = fn(*fn_args)
+                times[part].setdefault(name, []).append(tps)
+                outputs[part].setdefault(name, out)
+                log(f"  {part:<7} {name:<28} {tps:8.1f} tokens/s")
+    finally:
+        for ll in llamas.values():
+            ll.close()
+    return times, outputs
+
+
+def _config_figures(s: Settings, times, outputs, b1, trace, vanilla, base, ours, tok) -> dict:
+    """Per config: the median and every round's tokens/s, greedy agreement and (with --data) perplexity."""
+    configs: dict[str, dict] = {}
     for part, ref_trace in (("batch1", b1), ("trace", trace)):
         for name, xs in times[part].items():
-            c = result["configs"].setdefault(name, {})
+            c = configs.setdefault(name, {})
             c[f"{part}_tokens_per_s"] = round(statistics.median(xs), 2)
             c[f"{part}_rounds"] = [round(x, 2) for x in xs]
             if name.startswith("looped "):  # exits and weights against the float looped model at full depth
@@ -363,7 +357,35 @@ def bench_llamacpp(s: Settings, log=print) -> dict:
             elif part == "trace" or not s.requests:
                 c["agreement_with_fp32"] = _agreement(vanilla, ref_trace, outputs[part][name])
     for name, m in ours.items():
-        result["configs"][name]["perplexity"] = _perplexity(m, tok, s)
+        configs[name]["perplexity"] = _perplexity(m, tok, s)
+    return configs
+
+
+def bench_llamacpp(s: Settings, log=print) -> dict:
+    check_available()
+    from ..models import load_model
+    from .serving import heldout_text, make_trace
+
+    vanilla, tok = load_model(s.model)
+    vanilla.eval()
+    moments = calibration_moments(vanilla, tok, s)
+    ours = {f"looplm {f}": served(vanilla, f, moments, s) for f in s.formats}
+    looped, policies, base = _looped_configs(s, tok)
+    ids = tok(heldout_text(), add_special_tokens=False)["input_ids"]
+    b1 = make_trace(ids, s.b1_requests, s.prompt_len, (s.b1_output, s.b1_output), "all", seed=1)
+    trace = make_trace(ids, s.requests, s.prompt_len, s.output_len, "all", seed=0)
+    max_len = s.prompt_len[1] + max(s.output_len[1], s.b1_output) + 1
+    with tempfile.TemporaryDirectory(prefix="looplm-bench-llamacpp-") as tmp:
+        files = ggufs(s, vanilla, tok, Path(tmp))
+        times, outputs = _timed_rounds(s, files, max_len, ours, looped, policies, b1, trace, log)
+    result = {
+        "benchmark": "llamacpp",
+        "settings": {k: v for k, v in vars(s).items()},
+        "gguf": files,
+        "configs": {},
+        "machine": machine(),  # stamped before the agreement and perplexity runs
+    }
+    result["configs"] = _config_figures(s, times, outputs, b1, trace, vanilla, base, ours, tok)
     result["ratios"] = ratios(times)
     return result
 

@@ -88,6 +88,17 @@ def run_trace(
     rss0 = rss_mb()
     sched = make_scheduler(scheduler_name(scheduler, speculate), engine)
     res = replay(sched, reqs)
+    fig = _trace_figures(model, engine, reqs, res["peak_rss_mb"], rss0)
+    if speculate != "off":
+        spec = figures(sched.speculator.stats)
+        fig.update(speculate=speculate, **{k: spec[k] for k in ("acceptance_rate", "mean_accepted_length")})
+    if compile:
+        fig["compile_seconds"] = round(compile_s, 1)
+    return fig, reqs, engine
+
+
+def _trace_figures(model, engine: Engine, reqs: list[Request], peak_rss_mb: float, rss0: float) -> dict:
+    """One replayed trace's throughput, latency percentiles, memory and the engine's step counters."""
     ok = [r for r in reqs if r.status == "done"]
     tokens = sum(len(r.output) for r in ok)
     first = min(r.arrival for r in reqs)
@@ -95,7 +106,7 @@ def run_trace(
     ttft = [r.ttft for r in ok]
     tpot = [r.tpot for r in ok]
     stats = engine.stats
-    fig = {
+    return {
         "tokens": tokens,
         "seconds": round(span, 3),
         "tokens_per_s": round(tokens / span, 2),
@@ -103,8 +114,8 @@ def run_trace(
         "ttft_p99": _r(percentile(ttft, 0.99)),
         "tpot_p50": _r(percentile(tpot, 0.5)),
         "tpot_p99": _r(percentile(tpot, 0.99)),
-        "peak_rss_mb": round(res["peak_rss_mb"], 1),
-        "rss_growth_mb": round(res["peak_rss_mb"] - rss0, 1),
+        "peak_rss_mb": round(peak_rss_mb, 1),
+        "rss_growth_mb": round(peak_rss_mb - rss0, 1),
         "kv_cache_mb": round(engine.cache.nbytes / 2**20, 1),
         "packed_weights_mb": round(engine.packed_bytes / 2**20, 1),
         "cpu_products": engine.cpu_plan.summary() if engine.cpu_plan else None,  # the ways measured fastest here
@@ -120,12 +131,6 @@ def run_trace(
         # span is scheduling, prefill bookkeeping and waiting
         "step_ms_per_token": {k: round(1e3 * v / max(1, tokens), 3) for k, v in stats["seconds"].items()},
     }
-    if speculate != "off":
-        spec = figures(sched.speculator.stats)
-        fig.update(speculate=speculate, **{k: spec[k] for k in ("acceptance_rate", "mean_accepted_length")})
-    if compile:
-        fig["compile_seconds"] = round(compile_s, 1)
-    return fig, reqs, engine
 
 
 def _r(x, n=4):
@@ -223,6 +228,50 @@ def hf_cache_config(requests: list[dict], max_new_tokens: int, page_size: int = 
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=pages + 4, max_batch_tokens=batch_tokens)
 
 
+def _hf_generate_b1(hf, requests: list[dict], cfg) -> float:
+    """transformers generate, one request after another: tokens/s."""
+    t, toks = time.perf_counter(), 0
+    with torch.no_grad():
+        for r in requests:
+            g = hf.generate(torch.tensor([r["prompt"]]), generation_config=cfg)
+            toks += g.shape[1] - len(r["prompt"])
+    return round(toks / (time.perf_counter() - t), 2)
+
+
+def _hf_generate_batch(hf, requests: list[dict], n_new: int, cfg, batch_tokens: int) -> tuple[float, dict]:
+    """transformers generate_batch (continuous batching) on every request: tokens/s and the cache it was given."""
+    cb = hf_cache_config(requests, n_new, batch_tokens=batch_tokens)
+    t = time.perf_counter()
+    res = hf.generate_batch(
+        [r["prompt"] for r in requests], generation_config=cfg, continuous_batching_config=cb, progress_bar=False
+    )
+    toks = sum(len(v.generated_tokens) for v in res.values())
+    tps = toks / (time.perf_counter() - t)
+    return tps, {"page_size": cb.page_size, "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens}
+
+
+def _paired_rounds(args, hf, sub, n_new, cfg, vanilla, max_seq_len, out, log) -> tuple[list, list, dict]:
+    """generate_batch and our engine in turn, --hf-rounds times: the host's speed drifts, so the ratio is taken
+    round by round (a generate_batch failure is recorded in ``out``). (theirs, ours, our last run's figures)."""
+    theirs, ours = [], []
+    for rnd in range(max(1, getattr(args, "hf_rounds", 1))):
+        try:
+            tps, cache = _hf_generate_batch(hf, sub, n_new, cfg, getattr(args, "hf_batch_tokens", 512))
+            theirs.append(tps)
+            out["hf_generate_batch_config"] = cache
+        except Exception as e:  # noqa: BLE001 (reported rather than abort the benchmark)
+            out["hf_generate_batch_error"] = f"{type(e).__name__}: {e}"
+        fig, _, _ = run_trace(vanilla, sub, "sequence", args.max_batch, max_seq_len)
+        ours.append(fig["tokens_per_s"])
+        if log:
+            log(
+                f"  round {rnd + 1}: transformers generate_batch, {len(sub)} requests: "
+                f"{round(theirs[-1], 2) if len(theirs) > rnd else out.get('hf_generate_batch_error')} tok/s; "
+                f"our engine {ours[-1]} tok/s"
+            )
+    return theirs, ours, fig
+
+
 def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
     """transformers generate (batch 1) and generate_batch against our engine (vanilla model,
     sequence-wise, ``--max-concurrency`` rows) on the same requests, all with one output length
@@ -242,41 +291,11 @@ def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
     cfg = GenerationConfig(
         max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    t, toks = time.perf_counter(), 0
-    with torch.no_grad():
-        for r in sub_b1:
-            g = hf.generate(torch.tensor([r["prompt"]]), generation_config=cfg)
-            toks += g.shape[1] - len(r["prompt"])
-    out["hf_generate_b1_tokens_per_s"] = round(toks / (time.perf_counter() - t), 2)
+    out["hf_generate_b1_tokens_per_s"] = _hf_generate_b1(hf, sub_b1, cfg)
     if log:
         log(f"  transformers generate, batch 1, {len(sub_b1)} requests: {out['hf_generate_b1_tokens_per_s']} tok/s")
-    # generate_batch and our engine in turn, --hf-rounds times: the host's speed drifts, so the ratio is
-    # taken round by round and its median reported beside the ratio of the medians
-    theirs, ours = [], []
-    for rnd in range(max(1, getattr(args, "hf_rounds", 1))):
-        try:
-            cb = hf_cache_config(sub, n_new, batch_tokens=getattr(args, "hf_batch_tokens", 512))
-            t = time.perf_counter()
-            res = hf.generate_batch(
-                [r["prompt"] for r in sub], generation_config=cfg, continuous_batching_config=cb, progress_bar=False
-            )
-            toks = sum(len(v.generated_tokens) for v in res.values())
-            theirs.append(toks / (time.perf_counter() - t))
-            out["hf_generate_batch_config"] = {
-                "page_size": cb.page_size,
-                "num_blocks": cb.num_blocks,
-                "max_batch_tokens": cb.max_batch_tokens,
-            }
-        except Exception as e:  # noqa: BLE001 (reported rather than abort the benchmark)
-            out["hf_generate_batch_error"] = f"{type(e).__name__}: {e}"
-        fig, _, _ = run_trace(vanilla, sub, "sequence", args.max_batch, max_seq_len)
-        ours.append(fig["tokens_per_s"])
-        if log:
-            log(
-                f"  round {rnd + 1}: transformers generate_batch, {len(sub)} requests: "
-                f"{round(theirs[-1], 2) if len(theirs) > rnd else out.get('hf_generate_batch_error')} tok/s; "
-                f"our engine {ours[-1]} tok/s"
-            )
+    theirs, ours, fig = _paired_rounds(args, hf, sub, n_new, cfg, vanilla, max_seq_len, out, log)
+    # the median of the per-round ratios beside the ratio of the medians
     if theirs:
         out["hf_generate_batch_tokens_per_s"] = round(statistics.median(theirs), 2)
         out["hf_generate_batch_rounds"] = [round(x, 2) for x in theirs]
@@ -298,6 +317,163 @@ def hf_comparison(args, trace, vanilla, max_seq_len, log) -> dict:
     return out
 
 
+def _hf_only(args, base, vanilla, max_seq_len, log) -> dict:
+    """`--hf-only`: the transformers comparison alone, without a looped model."""
+    if not args.hf:
+        raise ValueError("--hf-only needs --hf N")
+    return {
+        "model": args.model,
+        "torch_threads": torch.get_num_threads(),
+        "machine": machine_limits(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "transformers": hf_comparison(args, base, vanilla, max_seq_len, log),
+    }
+
+
+def _arrival_trace(args, arrival: str, ids: list[int], base: list[dict], result: dict, say) -> list[dict]:
+    """The trace of one arrival pattern: ``base`` (all at once), or Poisson arrivals at ``--rate``."""
+    if arrival != "poisson":
+        say(f"\nall {len(base)} requests at once; prompts {args.prompt_len}, outputs {args.output_len}")
+        return base
+    rate = args.rate
+    if rate is None:  # ~80% of what sequence-wise batching sustained on the all-at-once trace
+        seq = result.get("schedulers", {}).get("sequence", {}).get("tokens_per_s")
+        mean_out = sum(r["max_tokens"] for r in base) / len(base)
+        rate = 0.8 * seq / mean_out if seq else 1.0
+    trace = make_trace(ids, args.requests, args.prompt_len, args.output_len, "poisson", rate, args.seed)
+    say(f"\nPoisson arrivals, {rate:.2f} requests/s")
+    return trace
+
+
+def _run_plan(args, arrival: str, vanilla, looped, policy) -> list[tuple]:
+    """The runs on one trace: (name, model, scheduler, exit policy, kv mode[, speculation])."""
+    from ..serve.exits import parse_policy
+
+    other_kv = "later" if args.kv_mode == "copy" else "copy"
+    plan = [
+        ("static", vanilla, "static", None, "copy"),
+        ("sequence", vanilla, "sequence", None, "copy"),
+        ("depth", looped, "depth", policy, args.kv_mode),
+    ]
+    spec = getattr(args, "speculate", "off")
+    if spec != "off":  # the same trace, the same tokens as full depth, in speculative rounds
+        plan.append(
+            ("sequence_speculative", vanilla, "sequence", None, "copy", "context" if spec != "loop1" else "off")
+        )
+        plan.append(("looped_speculative", looped, "sequence", None, "copy", spec))
+        plan.append(("looped_sequence_full_depth", looped, "sequence", None, "copy"))
+        plan = [pl for pl in plan if pl[-1] != "off"]
+    if arrival == "all":
+        plan.append(("depth_oracle", looped, "depth", parse_policy("oracle"), "copy"))
+        if args.extra:
+            plan += [
+                (f"depth_kv_{other_kv}", looped, "depth", policy, other_kv),
+                ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
+                ("looped_depth_full_depth", looped, "depth", None, "copy"),
+            ]
+    return list({pl[0]: pl for pl in plan}.values())  # a run named twice runs once
+
+
+def _run_line(name: str, fig: dict) -> str:
+    """One run's figures on one line of the log."""
+    return (
+        f"  {name:<28} {fig['tokens_per_s']:>8.1f} tok/s  ttft p50 {fig['ttft_p50']:.3f}s p99 "
+        f"{fig['ttft_p99']:.3f}s  tpot p50 {fig['tpot_p50']:.4f}s p99 {fig['tpot_p99']:.4f}s  "
+        f"rss {fig['peak_rss_mb']:.0f} MB  weights {fig['weights_mb']:.0f} MB  "
+        f"exits/loop {fig['exits_per_loop']}"
+        + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else "")
+        + (
+            f"  acceptance {fig['acceptance_rate']}, {fig['mean_accepted_length']} tokens/verification"
+            if "speculate" in fig
+            else ""
+        )
+    )
+
+
+def _run_all(args, plan: list[tuple], trace: list[dict], max_seq_len: int, vanilla, looped, say) -> dict:
+    """Every planned run on the trace, by name; the looped model's runs with their agreement."""
+    runs = {}
+    for name, model, sched, pol, kv, *sp in plan:
+        fig, reqs, _ = run_trace(
+            model,
+            trace,
+            sched,
+            args.max_batch,
+            max_seq_len,
+            pol,
+            kv,
+            getattr(args, "compile", False),
+            sp[0] if sp else "off",
+        )
+        if model is looped:
+            fig["agreement"] = round(agreement(looped, reqs), 4)
+        fig["model"] = "vanilla" if model is vanilla else "looped"
+        fig["scheduler"] = sched
+        runs[name] = fig
+        say(_run_line(name, fig))
+    return runs
+
+
+def _arrival_block(runs: dict, vanilla, looped, limits: dict, weights: dict) -> dict:
+    """One arrival pattern's figures: the three schedulers' headlines, depth-wise speedups, every run."""
+    return {
+        "schedulers": {
+            k: {**{h: runs[k][h] for h in HEADLINE_KEYS}, "model": runs[k]["model"]}
+            for k in ("static", "sequence", "depth")
+        },
+        "agreement": runs["depth"]["agreement"],
+        "speedup": {
+            "depth_vs_static": round(runs["depth"]["tokens_per_s"] / runs["static"]["tokens_per_s"], 3),
+            "depth_vs_sequence": round(runs["depth"]["tokens_per_s"] / runs["sequence"]["tokens_per_s"], 3),
+        },
+        "runs": runs,
+        # float weights only: the estimate counts parameters and their bytes
+        "utilisation": {
+            k: utilisation(vanilla if runs[k]["model"] == "vanilla" else looped, runs[k], limits)
+            for k in ("static", "sequence", "depth")
+        }
+        if weights == {"vanilla": "fp32", "looped": "fp32"}
+        else None,
+    }
+
+
+def _hypothetical_section(args, vanilla, looped, ids: list[int], say) -> dict:
+    """The paper's hypothetical (simulated) throughput, hypothetical.py, logged."""
+    say(
+        f"\nhypothetical throughput, the paper's protocol (appendix J): {args.sim_samples} held-out windows "
+        f"of {args.sim_prefix} + {args.sim_decode} tokens, oracle exits, block times per model"
+    )
+    sim = hypothetical(
+        vanilla,
+        looped,
+        ids,
+        args.sim_prefix,
+        args.sim_decode,
+        args.sim_samples,
+        args.sim_memory_mb,
+        args.sim_max_batch,
+        say,
+    )
+    say(
+        f"  Delta_V {sim['delta_v']}x, Delta_Seq {sim['delta_seq']}x; oracle exits per loop "
+        f"{sim['oracle_exits_per_loop']}"
+    )
+    return sim
+
+
+def _exit_tradeoff_section(args, looped, ids: list[int], say) -> dict:
+    """Every exit policy's trade of early exits against agreement, on the held-out text's second half, logged."""
+    say("\nexit policies, teacher-forced on held-out text (full-depth KV; an upper bound for the engine)")
+    trade = exit_tradeoff(looped, ids[len(ids) // 2 :], n_tokens=args.tradeoff_tokens)
+    say(f"  per-loop perplexity {trade['per_loop_perplexity']}, oracle exit fraction {trade['oracle_exit_fraction']}")
+    for row in trade["policies"]:
+        say(
+            f"  {row['policy']:<14} early exits {row['early_exit_fraction']:.3f}  "
+            f"agreement {row['agreement']:.4f}  perplexity {row['perplexity']}"
+        )
+    return trade
+
+
 def bench_serve(args, arrivals: list[str], log=print) -> dict:
     from ..models import load_model
     from ..serve.exits import parse_policy
@@ -309,15 +485,7 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
     max_seq_len = args.prompt_len[1] + args.output_len[1]
     base = make_trace(ids, args.requests, args.prompt_len, args.output_len, "all", seed=args.seed)
     if getattr(args, "hf_only", False):
-        if not args.hf:
-            raise ValueError("--hf-only needs --hf N")
-        return {
-            "model": args.model,
-            "torch_threads": torch.get_num_threads(),
-            "machine": machine_limits(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "transformers": hf_comparison(args, base, vanilla, max_seq_len, log),
-        }
+        return _hf_only(args, base, vanilla, max_seq_len, log)
     looped, looped_desc = _looped_model(args, vanilla)
     weights = getattr(args, "weights", None)
     vanilla, looped = prepare(vanilla, weights), prepare(looped, weights, lora=getattr(args, "lora", None))
@@ -336,90 +504,11 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     say(f"vanilla {args.model}; looped: {looped_desc}; exit {result['exit_policy']}, kv {args.kv_mode}")
-    other_kv = "later" if args.kv_mode == "copy" else "copy"
     for arrival in arrivals:
-        if arrival == "poisson":
-            rate = args.rate
-            if rate is None:  # ~80% of what sequence-wise batching sustained on the all-at-once trace
-                seq = result.get("schedulers", {}).get("sequence", {}).get("tokens_per_s")
-                mean_out = sum(r["max_tokens"] for r in base) / len(base)
-                rate = 0.8 * seq / mean_out if seq else 1.0
-            trace = make_trace(ids, args.requests, args.prompt_len, args.output_len, "poisson", rate, args.seed)
-            say(f"\nPoisson arrivals, {rate:.2f} requests/s")
-        else:
-            trace = base
-            say(f"\nall {len(trace)} requests at once; prompts {args.prompt_len}, outputs {args.output_len}")
-        runs = {}
-        plan = [
-            ("static", vanilla, "static", None, "copy"),
-            ("sequence", vanilla, "sequence", None, "copy"),
-            ("depth", looped, "depth", policy, args.kv_mode),
-        ]
-        spec = getattr(args, "speculate", "off")
-        if spec != "off":  # the same trace, the same tokens as full depth, in speculative rounds
-            plan.append(
-                ("sequence_speculative", vanilla, "sequence", None, "copy", "context" if spec != "loop1" else "off")
-            )
-            plan.append(("looped_speculative", looped, "sequence", None, "copy", spec))
-            plan.append(("looped_sequence_full_depth", looped, "sequence", None, "copy"))
-            plan = [pl for pl in plan if pl[-1] != "off"]
-        if arrival == "all":
-            plan.append(("depth_oracle", looped, "depth", parse_policy("oracle"), "copy"))
-            if args.extra:
-                plan += [
-                    (f"depth_kv_{other_kv}", looped, "depth", policy, other_kv),
-                    ("looped_sequence_full_depth", looped, "sequence", None, "copy"),
-                    ("looped_depth_full_depth", looped, "depth", None, "copy"),
-                ]
-        plan = list({pl[0]: pl for pl in plan}.values())  # a run named twice runs once
-        for name, model, sched, pol, kv, *sp in plan:
-            fig, reqs, _ = run_trace(
-                model,
-                trace,
-                sched,
-                args.max_batch,
-                max_seq_len,
-                pol,
-                kv,
-                getattr(args, "compile", False),
-                sp[0] if sp else "off",
-            )
-            if model is looped:
-                fig["agreement"] = round(agreement(looped, reqs), 4)
-            fig["model"] = "vanilla" if model is vanilla else "looped"
-            fig["scheduler"] = sched
-            runs[name] = fig
-            say(
-                f"  {name:<28} {fig['tokens_per_s']:>8.1f} tok/s  ttft p50 {fig['ttft_p50']:.3f}s p99 "
-                f"{fig['ttft_p99']:.3f}s  tpot p50 {fig['tpot_p50']:.4f}s p99 {fig['tpot_p99']:.4f}s  "
-                f"rss {fig['peak_rss_mb']:.0f} MB  weights {fig['weights_mb']:.0f} MB  "
-                f"exits/loop {fig['exits_per_loop']}"
-                + (f"  agreement {fig['agreement']:.3f}" if "agreement" in fig else "")
-                + (
-                    f"  acceptance {fig['acceptance_rate']}, {fig['mean_accepted_length']} tokens/verification"
-                    if "speculate" in fig
-                    else ""
-                )
-            )
-        block = {
-            "schedulers": {
-                k: {**{h: runs[k][h] for h in HEADLINE_KEYS}, "model": runs[k]["model"]}
-                for k in ("static", "sequence", "depth")
-            },
-            "agreement": runs["depth"]["agreement"],
-            "speedup": {
-                "depth_vs_static": round(runs["depth"]["tokens_per_s"] / runs["static"]["tokens_per_s"], 3),
-                "depth_vs_sequence": round(runs["depth"]["tokens_per_s"] / runs["sequence"]["tokens_per_s"], 3),
-            },
-            "runs": runs,
-            # float weights only: the estimate counts parameters and their bytes
-            "utilisation": {
-                k: utilisation(vanilla if runs[k]["model"] == "vanilla" else looped, runs[k], limits)
-                for k in ("static", "sequence", "depth")
-            }
-            if result["weights"] == {"vanilla": "fp32", "looped": "fp32"}
-            else None,
-        }
+        trace = _arrival_trace(args, arrival, ids, base, result, say)
+        plan = _run_plan(args, arrival, vanilla, looped, policy)
+        runs = _run_all(args, plan, trace, max_seq_len, vanilla, looped, say)
+        block = _arrival_block(runs, vanilla, looped, limits, result["weights"])
         say(
             f"  measured: depth/static {block['speedup']['depth_vs_static']}x, depth/sequence "
             f"{block['speedup']['depth_vs_sequence']}x at agreement {block['agreement']:.3f}"
@@ -429,39 +518,9 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
         else:
             result[arrival] = block
     if args.sim_samples > 0:
-        say(
-            f"\nhypothetical throughput, the paper's protocol (appendix J): {args.sim_samples} held-out windows "
-            f"of {args.sim_prefix} + {args.sim_decode} tokens, oracle exits, block times per model"
-        )
-        sim = hypothetical(
-            vanilla,
-            looped,
-            ids,
-            args.sim_prefix,
-            args.sim_decode,
-            args.sim_samples,
-            args.sim_memory_mb,
-            args.sim_max_batch,
-            say,
-        )
-        result["hypothetical"] = sim
-        say(
-            f"  Delta_V {sim['delta_v']}x, Delta_Seq {sim['delta_seq']}x; oracle exits per loop "
-            f"{sim['oracle_exits_per_loop']}"
-        )
+        result["hypothetical"] = _hypothetical_section(args, vanilla, looped, ids, say)
     if args.tradeoff_tokens > 0:
-        say("\nexit policies, teacher-forced on held-out text (full-depth KV; an upper bound for the engine)")
-        trade = exit_tradeoff(looped, ids[len(ids) // 2 :], n_tokens=args.tradeoff_tokens)
-        result["exit_tradeoff"] = trade
-        say(
-            f"  per-loop perplexity {trade['per_loop_perplexity']}, "
-            f"oracle exit fraction {trade['oracle_exit_fraction']}"
-        )
-        for row in trade["policies"]:
-            say(
-                f"  {row['policy']:<14} early exits {row['early_exit_fraction']:.3f}  "
-                f"agreement {row['agreement']:.4f}  perplexity {row['perplexity']}"
-            )
+        result["exit_tradeoff"] = _exit_tradeoff_section(args, looped, ids, say)
     if args.hf:
         say("\ntransformers comparison")
         result["transformers"] = hf_comparison(args, base, vanilla, max_seq_len, log)
@@ -469,32 +528,12 @@ def bench_serve(args, arrivals: list[str], log=print) -> dict:
 
 
 @torch.no_grad()
-def exit_tradeoff(
-    model,
-    token_ids: list[int],
-    n_tokens: int = 1024,
-    seq_len: int = 256,
-    policies=(
-        ("softmax", (0.5, 0.7, 0.9, 0.95)),
-        ("margin", (0.3, 0.6, 0.9)),
-        ("entropy", (2.0, 1.0, 0.5)),
-        ("cosine", (0.9, 0.95, 0.99)),
-    ),
-) -> dict:
-    """Teacher-forced on held-out text (full-depth KV, so an upper bound for the engine): per policy and
-    threshold, the fraction of tokens leaving before the last loop, agreement of their argmax with the
-    final loop's, and the perplexity of the logits actually used (exit logits where a token exits).
-    A model with a fitted exit probe also gets the probe policy's rows (its calibrated threshold too)."""
-    from ..serve.probe import ProbeError, load_probe
-
+def _teacher_forced_loops(model, ids: list[int], seq_len: int, probe):
+    """Over ``ids`` in windows of ``seq_len`` (full-depth KV): every loop's log-probabilities [B, t, V], each
+    loop's cosine to the state before it [B, t], the probe's exit probabilities [B - 1, t] (None without a
+    probe) and the targets [t]."""
     B = model.config.num_loops
     dev = next(model.parameters()).device
-    ids = token_ids[: n_tokens + 1]
-    try:
-        probe = load_probe(model)
-        policies = tuple(policies) + (("probe", tuple(sorted({0.5, 0.7, 0.9, probe.threshold}))),)
-    except ProbeError:
-        probe = None
     per_loop_logp, cos_prev, probe_p = [], [], []
     targets = []
     for s in range(0, len(ids) - 1, seq_len):
@@ -530,6 +569,71 @@ def exit_tradeoff(
         targets.append(torch.tensor(w[1:], device=dev))
     logp, cosv, tgt = torch.cat(per_loop_logp, 1), torch.cat(cos_prev, 1), torch.cat(targets)
     probe_pv = torch.cat(probe_p, 1) if probe is not None else None
+    return logp, cosv, probe_pv, tgt
+
+
+def _exit_loops(kind: str, thr: float, tgt, logp, probs, cosv, probe_pv):
+    """The loop each token leaves at under one policy and threshold: the earliest whose signal clears it, else
+    the last."""
+    B = logp.shape[0]
+    exit_loop = torch.full_like(tgt, B - 1)
+    for i in range(B - 2, -1, -1):
+        if kind == "softmax":
+            ok = probs[i].max(-1).values >= thr
+        elif kind == "margin":
+            t2 = probs[i].topk(2, -1).values
+            ok = (t2[:, 0] - t2[:, 1]) >= thr
+        elif kind == "entropy":
+            ok = -(probs[i] * logp[i].clamp_min(-1e30)).nan_to_num().sum(-1) <= thr
+        elif kind == "probe":
+            ok = probe_pv[i] >= thr
+        else:
+            ok = cosv[i] >= thr
+        exit_loop = torch.where(ok, torch.full_like(exit_loop, i), exit_loop)
+    return exit_loop
+
+
+def _policy_row(policy: str, exit_loop, arg, nll_loop) -> dict:
+    """One policy's early exits, loops run, agreement with the final loop and perplexity of the logits used."""
+    B = arg.shape[0]
+    chosen = arg.gather(0, exit_loop[None])[0]
+    nll = nll_loop.gather(0, exit_loop[None])[0]
+    return {
+        "policy": policy,
+        "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 3),
+        "mean_loops": round(float(exit_loop.float().mean() + 1), 3),
+        "agreement": round(float((chosen == arg[-1]).float().mean()), 4),
+        "perplexity": round(float(nll.mean().exp()), 2),
+    }
+
+
+@torch.no_grad()
+def exit_tradeoff(
+    model,
+    token_ids: list[int],
+    n_tokens: int = 1024,
+    seq_len: int = 256,
+    policies=(
+        ("softmax", (0.5, 0.7, 0.9, 0.95)),
+        ("margin", (0.3, 0.6, 0.9)),
+        ("entropy", (2.0, 1.0, 0.5)),
+        ("cosine", (0.9, 0.95, 0.99)),
+    ),
+) -> dict:
+    """Teacher-forced on held-out text (full-depth KV, so an upper bound for the engine): per policy and
+    threshold, the fraction of tokens leaving before the last loop, agreement of their argmax with the
+    final loop's, and the perplexity of the logits actually used (exit logits where a token exits).
+    A model with a fitted exit probe also gets the probe policy's rows (its calibrated threshold too)."""
+    from ..serve.probe import ProbeError, load_probe
+
+    B = model.config.num_loops
+    ids = token_ids[: n_tokens + 1]
+    try:
+        probe = load_probe(model)
+        policies = tuple(policies) + (("probe", tuple(sorted({0.5, 0.7, 0.9, probe.threshold}))),)
+    except ProbeError:
+        probe = None
+    logp, cosv, probe_pv, tgt = _teacher_forced_loops(model, ids, seq_len, probe)
     arg = logp.argmax(-1)
     nll_loop = -logp.gather(-1, tgt[None, :, None].expand(B, -1, 1))[..., 0]  # [B, t]
     out = {
@@ -541,29 +645,6 @@ def exit_tradeoff(
     probs = logp.exp()
     for kind, thresholds in policies:
         for thr in thresholds:
-            exit_loop = torch.full_like(tgt, B - 1)
-            for i in range(B - 2, -1, -1):
-                if kind == "softmax":
-                    ok = probs[i].max(-1).values >= thr
-                elif kind == "margin":
-                    t2 = probs[i].topk(2, -1).values
-                    ok = (t2[:, 0] - t2[:, 1]) >= thr
-                elif kind == "entropy":
-                    ok = -(probs[i] * logp[i].clamp_min(-1e30)).nan_to_num().sum(-1) <= thr
-                elif kind == "probe":
-                    ok = probe_pv[i] >= thr
-                else:
-                    ok = cosv[i] >= thr
-                exit_loop = torch.where(ok, torch.full_like(exit_loop, i), exit_loop)
-            chosen = arg.gather(0, exit_loop[None])[0]
-            nll = nll_loop.gather(0, exit_loop[None])[0]
-            out["policies"].append(
-                {
-                    "policy": f"{kind}:{thr}",
-                    "early_exit_fraction": round(float((exit_loop < B - 1).float().mean()), 3),
-                    "mean_loops": round(float(exit_loop.float().mean() + 1), 3),
-                    "agreement": round(float((chosen == arg[-1]).float().mean()), 4),
-                    "perplexity": round(float(nll.mean().exp()), 2),
-                }
-            )
+            exit_loop = _exit_loops(kind, thr, tgt, logp, probs, cosv, probe_pv)
+            out["policies"].append(_policy_row(f"{kind}:{thr}", exit_loop, arg, nll_loop))
     return out

@@ -278,20 +278,13 @@ def cmd_fit_exit_probe(s: FitExitProbe) -> int:
     return 0
 
 
-def cmd_generate(s: Generate) -> int:
-    from ..models import load_model
-    from ..models.quantized import load_dtype, prepare
-    from ..serve import Engine, Request
-    from ..serve.exits import parse_policy
+def _prompt_requests(s: Generate, model, tok) -> list:
+    """One request per prompt, special tokens added only where the model's config asks for a BOS."""
+    from ..serve import Request
     from ..serve.sampling import SamplingParams
-    from ..serve.schedulers import make_scheduler, replay, scheduler_name, warm_up
 
-    check_engine_args(s)
-    check_speculate_args(s)
-    model, tok = load_model(s.model, dtype=load_dtype(s.weights))
-    model = prepare(model, s.weights, lora=s.lora)
     sp = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
-    reqs = [
+    return [
         Request(
             tok(p, add_special_tokens=bool(model.config.add_bos_token))["input_ids"],
             s.max_new_tokens,
@@ -300,21 +293,12 @@ def cmd_generate(s: Generate) -> int:
         )
         for p in s.prompt
     ]
-    need = max(len(r.prompt) for r in reqs) + s.max_new_tokens
-    engine = Engine(
-        model,
-        max_batch=max(1, min(len(reqs), 16)),
-        max_seq_len=max(need, 64),
-        exit_policy=parse_policy(s.exit_policy),
-        kv_mode=s.kv_mode,
-        compile=s.compile,
-    )
-    warm_up(engine)
+
+
+def _print_generated(s: Generate, tok, reqs: list, seconds: float, speculator) -> None:
+    """Each prompt's continuation (or error) as text, or with --json every figure as one object."""
     from ..serve.speculative import figures
 
-    scheduler = make_scheduler(scheduler_name(s.scheduler, s.speculate), engine)
-    res = replay(scheduler, reqs)
-    speculator = getattr(scheduler, "speculator", None)
     out = [
         {
             "prompt": p,
@@ -330,14 +314,41 @@ def cmd_generate(s: Generate) -> int:
     ]
     if s.json:
         total = sum(len(r.output) for r in reqs)
-        summary = {"results": out, "seconds": round(res["seconds"], 3)}
-        summary["tokens_per_second"] = round(total / res["seconds"], 2) if res["seconds"] > 0 else None
+        summary = {"results": out, "seconds": round(seconds, 3)}
+        summary["tokens_per_second"] = round(total / seconds, 2) if seconds > 0 else None
         if s.speculate != "off":
             summary["speculation"] = {"mode": s.speculate, **figures(speculator.stats)}
         print_json(summary)
     else:
         for o in out:
             print(o["prompt"] + (o["text"] if o["status"] == "done" else f"  [error: {o['error']}]"))
+
+
+def cmd_generate(s: Generate) -> int:
+    from ..models import load_model
+    from ..models.quantized import load_dtype, prepare
+    from ..serve import Engine
+    from ..serve.exits import parse_policy
+    from ..serve.schedulers import make_scheduler, replay, scheduler_name, warm_up
+
+    check_engine_args(s)
+    check_speculate_args(s)
+    model, tok = load_model(s.model, dtype=load_dtype(s.weights))
+    model = prepare(model, s.weights, lora=s.lora)
+    reqs = _prompt_requests(s, model, tok)
+    need = max(len(r.prompt) for r in reqs) + s.max_new_tokens
+    engine = Engine(
+        model,
+        max_batch=max(1, min(len(reqs), 16)),
+        max_seq_len=max(need, 64),
+        exit_policy=parse_policy(s.exit_policy),
+        kv_mode=s.kv_mode,
+        compile=s.compile,
+    )
+    warm_up(engine)
+    scheduler = make_scheduler(scheduler_name(s.scheduler, s.speculate), engine)
+    res = replay(scheduler, reqs)
+    _print_generated(s, tok, reqs, res["seconds"], getattr(scheduler, "speculator", None))
     return 0 if all(r.status == "done" for r in reqs) else 1
 
 

@@ -13,6 +13,7 @@ numpy quantizers; norms stay f32, and with ``q4_1`` the embedding is q8_0, as in
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -96,8 +97,9 @@ def source_pre(config) -> str:
 
 
 def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre: str = "default") -> dict:
+    """Write ``model`` unrolled to a llama-architecture GGUF file ``out`` (``pre``: llama.cpp's pre-tokenizer name)
+    and return what was written: layers, loops, tensor type and bytes."""
     import gguf
-    from gguf.quants import quantize
 
     if tensor_type not in TYPES:
         raise UsageError(f"unknown tensor type {tensor_type!r}; use one of {', '.join(TYPES)}")
@@ -107,22 +109,27 @@ def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre
     _check_llama(c)
     dense = unroll(model).float()
     dc = dense.config
-    qtypes = {
-        "f32": gguf.GGMLQuantizationType.F32,
-        "f16": gguf.GGMLQuantizationType.F16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-        "q4_1": gguf.GGMLQuantizationType.Q4_1,
-    }
-    ftypes = {
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    _add_hyperparameters(w, c, dc, tensor_type)
+    _add_tokenizer(w, tokenizer, dc.vocab_size, pre, bool(getattr(c, "add_bos_token", False)))
+    _add_tensors(w, dense, tensor_type)
+    _write_then_rename(w, tmp, out)
+    return {"layers": dc.num_hidden_layers, "loops": c.num_loops, "type": tensor_type, "bytes": out.stat().st_size}
+
+
+def _add_hyperparameters(w, c, dc, tensor_type: str) -> None:
+    """The llama metadata of the unrolled model (config ``dc``), named after the looped one (``c``)."""
+    import gguf
+
+    file_types = {
         "f32": gguf.LlamaFileType.ALL_F32,
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
         "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     }
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(str(c.conversion.get("source", "looplm model")) + f" (looplm, B={c.num_loops}, unrolled)")
     w.add_context_length(dc.max_position_embeddings)
     w.add_embedding_length(dc.hidden_size)
@@ -137,48 +144,55 @@ def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre
     w.add_rope_freq_base(float(dc.rope["full"]["theta"]))
     w.add_layer_norm_rms_eps(float(dc.norm_eps))
     w.add_vocab_size(dc.vocab_size)
-    w.add_file_type(ftypes[tensor_type])
+    w.add_file_type(file_types[tensor_type])
+
+
+def _add_tokenizer(w, tokenizer, vocab_size: int, pre: str, add_bos: bool) -> None:
+    """The tokenizer as GGUF BPE metadata, its token list padded to the model's ``vocab_size`` rows."""
     tf = _tokenizer_fields(tokenizer)
-    if len(tf["tokens"]) > dc.vocab_size:
-        raise UsageError(f"the tokenizer has {len(tf['tokens'])} tokens, the model's vocabulary {dc.vocab_size}")
-    pad = dc.vocab_size - len(tf["tokens"])  # models may have more rows than the tokenizer has tokens
+    if len(tf["tokens"]) > vocab_size:
+        raise UsageError(f"the tokenizer has {len(tf['tokens'])} tokens, the model's vocabulary {vocab_size}")
+    pad = vocab_size - len(tf["tokens"])  # models may have more rows than the tokenizer has tokens
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
-    w.add_token_list(tf["tokens"] + [f"[PAD{i}]" for i in range(len(tf["tokens"]), dc.vocab_size)])
+    w.add_token_list(tf["tokens"] + [f"[PAD{i}]" for i in range(len(tf["tokens"]), vocab_size)])
     w.add_token_types(tf["types"] + [5] * pad)
     w.add_token_merges(tf["merges"])
-    for name, tid in (
-        ("bos", tokenizer.bos_token_id),
-        ("eos", tokenizer.eos_token_id),
-        ("unk", tokenizer.unk_token_id),
-        ("pad", tokenizer.pad_token_id),
-    ):
+    special = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "unk": tokenizer.unk_token_id,
+        "pad": tokenizer.pad_token_id,
+    }
+    for name, tid in special.items():
         if tid is not None:
-            getattr(
-                w,
-                {
-                    "bos": "add_bos_token_id",
-                    "eos": "add_eos_token_id",
-                    "unk": "add_unk_token_id",
-                    "pad": "add_pad_token_id",
-                }[name],
-            )(int(tid))
-    w.add_add_bos_token(bool(getattr(c, "add_bos_token", False)))
+            getattr(w, f"add_{name}_token_id")(int(tid))  # add_bos_token_id, add_eos_token_id, ...
+    w.add_add_bos_token(add_bos)
     w.add_add_space_prefix(False)
     if getattr(tokenizer, "chat_template", None):
         w.add_chat_template(tokenizer.chat_template)
 
-    def put(name: str, t: torch.Tensor, kind: str) -> None:
-        a = t.detach().float().contiguous().numpy()
-        if a.ndim == 1 or kind == "f32":
-            w.add_tensor(name, a.astype(np.float32))
-        elif kind == "f16":
-            w.add_tensor(name, a.astype(np.float16))
-        else:
-            w.add_tensor(name, quantize(a, qtypes[kind]), raw_dtype=qtypes[kind])
 
-    m = dense.model
-    emb_kind = "q8_0" if tensor_type == "q4_1" else tensor_type
+def _add_tensor(w, name: str, t: torch.Tensor, kind: str) -> None:
+    """One tensor in GGUF type ``kind``; vectors (norms) stay f32 whatever ``kind``."""
+    import gguf
+    from gguf.quants import quantize
+
+    a = t.detach().float().contiguous().numpy()
+    if a.ndim == 1 or kind == "f32":
+        w.add_tensor(name, a.astype(np.float32))
+    elif kind == "f16":
+        w.add_tensor(name, a.astype(np.float16))
+    else:
+        qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}[kind]
+        w.add_tensor(name, quantize(a, qtype), raw_dtype=qtype)
+
+
+def _add_tensors(w, dense, tensor_type: str) -> None:
+    """The unrolled model's tensors under llama.cpp's names, q and k rows in GGUF's rotary order."""
+    dc, m = dense.config, dense.model
+    put = functools.partial(_add_tensor, w)
+    emb_kind = "q8_0" if tensor_type == "q4_1" else tensor_type  # as in the SmolLM2 Q4_1 file
     put("token_embd.weight", m.embed_tokens.weight, emb_kind)
     put("output_norm.weight", m.norm.weight[0], "f32")
     if not dc.tie_word_embeddings:
@@ -195,6 +209,10 @@ def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre
         put(f"blk.{i}.ffn_gate.weight", f.gate_proj.weight, tensor_type)
         put(f"blk.{i}.ffn_up.weight", f.up_proj.weight, tensor_type)
         put(f"blk.{i}.ffn_down.weight", f.down_proj.weight, tensor_type)
+
+
+def _write_then_rename(w, tmp: Path, out: Path) -> None:
+    """Write the file under ``tmp`` and rename it to ``out``: a failed export leaves no partial file at ``out``."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -203,4 +221,3 @@ def export_gguf(model, tokenizer, out: str | Path, tensor_type: str = "f32", pre
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
-    return {"layers": dc.num_hidden_layers, "loops": c.num_loops, "type": tensor_type, "bytes": out.stat().st_size}

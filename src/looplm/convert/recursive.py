@@ -199,6 +199,28 @@ def convert(
     (``default_norms``). ``calibration`` (an ``aware.Calibration`` of
     the vanilla model) is needed by init "aware" and lora_init "aware-svd" (convert/aware.py)."""
     src_cfg = vanilla.config
+    norms = _check_options(src_cfg, init, norms, lora_init, prefix_length)
+    if not isinstance(lora_ranks, dict):
+        lora_ranks = parse_lora_ranks(None, lora_ranks)
+    from . import aware
+
+    aware.check_calibration(calibration, src_cfg, init, lora_init, lora_ranks)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    config = _looped_config(src_cfg, loops, strategy, prelude, coda, init, norms, lora_ranks, lora_init, prefix_length)
+    model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
+    if init != "random":  # the paper's Random baseline uses no pretrained weight at all, embeddings included
+        _copy_outer(vanilla, model)
+        _init_layers(vanilla, model, init, norms, lora_init, calibration)
+    model.config.conversion["seconds"] = round(time.perf_counter() - started, 3)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def _check_options(src_cfg: LoopLMConfig, init: str, norms: str | None, lora_init: str, prefix_length) -> str:
+    """Refuse a source model convert cannot take and unknown options; returns the norm rule (``norms`` or the
+    init's default)."""
     if src_cfg.num_loops != 1:
         raise ConfigError("convert takes a vanilla model (num_loops = 1); this one is already recursive")
     if src_cfg.prefix_length:
@@ -212,14 +234,14 @@ def convert(
         raise ConfigError(f"unknown --norms {norms!r}; use one of {', '.join(NORMS)}")
     if lora_init not in LORA_INITS:
         raise ConfigError(f"unknown --lora-init {lora_init!r}; use one of {', '.join(LORA_INITS)}")
-    if not isinstance(lora_ranks, dict):
-        lora_ranks = parse_lora_ranks(None, lora_ranks)
-    from . import aware
+    return norms
 
-    aware.check_calibration(calibration, src_cfg, init, lora_init, lora_ranks)
-    torch.manual_seed(seed)
-    started = time.perf_counter()
 
+def _looped_config(
+    src_cfg: LoopLMConfig, loops, strategy, prelude, coda, init, norms, lora_ranks: dict, lora_init, prefix_length
+) -> LoopLMConfig:
+    """The looped model's config: the source's with the plan and relaxation asked for, LoRA ranks capped at what
+    their linears can use, and the record of the conversion (``conversion``) that reports show."""
     config = _derived_config(
         src_cfg,
         num_loops=loops,
@@ -244,14 +266,7 @@ def convert(
     }
     if capped:
         config.conversion["capped_ranks"] = capped
-    model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
-    if init != "random":  # the paper's Random baseline uses no pretrained weight at all, embeddings included
-        _copy_outer(vanilla, model)
-        _init_layers(vanilla, model, init, norms, lora_init, calibration)
-    model.config.conversion["seconds"] = round(time.perf_counter() - started, 3)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    return config
 
 
 def _init_layers(vanilla, model, init: str, norms: str, lora_init: str, calibration) -> None:

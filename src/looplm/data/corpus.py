@@ -128,8 +128,6 @@ def build(
     log=print,
     progress: bool = True,
 ) -> dict:
-    from tqdm import tqdm
-
     if seq_len < 8:
         raise UsageError(f"--seq-len {seq_len} is too short; use at least 8 (1024 or 2048 for real runs)")
     if not 0 <= heldout < 1:
@@ -138,10 +136,48 @@ def build(
     tok = load_tokenizer(model)
     fp = tokenizer_fingerprint(tok)
     vocab = len(tok)
-    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     probe = tok("a b").input_ids
-    bos = tok.bos_token_id if tok.bos_token_id is not None and probe and probe[0] == tok.bos_token_id else None
-    eos = tok.eos_token_id
+    settings = {
+        "format": FORMAT,
+        "tokenizer": fp,
+        "seq_len": seq_len,
+        "heldout": heldout,
+        "block_chars": block_chars,
+        "dtype": "uint16" if vocab <= 1 << 16 else "uint32",
+        # a BOS starts every row only for a tokenizer that puts one in front of its text
+        "bos": tok.bos_token_id if tok.bos_token_id is not None and probe and probe[0] == tok.bos_token_id else None,
+        "eos": tok.eos_token_id,
+    }
+    texts, caps = _read_sources(sources, refresh, log)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "parts").mkdir(exist_ok=True)
+    old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    meta = {**settings, "model": model, "vocab_size": vocab, "sources": {}, "splits": {}}
+    changed = False
+    for name, (docs, text_sha) in texts.items():
+        prev = old.get("sources", {}).get(name)
+        files = {s: out / "parts" / f"{name}.{s}.bin" for s in ("train", "heldout")}
+        if _source_up_to_date(prev, text_sha, caps[name], settings, old, files):
+            log(f"{name}: up to date ({prev['train']['seqs']} train / {prev['heldout']['seqs']} held-out sequences)")
+            meta["sources"][name] = prev
+            continue
+        changed = True
+        entry = _build_source(name, docs, text_sha, caps[name], tok, settings, files, progress)
+        meta["sources"][name] = entry
+        log(
+            f"{name}: {entry['train']['seqs']} train / {entry['heldout']['seqs']} held-out sequences "
+            f"of {seq_len} tokens"
+        )
+    for split in ("train", "heldout"):
+        meta["splits"][split] = _join_split(out, split, meta, old, changed)
+    if meta["splits"]["train"]["seqs"] == 0:
+        raise UsageError(f"the corpus has no training sequences of {seq_len} tokens; add text or lower --seq-len")
+    write_json_atomic(out / "meta.json", meta)
+    return meta
+
+
+def _read_sources(sources: str, refresh: bool, log) -> tuple[dict, dict]:
+    """``--sources`` read: {source: (documents, text sha256)} and {source: its training row cap, or None}."""
     texts, caps = {}, {}
     items = [s.strip() for s in sources.split(",") if s.strip()]
     if not items:
@@ -151,96 +187,88 @@ def build(
         resolved = resolve_sources(item, refresh=refresh, log=log)
         texts.update(resolved)
         caps.update({name: cap for name in resolved})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "parts").mkdir(exist_ok=True)
-    old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
-    settings = {
-        "format": FORMAT,
-        "tokenizer": fp,
-        "seq_len": seq_len,
-        "heldout": heldout,
-        "block_chars": block_chars,
-        "dtype": dtype,
-        "bos": bos,
-        "eos": eos,
+    return texts, caps
+
+
+def _source_up_to_date(prev: dict | None, text_sha: str, cap: int | None, settings: dict, old: dict, files) -> bool:
+    """Whether a source's parts of the previous build can stay: same text, cap and settings, files intact."""
+    return bool(
+        prev
+        and prev.get("text_sha256") == text_sha
+        and prev.get("max_train_rows") == cap
+        and all(old.get(k) == v for k, v in settings.items())
+        and all(files[s].exists() and sha256_file(files[s]) == prev[s]["sha256"] for s in files)
+    )
+
+
+def _build_source(name: str, docs, text_sha: str, cap: int | None, tok, settings: dict, files, progress: bool) -> dict:
+    """Tokenise one source, split it into held-out and training blocks and write its packed parts; its meta entry."""
+    from tqdm import tqdm
+
+    eos = settings["eos"]
+    blocks = split_blocks(name, docs, settings["heldout"], settings["block_chars"])
+    streams = {"train": [], "heldout": []}
+    bar = tqdm(blocks, desc=f"tokenising {name}", unit="block", disable=not progress)
+    for _block, text, is_held, doc_end in bar:
+        ids = tok(text, add_special_tokens=False).input_ids
+        if doc_end and eos is not None:
+            ids = ids + [eos]
+        streams["heldout" if is_held else "train"].append(ids)
+    entry = {
+        "text_sha256": text_sha,
+        "documents": len(docs),
+        "chars": sum(len(t) for _, t in docs),
+        "max_train_rows": cap,
     }
-    meta = {**settings, "model": model, "vocab_size": vocab, "sources": {}, "splits": {}}
-    changed = False
-    for name, (docs, text_sha) in texts.items():
-        prev = old.get("sources", {}).get(name)
-        files = {s: out / "parts" / f"{name}.{s}.bin" for s in ("train", "heldout")}
-        if (
-            prev
-            and prev.get("text_sha256") == text_sha
-            and prev.get("max_train_rows") == caps[name]
-            and all(old.get(k) == v for k, v in settings.items())
-            and all(files[s].exists() and sha256_file(files[s]) == prev[s]["sha256"] for s in files)
-        ):
-            log(f"{name}: up to date ({prev['train']['seqs']} train / {prev['heldout']['seqs']} held-out sequences)")
-            meta["sources"][name] = prev
-            continue
-        changed = True
-        blocks = split_blocks(name, docs, heldout, block_chars)
-        streams = {"train": [], "heldout": []}
-        bar = tqdm(blocks, desc=f"tokenising {name}", unit="block", disable=not progress)
-        for _block, text, is_held, doc_end in bar:
-            ids = tok(text, add_special_tokens=False).input_ids
-            if doc_end and eos is not None:
-                ids = ids + [eos]
-            streams["heldout" if is_held else "train"].append(ids)
-        entry = {
-            "text_sha256": text_sha,
-            "documents": len(docs),
-            "chars": sum(len(t) for _, t in docs),
-            "max_train_rows": caps[name],
-        }
-        for split, lists in streams.items():
-            rows = pack(lists, seq_len, bos)
-            if split == "train" and caps[name] is not None and len(rows) > caps[name]:
-                # a seeded choice of rows, so that a mix weighs its sources as asked (held-out rows all stay)
-                seed = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)
-                rows = rows[np.sort(np.random.default_rng(seed).choice(len(rows), caps[name], replace=False))]
-            if rows.size and rows.max() >= (1 << 16 if dtype == "uint16" else 1 << 32):
-                raise UsageError(f"token id {rows.max()} does not fit {dtype}")
-            digest = _write_atomic(files[split], rows.astype(dtype))
-            capped = split == "train" and caps[name] is not None
-            entry[split] = {
-                "seqs": int(rows.shape[0]),
-                "tokens": int(rows.size if capped else sum(map(len, lists))),
-                "blocks": len(lists),
-                "sha256": digest,
-            }
-        meta["sources"][name] = entry
-        log(
-            f"{name}: {entry['train']['seqs']} train / {entry['heldout']['seqs']} held-out sequences "
-            f"of {seq_len} tokens"
-        )
-    for split in ("train", "heldout"):
-        path = out / f"{split}.bin"
-        parts = [out / "parts" / f"{n}.{split}.bin" for n in meta["sources"]]
-        seqs = sum(meta["sources"][n][split]["seqs"] for n in meta["sources"])
-        prev = old.get("splits", {}).get(split)
-        if (
-            not changed
-            and prev
-            and prev.get("sources") == list(meta["sources"])
-            and path.exists()
-            and sha256_file(path) == prev["sha256"]
-        ):
-            meta["splits"][split] = prev
-            continue
-        arrays = [np.fromfile(p, dtype=dtype) for p in parts]
-        data = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
-        meta["splits"][split] = {
-            "file": path.name,
-            "seqs": seqs,
-            "sha256": _write_atomic(path, data),
-            "sources": list(meta["sources"]),
-        }
-    if meta["splits"]["train"]["seqs"] == 0:
-        raise UsageError(f"the corpus has no training sequences of {seq_len} tokens; add text or lower --seq-len")
-    write_json_atomic(out / "meta.json", meta)
-    return meta
+    for split, lists in streams.items():
+        entry[split] = _write_part(name, lists, cap if split == "train" else None, settings, files[split])
+    return entry
+
+
+def _write_part(name: str, lists: list[list[int]], cap: int | None, settings: dict, path: Path) -> dict:
+    """Pack one split of a source into ``path``, at most ``cap`` rows of it; its {"seqs", "tokens", "blocks",
+    "sha256"}."""
+    dtype = settings["dtype"]
+    rows = pack(lists, settings["seq_len"], settings["bos"])
+    if cap is not None and len(rows) > cap:
+        # a seeded choice of rows, so that a mix weighs its sources as asked (held-out rows all stay)
+        seed = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)
+        rows = rows[np.sort(np.random.default_rng(seed).choice(len(rows), cap, replace=False))]
+    if rows.size and rows.max() >= (1 << 16 if dtype == "uint16" else 1 << 32):
+        raise UsageError(f"token id {rows.max()} does not fit {dtype}")
+    digest = _write_atomic(path, rows.astype(dtype))
+    return {
+        "seqs": int(rows.shape[0]),
+        "tokens": int(rows.size if cap is not None else sum(map(len, lists))),
+        "blocks": len(lists),
+        "sha256": digest,
+    }
+
+
+def _join_split(out: Path, split: str, meta: dict, old: dict, changed: bool) -> dict:
+    """``split``.bin, the sources' parts one after another, kept from the previous build when nothing changed;
+    its meta entry."""
+    path = out / f"{split}.bin"
+    parts = [out / "parts" / f"{n}.{split}.bin" for n in meta["sources"]]
+    seqs = sum(meta["sources"][n][split]["seqs"] for n in meta["sources"])
+    prev = old.get("splits", {}).get(split)
+    if (
+        not changed
+        and prev
+        and prev.get("sources") == list(meta["sources"])
+        and path.exists()
+        and sha256_file(path) == prev["sha256"]
+    ):
+        return prev
+    dtype = meta["dtype"]
+    arrays = [np.fromfile(p, dtype=dtype) for p in parts]
+    data = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    return {
+        "file": path.name,
+        "seqs": seqs,
+        "sha256": _write_atomic(path, data),
+        "sources": list(meta["sources"]),
+    }
 
 
 class PackedCorpus:

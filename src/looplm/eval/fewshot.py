@@ -72,61 +72,20 @@ def run_fewshot(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from .lm_eval_adapter import LoopLMEval
-    from .tasks import BESIDE, PAPER7, include_path
+    from .tasks import PAPER7
 
     B = model.config.num_loops
     final = model.model.check_loops(exit_loop)
-    lm = LoopLMEval(
-        pretrained=model,
-        tokenizer=tokenizer,
-        exit_loop=final,
-        batch_size=batch_size,
-        all_loops=all_loops,
-        exit_rule=exit_rule,
-    )
-    tm = TaskManager(include_path=str(include_path()), include_defaults=False)
+    lm, tm = _harness(model, tokenizer, final, batch_size, all_loops, exit_rule)
     names = [PAPER7[t][0] for t in tasks]
     started = time.perf_counter()
 
     def evaluate(loop: int):
-        lm.exit_loop = loop
-        return lm_eval.simple_evaluate(
-            model=lm,
-            tasks=names,
-            task_manager=tm,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            log_samples=log_samples,
-            bootstrap_iters=1000,
-            verbosity="ERROR",
-        )
-
-    def summarise(res) -> tuple[dict, float]:
-        out = {}
-        for short in tasks:
-            tname, metric = PAPER7[short]
-            r = res["results"][tname]
-            value, stderr = _headline(r, metric)
-            beside, beside_stderr = _headline(r, BESIDE)
-            out[short] = {
-                "metric": metric,
-                "value": value,
-                "stderr": stderr,
-                BESIDE: beside,
-                f"{BESIDE}_stderr": beside_stderr,
-                "n": int(res.get("n-samples", {}).get(tname, {}).get("effective", 0)),
-                "metrics": {
-                    k.split(",")[0]: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k
-                },
-            }
-        vals = [v["value"] for v in out.values() if v["value"] is not None]
-        return out, (sum(vals) / len(vals) if vals else math.nan)
+        return _evaluate(lm, tm, names, loop, limit, num_fewshot, log_samples)
 
     res = evaluate(final)
-    task_res, avg = summarise(res)
+    task_res, avg = _summarise(res, tasks)
     shots = {PAPER7[t][0]: res.get("n-shot", {}).get(PAPER7[t][0]) for t in tasks}
     result = {
         "tasks": task_res,
@@ -140,28 +99,101 @@ def run_fewshot(
     if log_samples:
         result["samples"] = {t: [_sample(s) for s in res["samples"][PAPER7[t][0]]] for t in tasks}
     if all_loops:
-        per_loop = {str(final): {"tasks": {t: v["value"] for t, v in task_res.items()}, "average": avg}}
-        for loop in range(1, final):
-            tr, a = summarise(evaluate(loop))
-            per_loop[str(loop)] = {"tasks": {t: v["value"] for t, v in tr.items()}, "average": a}
-        result["per_loop"] = dict(sorted(per_loop.items(), key=lambda kv: int(kv[0])))
+        result["per_loop"] = _per_loop(evaluate, final, tasks, task_res, avg)
     if exit_rule is not None:
-        lm.use_exit_rule = True
-        tr, a = summarise(evaluate(final))  # served from the memo: every token was scored at its exit
-        st = lm.exit_stats
-        n = max(1, st["tokens"])
-        result["exit_rule"] = {
-            "name": exit_rule_name,
-            "tasks": {t: v["value"] for t, v in tr.items()},
-            "average": a,
-            "exits_per_loop": st["exits_per_loop"],
-            "scored_tokens": st["tokens"],
-            "agreement": st["agree"] / n,
-            "mean_exit_loop": sum((i + 1) * e for i, e in enumerate(st["exits_per_loop"])) / n,
-        }
+        result["exit_rule"] = _exit_rule_result(lm, evaluate, final, tasks, exit_rule_name)
     result["seconds"] = round(time.perf_counter() - started, 2)
     result["model"] = model_summary(model)
     return result
+
+
+def _harness(model, tokenizer, final: int, batch_size: int, all_loops: bool, exit_rule):
+    """Our lm-eval model (exiting after loop ``final``) and a task manager that knows the project's tasks alone."""
+    from lm_eval.tasks import TaskManager
+
+    from .lm_eval_adapter import LoopLMEval
+    from .tasks import include_path
+
+    lm = LoopLMEval(
+        pretrained=model,
+        tokenizer=tokenizer,
+        exit_loop=final,
+        batch_size=batch_size,
+        all_loops=all_loops,
+        exit_rule=exit_rule,
+    )
+    return lm, TaskManager(include_path=str(include_path()), include_defaults=False)
+
+
+def _evaluate(lm, tm, names: list[str], loop: int, limit, num_fewshot, log_samples: bool) -> dict:
+    """lm-eval's raw results for the tasks ``names``, every token taken at the exit after ``loop``."""
+    import lm_eval
+
+    lm.exit_loop = loop
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        task_manager=tm,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        log_samples=log_samples,
+        bootstrap_iters=1000,
+        verbosity="ERROR",
+    )
+
+
+def _summarise(res: dict, tasks: list[str]) -> tuple[dict, float]:
+    """Each short task name's headline figures from lm-eval's results, and their average (nan without any)."""
+    from .tasks import BESIDE, PAPER7
+
+    out = {}
+    for short in tasks:
+        tname, metric = PAPER7[short]
+        r = res["results"][tname]
+        value, stderr = _headline(r, metric)
+        beside, beside_stderr = _headline(r, BESIDE)
+        out[short] = {
+            "metric": metric,
+            "value": value,
+            "stderr": stderr,
+            BESIDE: beside,
+            f"{BESIDE}_stderr": beside_stderr,
+            "n": int(res.get("n-samples", {}).get(tname, {}).get("effective", 0)),
+            "metrics": {k.split(",")[0]: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k},
+        }
+    vals = [v["value"] for v in out.values() if v["value"] is not None]
+    return out, (sum(vals) / len(vals) if vals else math.nan)
+
+
+def _values(task_res: dict) -> dict:
+    """{task: headline value}: what a per-loop or exit-rule row keeps of each task."""
+    return {t: v["value"] for t, v in task_res.items()}
+
+
+def _per_loop(evaluate, final: int, tasks: list[str], task_res: dict, avg: float) -> dict:
+    """{loop: {"tasks", "average"}} for every exit 1..final, the final one's from the run already made."""
+    per_loop = {str(final): {"tasks": _values(task_res), "average": avg}}
+    for loop in range(1, final):
+        tr, a = _summarise(evaluate(loop), tasks)
+        per_loop[str(loop)] = {"tasks": _values(tr), "average": a}
+    return dict(sorted(per_loop.items(), key=lambda kv: int(kv[0])))
+
+
+def _exit_rule_result(lm, evaluate, final: int, tasks: list[str], name: str) -> dict:
+    """The tasks scored with each token taken at the loop the exit rule leaves it after, and where it left."""
+    lm.use_exit_rule = True
+    tr, a = _summarise(evaluate(final), tasks)  # served from the memo: every token was scored at its exit
+    st = lm.exit_stats
+    n = max(1, st["tokens"])
+    return {
+        "name": name,
+        "tasks": _values(tr),
+        "average": a,
+        "exits_per_loop": st["exits_per_loop"],
+        "scored_tokens": st["tokens"],
+        "agreement": st["agree"] / n,
+        "mean_exit_loop": sum((i + 1) * e for i, e in enumerate(st["exits_per_loop"])) / n,
+    }
 
 
 def _sample(s: dict) -> dict:

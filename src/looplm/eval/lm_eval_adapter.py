@@ -227,16 +227,48 @@ class LoopLMEval(TemplateLM):
         from transformers import DynamicCache
 
         dev = self.device
-        G = len(groups)
         inline = [len(ks) == 1 for _, ks in groups]
-        seqs = [list(c) + (list(ks[0][1][:-1]) if inline[g] else []) for g, (c, ks) in enumerate(groups)]
-        seq_lens = torch.tensor([len(x) for x in seqs])
         ctx_lens = torch.tensor([len(c) for c, _ in groups])
-        T1 = int(seq_lens.max())
         conts = [(gi, k[1]) for gi, (_, ks) in enumerate(groups) for k in ks]
         keys = [k for _, ks in groups for k in ks]
         cont_rows = [r for r, (gi, c) in enumerate(conts) if not inline[gi] and len(c) > 1]
         Tm = max((len(conts[r][1]) - 1 for r in cont_rows), default=0)
+        ids, mask1, offset, left = self._pass1_inputs(groups, inline, Tm)
+        cache = DynamicCache() if cont_rows else None
+        if left:
+            pos = (mask1.cumsum(-1) - 1).clamp(min=0)
+            states1 = self._loop_states(ids, cache, loops, mask=mask1, pos=pos)
+        else:
+            states1 = self._loop_states(ids, cache, loops)
+        self.forward_tokens += int(mask1.sum())
+        src1_g, src1_t, order = _target_positions(groups, conts, inline, offset)
+        cont_h = None
+        place = {}
+        if cont_rows:
+            cont_h = self._continuations(cache, groups, conts, cont_rows, ctx_lens, mask1, loops, place)
+        n1 = len(src1_g)
+        index = torch.tensor([i if kind == "1" else n1 + place[i] for kind, i in order]).to(dev)
+        g_idx, t_idx = torch.tensor(src1_g).to(dev), torch.tensor(src1_t).to(dev)
+        tgt = torch.tensor([t for _, c in conts for t in c]).to(dev)
+
+        def hidden(li: int) -> torch.Tensor:
+            """Loop ``li``'s hidden state before each target token, in target order."""
+            h = states1[li][g_idx, t_idx]
+            if cont_h is not None:
+                h = torch.cat([h, cont_h[li]], dim=0)
+            return h[index]
+
+        results = self._score_heads(hidden, tgt, [len(c) for _, c in conts], loops)
+        for key, res in zip(keys, results):
+            self._memo[key] = res
+
+    def _pass1_inputs(self, groups, inline: list[bool], Tm: int):
+        """Pass 1's token ids and mask [G, T1] (a group's context, and its one continuation but the last token when
+        inline), each row's padding offset, and whether the rows are left-padded. ``Tm``: the longest pass-2 run."""
+        G = len(groups)
+        seqs = [list(c) + (list(ks[0][1][:-1]) if inline[g] else []) for g, (c, ks) in enumerate(groups)]
+        seq_lens = torch.tensor([len(x) for x in seqs])
+        T1 = int(seq_lens.max())
         # Right padding: causal attention keeps padding out of every real token's past, so pass 1 needs
         # no mask (the fast causal kernel); pass 2 masks the padded cache slots. A sliding window counts
         # cache slots, not positions, so when it could bind, pass 1 is left-padded (positions from the
@@ -250,53 +282,23 @@ class LoopLMEval(TemplateLM):
             o = int(offset[g])
             ids[g, o : o + len(x)] = torch.tensor(x)
             mask1[g, o : o + len(x)] = 1
-        cache = DynamicCache() if cont_rows else None
-        if left:
-            pos = (mask1.cumsum(-1) - 1).clamp(min=0)
-            _, states1, _ = self.model.model(
-                ids.to(dev),
-                attention_mask=mask1.to(dev),
-                position_ids=pos.to(dev),
-                past_key_values=cache,
-                num_loops=loops,
-                output_loop_states=True,
-            )
-        else:
-            _, states1, _ = self.model.model(
-                ids.to(dev), past_key_values=cache, num_loops=loops, output_loop_states=True
-            )
-        self.forward_tokens += int(mask1.sum())
-        # Where each target token's predicting hidden state is: (pass 1, group, slot) or (pass 2, index).
-        src1_g, src1_t, order = [], [], []
-        for r, (gi, c) in enumerate(conts):
-            o, n_ctx = int(offset[gi]), len(groups[gi][0])
-            if inline[gi]:
-                for t in range(len(c)):
-                    order.append(("1", len(src1_g)))
-                    src1_g.append(gi)
-                    src1_t.append(o + n_ctx - 1 + t)
-            else:
-                order.append(("1", len(src1_g)))
-                src1_g.append(gi)
-                src1_t.append(o + n_ctx - 1)
-                order.extend(("2", (r, t)) for t in range(len(c) - 1))
-        cont_h = None
-        place = {}
-        if cont_rows:
-            cont_h = self._continuations(cache, groups, conts, cont_rows, ctx_lens, mask1, loops, place)
-        n1 = len(src1_g)
-        index = torch.tensor([i if kind == "1" else n1 + place[i] for kind, i in order]).to(dev)
-        g_idx, t_idx = torch.tensor(src1_g).to(dev), torch.tensor(src1_t).to(dev)
-        tgt = torch.tensor([t for _, c in conts for t in c]).to(dev)
-        results = [[] for _ in conts]
+        return ids, mask1, offset, left
 
-        def add(ll, greedy):
-            start = 0
-            for r, (_, c) in enumerate(conts):
-                n = len(c)
-                results[r].append((float(ll[start : start + n].sum()), bool(greedy[start : start + n].all())))
-                start += n
+    def _loop_states(self, ids, cache, loops: int, mask=None, pos=None) -> list[torch.Tensor]:
+        """Every loop's hidden states of ``ids`` (appended to ``cache``); ``mask`` and ``pos`` for padded rows
+        whose positions are not their slots."""
+        dev = self.device
+        padded = {} if mask is None else {"attention_mask": mask.to(dev), "position_ids": pos.to(dev)}
+        _, states, _ = self.model.model(
+            ids.to(dev), past_key_values=cache, num_loops=loops, output_loop_states=True, **padded
+        )
+        return states
 
+    def _score_heads(self, hidden, tgt, lengths: list[int], loops: int) -> list[list]:
+        """Each continuation's (log-likelihood, greedy) at exits 1..loops from ``hidden(loop)``, the states before
+        its ``lengths`` target tokens ``tgt``; with an exit rule, then at each token's own exit (entry B)."""
+        dev = self.device
+        results = [[] for _ in lengths]
         rule = self.exit_rule is not None  # then loops == B
         # The head runs at every exit only when every exit is kept; otherwise at the last alone (the memo's
         # earlier entries stay None: the memo is cleared after the call).
@@ -304,32 +306,28 @@ class LoopLMEval(TemplateLM):
         for res in results:
             res.extend([None] * (loops - len(heads)))
         if rule:  # each token's log-prob, greedy hit and argmax at the loop it leaves after
-            left = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
+            gone = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
             dyn_ll = torch.zeros(len(tgt), dtype=torch.float64, device=dev)
             dyn_hit = torch.zeros(len(tgt), dtype=torch.bool, device=dev)
             dyn_arg = torch.zeros(len(tgt), dtype=torch.long, device=dev)
         for li in heads:
-            h = states1[li][g_idx, t_idx]
-            if cont_h is not None:
-                h = torch.cat([h, cont_h[li]], dim=0)
-            logits = self.model.exit_logits(h[index], loop=li).float()
+            logits = self.model.exit_logits(hidden(li), loop=li).float()
             logp = F.log_softmax(logits, dim=-1)
             ll = logp.gather(1, tgt[:, None])[:, 0].double()
             arg = logp.argmax(-1)
-            add(ll.cpu(), (arg == tgt).cpu())
+            _append_scores(results, lengths, ll.cpu(), (arg == tgt).cpu())
             if rule:
-                now = ~left if li == loops - 1 else (self.exit_rule(logits, li).to(dev) & ~left)
+                now = ~gone if li == loops - 1 else (self.exit_rule(logits, li).to(dev) & ~gone)
                 dyn_ll = torch.where(now, ll, dyn_ll)
                 dyn_hit = torch.where(now, arg == tgt, dyn_hit)
                 dyn_arg = torch.where(now, arg, dyn_arg)
-                left |= now
+                gone |= now
                 self.exit_stats["exits_per_loop"][li] += int(now.sum())
         if rule:
-            add(dyn_ll.cpu(), dyn_hit.cpu())
+            _append_scores(results, lengths, dyn_ll.cpu(), dyn_hit.cpu())
             self.exit_stats["agree"] += int((dyn_arg == arg).sum())
             self.exit_stats["tokens"] += len(tgt)
-        for key, res in zip(keys, results):
-            self._memo[key] = res
+        return results
 
     def _continuations(self, cache, groups, conts, rows, ctx_lens, mask1, loops, place):
         """Pass 2: continuation tokens (all but the last) of multi-answer groups, on copies of their
@@ -355,14 +353,7 @@ class LoopLMEval(TemplateLM):
             sub = _select_cache(cache, grp.to(dev))
             mask = torch.cat([mask1[grp], cmask], dim=1)
             pos = ctx_lens[grp][:, None] + torch.arange(Tm)[None]
-            _, states, _ = self.model.model(
-                ids.to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=pos.to(dev),
-                past_key_values=sub,
-                num_loops=loops,
-                output_loop_states=True,
-            )
+            states = self._loop_states(ids, sub, loops, mask=mask, pos=pos)
             self.forward_tokens += int(cmask.sum())
             sel = cmask.bool().to(dev)
             for li in range(loops):
@@ -457,6 +448,34 @@ def _chunk_by_length(lens: list[int], call_cost: int) -> list[tuple[int, int]]:
         out.append((cut[hi], hi))
         hi = cut[hi]
     return out[::-1]
+
+
+def _target_positions(groups, conts, inline: list[bool], offset) -> tuple[list[int], list[int], list[tuple]]:
+    """Where each target token's predicting hidden state is: pass 1's (group, slot) lists, and per target token in
+    order ("1", index into them) or ("2", (continuation row, token)) for a pass-2 state."""
+    src1_g, src1_t, order = [], [], []
+    for r, (gi, c) in enumerate(conts):
+        o, n_ctx = int(offset[gi]), len(groups[gi][0])
+        if inline[gi]:
+            for t in range(len(c)):
+                order.append(("1", len(src1_g)))
+                src1_g.append(gi)
+                src1_t.append(o + n_ctx - 1 + t)
+        else:
+            order.append(("1", len(src1_g)))
+            src1_g.append(gi)
+            src1_t.append(o + n_ctx - 1)
+            order.extend(("2", (r, t)) for t in range(len(c) - 1))
+    return src1_g, src1_t, order
+
+
+def _append_scores(results: list[list], lengths: list[int], ll: torch.Tensor, greedy: torch.Tensor) -> None:
+    """Append to each continuation's results its (summed log-likelihood, all tokens greedy) from per-token ``ll``
+    and ``greedy`` (the continuations' tokens one after another)."""
+    start = 0
+    for res, n in zip(results, lengths):
+        res.append((float(ll[start : start + n].sum()), bool(greedy[start : start + n].all())))
+        start += n
 
 
 def _select_cache(cache, idx: torch.Tensor):

@@ -60,13 +60,7 @@ def score_windows(
     if not windows:
         raise ValueError("nothing to score: no window holds two or more tokens")
     if max_tokens:
-        kept, total = [], 0
-        for w in windows:
-            if total >= max_tokens:
-                break
-            kept.append(w[: max_tokens - total + 1])
-            total += len(kept[-1]) - 1
-        windows = kept
+        windows = _first_tokens(windows, max_tokens)
     loops = model.model.check_loops(exit_loop)
     device = next(model.parameters()).device
     nll = torch.zeros(loops, dtype=torch.float64)
@@ -75,12 +69,7 @@ def score_windows(
     scored_text = []
     for start in tqdm(range(0, len(windows), batch_size), desc=desc, disable=not progress):
         batch = windows[start : start + batch_size]
-        width = max(len(w) for w in batch)
-        ids = torch.full((len(batch), width), 0, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, w in enumerate(batch):
-            ids[i, : len(w)] = torch.tensor(w)
-            mask[i, : len(w)] = 1
+        ids, mask = _padded(batch)
         w_nll, _, w_tokens = model.exit_losses(ids.to(device), mask.to(device), num_loops=loops, final_only=final_only)
         nll += w_nll.sum(1)
         window_nll.extend(w_nll[-1].tolist())
@@ -89,14 +78,7 @@ def score_windows(
         scored_text.extend(w[1:] for w in batch)
     # Bytes of the scored tokens (the text they decode to), for a tokenizer-independent measure.
     n_bytes = sum(len(tokenizer.decode([t for t in w if t is not None]).encode("utf-8")) for w in scored_text)
-    per_loop = [
-        {
-            "loop": i + 1,
-            "perplexity": math.exp(nll[i] / count),
-            "bits_per_byte": float(nll[i] / math.log(2) / max(n_bytes, 1)),
-        }
-        for i in range(loops - 1 if final_only else 0, loops)
-    ]
+    per_loop = _per_loop_figures(nll, count, n_bytes, range(loops - 1 if final_only else 0, loops))
     return {
         "perplexity": per_loop[-1]["perplexity"],
         "bits_per_byte": per_loop[-1]["bits_per_byte"],
@@ -107,6 +89,41 @@ def score_windows(
         "window_losses": [n / max(t, 1) for n, t in zip(window_nll, window_tokens)],
         "window_tokens": window_tokens,
     }
+
+
+def _first_tokens(windows: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The leading windows, the last one cut short, that hold ``max_tokens`` scored tokens (a window's first
+    token is context, not scored)."""
+    kept, total = [], 0
+    for w in windows:
+        if total >= max_tokens:
+            break
+        kept.append(w[: max_tokens - total + 1])
+        total += len(kept[-1]) - 1
+    return kept
+
+
+def _padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(batch), longest] token ids right-padded with 0, and the mask of the real tokens."""
+    width = max(len(w) for w in batch)
+    ids = torch.full((len(batch), width), 0, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, w in enumerate(batch):
+        ids[i, : len(w)] = torch.tensor(w)
+        mask[i, : len(w)] = 1
+    return ids, mask
+
+
+def _per_loop_figures(nll: torch.Tensor, count: int, n_bytes: int, loops: range) -> list[dict]:
+    """Perplexity and bits per byte of each exit in ``loops`` (0-based), from its summed token loss."""
+    return [
+        {
+            "loop": i + 1,
+            "perplexity": math.exp(nll[i] / count),
+            "bits_per_byte": float(nll[i] / math.log(2) / max(n_bytes, 1)),
+        }
+        for i in loops
+    ]
 
 
 def heldout_sources(text: str | None, data: str | None) -> dict:

@@ -130,62 +130,83 @@ def build_report(runs: list[str], out: str | Path, title: str | None = None) -> 
     ppl_names = sorted({k for i in infos for k in i["ppl"]})
     tasks = [t for t in PAPER7 if any(i["fewshot"] and t in i["fewshot"]["tasks"] for i in infos)]
     lines = [f"# {title or 'Evaluation report'}", ""]
-    limits = sorted({str(i["fewshot"].get("limit")) for i in infos if i["fewshot"]})
-    if limits:
-        lines.append(
-            f"Few-shot: lm-eval standard prompts and shots (0), limit per task: {', '.join(limits)} "
-            f"(None = full). Metrics (the paper's): "
-            + ", ".join(f"{TASK_HEAD[t]} {PAPER7[t][1]}" for t in tasks)
-            + f", ± one standard error; the last column averages {BESIDE} where a task has it."
-        )
-        lines.append("")
+    lines += _fewshot_note(infos, tasks)
     head = (
         ["Model", "N-emb", "B", "Init", "LoRA rank", "LoRA init"]
         + [f"PPL {p}" for p in ppl_names]
         + [TASK_HEAD[t] for t in tasks]
         + ["Avg", f"Avg ({BESIDE})"]
     )
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += _table_head(head)
     rows = []
     for i in infos:
-        m, fs = i["model"], i["fewshot"]
-        cells = [
-            i["name"],
-            _nemb(m),
-            str(m.get("num_loops") or "-"),
-            str(m.get("init") or "-"),
-            _rank(m.get("lora_ranks")),
-            str(m.get("lora_init") or "-") if _rank(m.get("lora_ranks")) != "-" else "-",
-        ]
-        cells += [_ppl(i["ppl"].get(p)) for p in ppl_names]
-        scores, average, average_beside = _scores(fs, tasks)
-        cells += [_pct(*scores.get(t, (None, None))) for t in tasks] + [_pct(average), _pct(average_beside)]
+        cells, row = _run_row(i, ppl_names, tasks)
         lines.append("| " + " | ".join(cells) + " |")
-        rows.append(
-            {
-                "name": i["name"],
-                "n_emb": m.get("n_emb"),
-                "average": average,
-                f"average_{BESIDE}": average_beside,
-                "tasks": {t: v for t, (v, _) in scores.items()},
-                "stderr": {t: s for t, (_, s) in scores.items()},
-                "ppl": i["ppl"],
-                "per_loop": {str(k): v for k, v in sorted(i["exits"].items())},
-            }
-        )
+        rows.append(row)
     early = [i for i in infos if len(i["exits"]) > 1]
     if early:
         lines += ["", "## Accuracy per exit loop (static exit)", ""]
-        head = ["Model", "Exit loop"] + [TASK_HEAD[t] for t in tasks] + ["Avg"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for i in early:
-            for loop, row in sorted(i["exits"].items()):
-                cells = [i["name"], str(loop)] + [_pct(row["tasks"].get(t)) for t in tasks] + [_pct(row["average"])]
-                lines.append("| " + " | ".join(cells) + " |")
+        lines += _exit_table(early, tasks)
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n")
     png = _pareto(rows, out / "pareto.png")
     return {"markdown": str(md), "pareto": str(png) if png else None, "rows": rows}
+
+
+def _table_head(head: list[str]) -> list[str]:
+    """A markdown table's header row and separator."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+
+def _fewshot_note(infos: list[dict], tasks: list[str]) -> list[str]:
+    """The lines saying how the few-shot figures were measured; none when no run has any."""
+    limits = sorted({str(i["fewshot"].get("limit")) for i in infos if i["fewshot"]})
+    if not limits:
+        return []
+    return [
+        f"Few-shot: lm-eval standard prompts and shots (0), limit per task: {', '.join(limits)} "
+        f"(None = full). Metrics (the paper's): "
+        + ", ".join(f"{TASK_HEAD[t]} {PAPER7[t][1]}" for t in tasks)
+        + f", ± one standard error; the last column averages {BESIDE} where a task has it.",
+        "",
+    ]
+
+
+def _run_row(info: dict, ppl_names: list[str], tasks: list[str]) -> tuple[list[str], dict]:
+    """One run's cells of the main table, and its row of the returned result (the plot's point)."""
+    m, fs = info["model"], info["fewshot"]
+    cells = [
+        info["name"],
+        _nemb(m),
+        str(m.get("num_loops") or "-"),
+        str(m.get("init") or "-"),
+        _rank(m.get("lora_ranks")),
+        str(m.get("lora_init") or "-") if _rank(m.get("lora_ranks")) != "-" else "-",
+    ]
+    cells += [_ppl(info["ppl"].get(p)) for p in ppl_names]
+    scores, average, average_beside = _scores(fs, tasks)
+    cells += [_pct(*scores.get(t, (None, None))) for t in tasks] + [_pct(average), _pct(average_beside)]
+    row = {
+        "name": info["name"],
+        "n_emb": m.get("n_emb"),
+        "average": average,
+        f"average_{BESIDE}": average_beside,
+        "tasks": {t: v for t, (v, _) in scores.items()},
+        "stderr": {t: s for t, (_, s) in scores.items()},
+        "ppl": info["ppl"],
+        "per_loop": {str(k): v for k, v in sorted(info["exits"].items())},
+    }
+    return cells, row
+
+
+def _exit_table(early: list[dict], tasks: list[str]) -> list[str]:
+    """Accuracy at each exit loop of the runs scored at several exits."""
+    lines = _table_head(["Model", "Exit loop"] + [TASK_HEAD[t] for t in tasks] + ["Avg"])
+    for i in early:
+        for loop, row in sorted(i["exits"].items()):
+            cells = [i["name"], str(loop)] + [_pct(row["tasks"].get(t)) for t in tasks] + [_pct(row["average"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _pareto(rows: list[dict], path: Path) -> Path | None:

@@ -152,99 +152,24 @@ def run_suite(
     ``scored``: rows of an earlier run with the same settings (``settings``); a row of the same name and model is
     kept instead of scored again. ``on_row(rows)`` is called after each model, e.g. to save a partial result;
     ``progress``: a bar per domain and per task on stderr."""
-    from ..convert.recursive import count_parameters
-    from ..models import load_model
-    from ..models.loading import tokenizer_fingerprint
-
     names = parse_domains(domains)
-    corpus = None
-    if data:
-        from ..data.corpus import PackedCorpus
-
-        corpus = PackedCorpus(data)
-        if len(corpus.splits["heldout"]) == 0:
-            raise UsageError(f"the corpus {data} has no held-out split to score in-domain text on")
-    labelled = [parse_spec(s) for s in specs]
-    seen = [n for n, _ in labelled]
-    if len(set(seen)) != len(seen):
-        raise UsageError(f"two models share a name in {', '.join(seen)}; give each its own NAME=MODEL")
-    specs = [s for _, s in labelled]
-    unknown = [n for pair in compare or [] for n in pair if n not in seen and n not in specs]
-    if unknown:
-        raise UsageError(f"--compare names {', '.join(unknown)}, not a model of this suite ({', '.join(seen)})")
+    corpus = _heldout_corpus(data)
+    labelled = _labelled_specs(specs, compare)
+    score = {
+        "domains": names,
+        "windows": windows,
+        "seq_len": seq_len,
+        "corpus": corpus,
+        "tasks": tasks,
+        "limit": limit,
+        "batch_size": batch_size,
+        "progress": progress,
+    }
     earlier = {(r["name"], r["model"]): r for r in scored or [] if r.get("tokenizer")}
-    rows, reference_fp = [], None
-    for label, spec in labelled:
-        t0 = time.perf_counter()
-        if (label, spec) in earlier:
-            row = earlier[(label, spec)]
-            reference_fp = reference_fp or row["tokenizer"]
-            if row["tokenizer"] != reference_fp:
-                raise UsageError(f"{spec} uses another tokenizer than {specs[0]}: evaluate one family in one table")
-            rows.append(row)
-            log(f"{label}: scored before, kept")
-            continue
-        log(f"{label}: scoring {spec}")
-        path, exit_loop = split_exit(spec)
-        model, tok = load_model(path)
-        try:
-            exit_loop = model.model.check_loops(exit_loop)
-        except ValueError as e:
-            raise UsageError(f"{spec}: {e}") from None
-        if tok is None:
-            raise UsageError(f"{spec} has no tokenizer files; save the model with its tokenizer")
-        fp = tokenizer_fingerprint(tok)
-        if reference_fp is None:
-            reference_fp = fp
-        elif fp != reference_fp:
-            raise UsageError(
-                f"{spec} uses another tokenizer than {specs[0]}: per-token perplexities would not "
-                f"compare; evaluate models of one family in one table"
-            )
-        if corpus is not None and corpus.tokenizer != fp:
-            raise UsageError(
-                f"the corpus {data} was tokenised for another model; build one with `looplm data build {specs[0]}`"
-            )
-        row = {
-            "name": label,
-            "model": spec,
-            "loops": model.config.num_loops,
-            "exit_loop": exit_loop,
-            "n_emb": count_parameters(model)["n_emb"],
-            "budget": run_budget(path),
-            "tokenizer": fp,
-            **score_model(
-                model.eval(),
-                tok,
-                names,
-                windows,
-                seq_len,
-                corpus,
-                tasks,
-                limit,
-                batch_size,
-                progress=progress,
-                exit_loop=exit_loop,
-            ),
-        }
-        row["seconds"] = round(time.perf_counter() - t0, 1)
-        rows.append(row)
-        if on_row is not None:
-            on_row(rows)
-        log(
-            f"{label}: out-of-domain "
-            + ", ".join(f"{n} {p:.2f}" for n, p in row["ood"].items())
-            + (f"; in-domain {row['in_domain']:.2f}" if "in_domain" in row else "")
-            + f" ({row['seconds']} s)"
-        )
-        del model
-    ref = rows[0]
-    for row in rows:
-        row["ood_ratio"] = geometric_ratio(row["ood"], ref["ood"])
-        if "in_domain" in row:
-            row["in_domain_ratio"] = row["in_domain"] / ref["in_domain"]
+    rows = _score_rows(labelled, earlier, data, score, on_row, log)
+    _add_ratios(rows)
     result = {
-        "reference": ref["name"],
+        "reference": rows[0]["name"],
         **settings(names, windows, seq_len, data, tasks, limit),
         # the text the held-out figures are measured on
         **({"in_domain_sources": corpus.sources_of("heldout", windows)} if corpus is not None else {}),
@@ -256,6 +181,113 @@ def run_suite(
     pairs = stats.default_pairs(result) if compare is None else compare
     result["comparisons"] = stats.comparisons(result, pairs, resamples, seed)
     return result
+
+
+def _heldout_corpus(data: str | None):
+    """The corpus ``data`` whose held-out split the in-domain figures read; None without one."""
+    if not data:
+        return None
+    from ..data.corpus import PackedCorpus
+
+    corpus = PackedCorpus(data)
+    if len(corpus.splits["heldout"]) == 0:
+        raise UsageError(f"the corpus {data} has no held-out split to score in-domain text on")
+    return corpus
+
+
+def _labelled_specs(specs: list[str], compare: list[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    """[(NAME, MODEL)] of ``specs``, refusing two models of one name and ``compare`` pairs naming no model."""
+    labelled = [parse_spec(s) for s in specs]
+    seen = [n for n, _ in labelled]
+    if len(set(seen)) != len(seen):
+        raise UsageError(f"two models share a name in {', '.join(seen)}; give each its own NAME=MODEL")
+    models = [s for _, s in labelled]
+    unknown = [n for pair in compare or [] for n in pair if n not in seen and n not in models]
+    if unknown:
+        raise UsageError(f"--compare names {', '.join(unknown)}, not a model of this suite ({', '.join(seen)})")
+    return labelled
+
+
+def _score_rows(
+    labelled: list[tuple[str, str]], earlier: dict, data: str | None, score: dict, on_row, log
+) -> list[dict]:
+    """Each model's row in turn, an ``earlier`` row of the same name and model kept; every model must share the
+    reference's (the first's) tokenizer."""
+    first = labelled[0][1]  # the reference's model, which the errors name
+    rows, reference_fp = [], None
+    for label, spec in labelled:
+        if (label, spec) in earlier:
+            row = earlier[(label, spec)]
+            reference_fp = reference_fp or row["tokenizer"]
+            if row["tokenizer"] != reference_fp:
+                raise UsageError(f"{spec} uses another tokenizer than {first}: evaluate one family in one table")
+            rows.append(row)
+            log(f"{label}: scored before, kept")
+            continue
+        log(f"{label}: scoring {spec}")
+        row = _scored_row(label, spec, reference_fp, first, data, score)
+        if reference_fp is None:
+            reference_fp = row["tokenizer"]
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
+        log(
+            f"{label}: out-of-domain "
+            + ", ".join(f"{n} {p:.2f}" for n, p in row["ood"].items())
+            + (f"; in-domain {row['in_domain']:.2f}" if "in_domain" in row else "")
+            + f" ({row['seconds']} s)"
+        )
+    return rows
+
+
+def _scored_row(label: str, spec: str, reference_fp: str | None, first: str, data: str | None, score: dict) -> dict:
+    """Load and score one model (``score``: score_model's settings); its row, timed. ``reference_fp``: the
+    reference's tokenizer fingerprint (None for the reference itself), which the model's must equal."""
+    from ..convert.recursive import count_parameters
+    from ..models import load_model
+    from ..models.loading import tokenizer_fingerprint
+
+    t0 = time.perf_counter()
+    path, exit_loop = split_exit(spec)
+    model, tok = load_model(path)
+    try:
+        exit_loop = model.model.check_loops(exit_loop)
+    except ValueError as e:
+        raise UsageError(f"{spec}: {e}") from None
+    if tok is None:
+        raise UsageError(f"{spec} has no tokenizer files; save the model with its tokenizer")
+    fp = tokenizer_fingerprint(tok)
+    if reference_fp is not None and fp != reference_fp:
+        raise UsageError(
+            f"{spec} uses another tokenizer than {first}: per-token perplexities would not "
+            f"compare; evaluate models of one family in one table"
+        )
+    corpus = score["corpus"]
+    if corpus is not None and corpus.tokenizer != fp:
+        raise UsageError(
+            f"the corpus {data} was tokenised for another model; build one with `looplm data build {first}`"
+        )
+    row = {
+        "name": label,
+        "model": spec,
+        "loops": model.config.num_loops,
+        "exit_loop": exit_loop,
+        "n_emb": count_parameters(model)["n_emb"],
+        "budget": run_budget(path),
+        "tokenizer": fp,
+        **score_model(model.eval(), tok, exit_loop=exit_loop, **score),
+    }
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Each row's perplexities as ratios to the first row's (the reference)."""
+    ref = rows[0]
+    for row in rows:
+        row["ood_ratio"] = geometric_ratio(row["ood"], ref["ood"])
+        if "in_domain" in row:
+            row["in_domain_ratio"] = row["in_domain"] / ref["in_domain"]
 
 
 def settings(domains: list[str], windows: int, seq_len: int, data, tasks, limit) -> dict:

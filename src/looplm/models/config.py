@@ -88,13 +88,37 @@ class LoopLMConfig(PretrainedConfig):
         **kwargs,
     ):
         self.family = family
+        self._set_sizes(vocab_size, hidden_size, intermediate_size, num_hidden_layers)
+        self._set_heads(num_attention_heads, num_key_value_heads, head_dim)
+        self._set_block(hidden_act, mlp_type, norm_type, norm_eps, attention_bias, attention_out_bias, mlp_bias)
+        self._set_norm_layout(parallel_residual, pre_norms, sandwich_norms, qk_norm, qk_norm_scope)
+        self._set_scales(embedding_multiplier, query_pre_attn_scalar, attn_logit_softcap, final_logit_softcap)
+        self._set_positions(sliding_window_size, depth_attention, depth_rope, rope, max_position_embeddings)
+        self.initializer_range = initializer_range
+        self.add_bos_token = add_bos_token
+        self._set_looping(num_loops, sharing, prelude_layers, coda_layers)
+        self._set_relaxation(per_depth_vectors, lora_ranks, prefix_length)
+        self._set_conversion_and_exits(conversion, exit_adapter)
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate()
+
+    # --- __init__'s sections, called in the order the attributes were always set (to_dict() keeps it) ---
+    def _set_sizes(self, vocab_size, hidden_size, intermediate_size, num_hidden_layers) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
+
+    def _set_heads(self, num_attention_heads, num_key_value_heads, head_dim) -> None:
+        """Attention heads; None for the key/value heads or the head width: multi-head attention, hidden / heads."""
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.head_dim = head_dim or self.hidden_size // num_attention_heads
+
+    def _set_block(
+        self, hidden_act, mlp_type, norm_type, norm_eps, attention_bias, attention_out_bias, mlp_bias
+    ) -> None:
+        """The block's activation, MLP and norm kinds and its linears' biases."""
         self.hidden_act = hidden_act
         self.mlp_type = mlp_type
         self.norm_type = norm_type
@@ -103,6 +127,9 @@ class LoopLMConfig(PretrainedConfig):
         # Qwen2 has q/k/v biases and none on o; None: o follows attention_bias.
         self.attention_out_bias = attention_bias if attention_out_bias is None else attention_out_bias
         self.mlp_bias = mlp_bias
+
+    def _set_norm_layout(self, parallel_residual, pre_norms, sandwich_norms, qk_norm, qk_norm_scope) -> None:
+        """Where the block's residuals and norms sit."""
         self.parallel_residual = parallel_residual
         # False (OLMo-2): no norm before attention and MLP, only after them (sandwich_norms' post-norms).
         # The block then keeps a per-depth scale (ones) in the pre-norms' place, an exact identity that
@@ -113,29 +140,38 @@ class LoopLMConfig(PretrainedConfig):
         # "head": q/k RMS-normed per head over head_dim (Gemma 3, Qwen3); "all": over the whole q and k
         # projections before the split into heads (OLMo-2).
         self.qk_norm_scope = qk_norm_scope
+
+    def _set_scales(self, embedding_multiplier, query_pre_attn_scalar, attn_logit_softcap, final_logit_softcap) -> None:
+        """Gemma's embedding scale, attention scale and logit soft-caps (None: none)."""
         self.embedding_multiplier = embedding_multiplier
         self.query_pre_attn_scalar = query_pre_attn_scalar
         self.attn_logit_softcap = attn_logit_softcap
         self.final_logit_softcap = final_logit_softcap
+
+    def _set_positions(self, sliding_window_size, depth_attention, depth_rope, rope, max_position_embeddings) -> None:
+        """Per depth, the attention kind and whether it rotates; the rotary settings of each kind."""
         # Named so that transformers' DynamicCache does not turn our per-depth caches into sliding
         # ones: we keep full caches and apply the window in the attention mask.
         self.sliding_window_size = sliding_window_size
-        self.depth_attention = list(depth_attention or ["full"] * num_hidden_layers)
+        self.depth_attention = list(depth_attention or ["full"] * self.num_hidden_layers)
         # Per depth: whether rotary embeddings apply (False at SmolLM3's NoPE layers). Like the attention
         # kind it belongs to the depth, so a shared layer may rotate at one depth and not at another.
-        self.depth_rope = [bool(r) for r in depth_rope] if depth_rope is not None else [True] * num_hidden_layers
+        self.depth_rope = [bool(r) for r in depth_rope] if depth_rope is not None else [True] * self.num_hidden_layers
         # Rotary settings per attention kind: {"full": {...}, "sliding": {...}}, each with
         # theta, type (default | linear | llama3), partial (fraction of head_dim rotated) and
         # the scaling keys of its type.
         self.rope = rope or {"full": {"theta": 10000.0, "type": "default", "partial": 1.0}}
         self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
-        self.add_bos_token = add_bos_token
+
+    def _set_looping(self, num_loops, sharing, prelude_layers, coda_layers) -> None:
         self.num_loops = num_loops
         # a named plan (middle-cycle) is stored as its core pattern and ends; checkpoints without ends are P = C = 0
         self.sharing, self.prelude_layers, self.coda_layers = resolve_sharing(
             sharing, int(prelude_layers), int(coda_layers)
         )
+
+    def _set_relaxation(self, per_depth_vectors, lora_ranks, prefix_length) -> None:
+        """What each depth of a shared block keeps of its own: vectors, LoRA, prefix."""
         # Norm weights and linear biases kept per depth instead of shared: a few thousand numbers,
         # and the only way a full-rank relaxed model reproduces the original exactly.
         self.per_depth_vectors = per_depth_vectors
@@ -143,13 +179,14 @@ class LoopLMConfig(PretrainedConfig):
         # Per-depth prefix (paper appendix G): P learned vectors per depth whose keys and values every
         # query of that depth attends to; 0 = none.
         self.prefix_length = prefix_length
+
+    def _set_conversion_and_exits(self, conversion, exit_adapter) -> None:
+        """How the model was made, and what serves its intermediate exits."""
         # Free-form record of how the model was made (source, init, ...), for reports.
         self.conversion = conversion or {}
         # An optional adapter per intermediate exit (models/exit_adapter.py): {"kind": "head-lora", "rank": r}
         # or {"kind": "affine"}; None: every exit is the plain final norm + LM head.
         self.exit_adapter = exit_adapter
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-        self.validate()
 
     # --- derived structure -------------------------------------------------------------------
     @property

@@ -97,6 +97,17 @@ def _rope_per_kind(hf) -> dict:
 def config_from_hf(hf) -> LoopLMConfig:
     """Translate a transformers config of a supported family into a LoopLMConfig."""
     hf = hf.get_text_config(decoder=True) if hasattr(hf, "get_text_config") else hf
+    family = _supported_family(hf)
+    common = _common_fields(hf, family)
+    if family == "gpt_neox":
+        return LoopLMConfig(**_neox_switches(hf), **common)
+    if family.startswith("gemma"):
+        return LoopLMConfig(**_gemma_switches(hf, family), **common)
+    return LoopLMConfig(**_llama_switches(hf, family), **common)
+
+
+def _supported_family(hf) -> str:
+    """The looplm family of ``hf``, or a ConfigError naming what looplm cannot convert and what it can."""
     family = FAMILIES.get(hf.model_type)
     feature = refusal(hf)
     if feature is not None:
@@ -108,9 +119,14 @@ def config_from_hf(hf) -> LoopLMConfig:
         raise ConfigError(
             f"model type {hf.model_type!r} is not supported; looplm converts {', '.join(sorted(FAMILIES))}"
         )
+    return family
+
+
+def _common_fields(hf, family: str) -> dict:
+    """What every family's config states alike: sizes, heads, special tokens, rotary and attention kinds."""
     L = hf.num_hidden_layers
     depth_attention, window = _attention_kinds(hf, L)
-    common = dict(
+    return dict(
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -128,21 +144,24 @@ def config_from_hf(hf) -> LoopLMConfig:
         sliding_window_size=window,
         family=family,
     )
-    if family == "gpt_neox":
-        return LoopLMConfig(
-            hidden_act=hf.hidden_act,
-            mlp_type="plain",
-            norm_type="layer",
-            norm_eps=hf.layer_norm_eps,
-            attention_bias=getattr(hf, "attention_bias", True),
-            mlp_bias=True,
-            parallel_residual=hf.use_parallel_residual,
-            **common,
-        )
-    if family.startswith("gemma"):
-        return LoopLMConfig(**_gemma_switches(hf, family), **common)
-    # The Llama layout and its relatives: SwiGLU, RMSNorm (w * x), pre-norms.
-    return LoopLMConfig(
+
+
+def _neox_switches(hf) -> dict:
+    """GPT-NeoX: plain MLP, LayerNorm, biases everywhere, parallel residuals where its config says so."""
+    return dict(
+        hidden_act=hf.hidden_act,
+        mlp_type="plain",
+        norm_type="layer",
+        norm_eps=hf.layer_norm_eps,
+        attention_bias=getattr(hf, "attention_bias", True),
+        mlp_bias=True,
+        parallel_residual=hf.use_parallel_residual,
+    )
+
+
+def _llama_switches(hf, family: str) -> dict:
+    """The Llama layout and its relatives: SwiGLU, RMSNorm (w * x), pre-norms."""
+    return dict(
         hidden_act=hf.hidden_act,
         mlp_type="glu",
         norm_type="rms",
@@ -156,7 +175,6 @@ def config_from_hf(hf) -> LoopLMConfig:
         sandwich_norms=family == "olmo2",
         # SmolLM3 names the layers that rotate (1) and the NoPE ones (0)
         depth_rope=getattr(hf, "no_rope_layers", None) if family == "smollm3" else None,
-        **common,
     )
 
 
@@ -200,16 +218,19 @@ def _llama_names(i: int) -> dict:
     return names
 
 
+def _post_norm_names(p: str) -> dict:
+    """The norms of the attention's and the MLP's outputs (Gemma 2/3, OLMo-2): looplm's post-norms."""
+    return {
+        f"{p}post_attention_layernorm.weight": "attn_out_norm.weight",
+        f"{p}post_feedforward_layernorm.weight": "mlp_out_norm.weight",
+    }
+
+
 def _gemma2_names(i: int) -> dict:
     p = f"model.layers.{i}."
     names = _llama_names(i)
-    names.update(
-        {
-            f"{p}post_attention_layernorm.weight": "attn_out_norm.weight",
-            f"{p}pre_feedforward_layernorm.weight": "mlp_norm.weight",
-            f"{p}post_feedforward_layernorm.weight": "mlp_out_norm.weight",
-        }
-    )
+    names[f"{p}pre_feedforward_layernorm.weight"] = "mlp_norm.weight"
+    names.update(_post_norm_names(p))
     return names
 
 
@@ -218,12 +239,7 @@ def _olmo2_names(i: int) -> dict:
     p = f"model.layers.{i}."
     names = _llama_names(i)
     del names[f"{p}input_layernorm.weight"]
-    names.update(
-        {
-            f"{p}post_attention_layernorm.weight": "attn_out_norm.weight",
-            f"{p}post_feedforward_layernorm.weight": "mlp_out_norm.weight",
-        }
-    )
+    names.update(_post_norm_names(p))
     return names
 
 

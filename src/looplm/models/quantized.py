@@ -456,53 +456,74 @@ def attach(
     each ``input_groups`` group are one stacked weight (per depth when merged), one matmul a step instead of
     three (q|k|v) or two (gate|up): fewer calls into the kernel at batch 1; each linear
     keeps a ``QuantSlice`` of it, and its bias and LoRA. The stored (portable) form is the same either way."""
-
-    def parts_of(n, m):  # the portable tensors of one linear, one per depth when merged, shapes checked
-        parts = [tensors[name] for name in weight_names(n, m, lora)]
-        for p in parts:
-            if _portable_shape(p) != (m.out_features, m.in_features):
-                raise ConfigError(
-                    f"quantized {n}.weight is {_portable_shape(p)[0]} x {_portable_shape(p)[1]}, "
-                    f"the model needs {m.out_features} x {m.in_features}"
-                )
-        return parts
-
     for owner, attr, members in input_groups(model) if fuse else []:
-        per_member = [parts_of(n, m) for n, m in members]
-        flat = [p for parts in per_member for p in parts]
-        if (
-            len({len(parts) for parts in per_member}) > 1
-            or len({frozenset(p) for p in flat}) > 1
-            or len({p["scale"].shape[1:] for p in flat}) > 1
-        ):
-            continue  # mixed formats, group sizes or LoRA modes: separate matmuls
-        outs = [m.out_features for _, m in members]
-        name = "+".join(n for n, _ in members)
-        stacked = _per_depth(
-            [
-                _checked(
-                    {k: torch.cat([parts[d][k] for parts in per_member]) for k in flat[0]},
-                    name,
-                    (sum(outs), members[0][1].in_features),
-                    act_dtype,
-                )
-                for d in range(len(per_member[0]))
-            ]
-        )
-        stacked.sizes = outs
-        setattr(owner, attr, stacked)
-        start = 0
-        for _, m in members:
-            _drop_float(m, merges(m, lora))
-            m.quant = QuantSlice(stacked, start, start + m.out_features)
-            start += m.out_features
+        per_member = [_portable_parts(tensors, n, m, lora) for n, m in members]
+        if _stackable(per_member):  # else (mixed formats, group sizes or LoRA modes): separate matmuls
+            _attach_stacked(owner, attr, members, per_member, lora, act_dtype)
+    _attach_unstacked(model, tensors, lora, act_dtype)
+    _attach_embedding_and_head(model, tensors, dtype, act_dtype)
+
+
+def _portable_parts(tensors: dict[str, dict], name: str, lin: LoopLinear, lora: str) -> list[dict]:
+    """The portable tensors of linear ``name``, one per depth when merged, their shapes checked against it."""
+    parts = [tensors[w] for w in weight_names(name, lin, lora)]
+    for p in parts:
+        if _portable_shape(p) != (lin.out_features, lin.in_features):
+            raise ConfigError(
+                f"quantized {name}.weight is {_portable_shape(p)[0]} x {_portable_shape(p)[1]}, "
+                f"the model needs {lin.out_features} x {lin.in_features}"
+            )
+    return parts
+
+
+def _stackable(per_member: list[list[dict]]) -> bool:
+    """Whether a group's linears stack into one weight: the same LoRA mode (weights per linear), format and group
+    size for all."""
+    flat = [p for parts in per_member for p in parts]
+    return not (
+        len({len(parts) for parts in per_member}) > 1
+        or len({frozenset(p) for p in flat}) > 1
+        or len({p["scale"].shape[1:] for p in flat}) > 1
+    )
+
+
+def _stacked_depth(per_member: list[list[dict]], d: int) -> dict:
+    """Depth ``d``'s portable tensors of a group's linears, one after another along the output rows."""
+    return {k: torch.cat([parts[d][k] for parts in per_member]) for k in per_member[0][0]}
+
+
+def _attach_stacked(owner, attr, members, per_member, lora: str, act_dtype: torch.dtype) -> None:
+    """A group's linears as one stacked weight (per depth when merged), ``owner``'s ``attr``; each linear
+    keeps a ``QuantSlice`` of its rows."""
+    outs = [m.out_features for _, m in members]
+    name = "+".join(n for n, _ in members)
+    shape = (sum(outs), members[0][1].in_features)
+    stacked = _per_depth(
+        [_checked(_stacked_depth(per_member, d), name, shape, act_dtype) for d in range(len(per_member[0]))]
+    )
+    stacked.sizes = outs
+    setattr(owner, attr, stacked)
+    start = 0
+    for _, m in members:
+        _drop_float(m, merges(m, lora))
+        m.quant = QuantSlice(stacked, start, start + m.out_features)
+        start += m.out_features
+
+
+def _attach_unstacked(model: nn.Module, tensors: dict[str, dict], lora: str, act_dtype: torch.dtype) -> None:
+    """Each linear that no stacked weight serves gets its own (one per depth when merged)."""
     for n, m in linears(model):
         if m.quant is None:
             merged = merges(m, lora)
+            shape = (m.out_features, m.in_features)
             m.quant = _per_depth(
-                [_checked(p, f"{n}.weight", (m.out_features, m.in_features), act_dtype) for p in parts_of(n, m)]
+                [_checked(p, f"{n}.weight", shape, act_dtype) for p in _portable_parts(tensors, n, m, lora)]
             )
             _drop_float(m, merged)
+
+
+def _attach_embedding_and_head(model: nn.Module, tensors: dict[str, dict], dtype, act_dtype) -> None:
+    """The embedding as int8 rows; the head on its own weight, or on the embedding's table when it has none."""
     c = model.config
     emb = _checked(tensors["model.embed_tokens.weight"], "embedding", (c.vocab_size, c.hidden_size), act_dtype)
     if not isinstance(emb, Int8Weight):

@@ -139,7 +139,7 @@ def convert_model(c: ConvertConfig, log=_note):
     and total parameters before and after, the LoRA ranks, the prefix, the calibration, the seconds taken, the
     output directory the command writes to and, with ``ppl_tokens``, the perplexity before and after on ``text``.
     ``c`` is completed with the defaults taken (``strategy``, ``norms``)."""
-    from ..convert import convert, count_parameters, parse_lora_ranks
+    from ..convert import convert, parse_lora_ranks
     from ..models import load_model
 
     with Timer() as t_load:
@@ -167,16 +167,33 @@ def convert_model(c: ConvertConfig, log=_note):
             prelude=c.prelude,
             coda=c.coda,
         )
+    _note_capped_ranks(model, log)
+    report = _report(c, vanilla, model, rank, prefix, t_load.seconds, t_conv.seconds)
+    if calibration is not None:
+        report["calibration"] = calibration.summary()
+    if c.ppl_tokens:
+        report.update(_perplexities((vanilla, model), tok, text, c.ppl_tokens))
+    return model, tok, report
+
+
+def _note_capped_ranks(model, log) -> None:
+    """Tell which LoRA ranks asked for the linears' sizes capped."""
     for group, (asked, used) in model.config.conversion.get("capped_ranks", {}).items():
         log(
             f"note: LoRA rank {asked} for group {group} is capped at {used}, the min(in, out) of its linears (a "
             f"higher rank adds nothing)"
         )
+
+
+def _report(c: ConvertConfig, vanilla, model, rank, prefix: int, load_seconds: float, convert_seconds: float) -> dict:
+    """The conversion's report without calibration and perplexity: where it goes, the time taken, the sizes."""
+    from ..convert import count_parameters
+
     before, after = count_parameters(vanilla), count_parameters(model)
-    report = {
+    return {
         "out": str(Path(c.out) if c.out else default_out(c, rank, prefix)),
-        "load_seconds": round(t_load.seconds, 2),
-        "convert_seconds": round(t_conv.seconds, 2),
+        "load_seconds": round(load_seconds, 2),
+        "convert_seconds": round(convert_seconds, 2),
         "n_emb_before": before["n_emb"],
         "n_emb_after": after["n_emb"],
         "total_before": before["total"],
@@ -185,16 +202,14 @@ def convert_model(c: ConvertConfig, log=_note):
         "prefix_length": prefix,
         "prefix_params": after["prefix"],
     }
-    if calibration is not None:
-        report["calibration"] = calibration.summary()
-    if c.ppl_tokens:
-        from ..eval.perplexity import perplexity
 
-        scored = [perplexity(m, tok, text, seq_len=512, max_tokens=c.ppl_tokens) for m in (vanilla, model)]
-        report.update(
-            ppl_before=scored[0]["perplexity"], ppl_after=scored[1]["perplexity"], ppl_tokens=scored[1]["tokens"]
-        )
-    return model, tok, report
+
+def _perplexities(models, tok, text: str, tokens: int) -> dict:
+    """The perplexity of the original and the looped model on the first ``tokens`` tokens of held-out ``text``."""
+    from ..eval.perplexity import perplexity
+
+    scored = [perplexity(m, tok, text, seq_len=512, max_tokens=tokens) for m in models]
+    return dict(ppl_before=scored[0]["perplexity"], ppl_after=scored[1]["perplexity"], ppl_tokens=scored[1]["tokens"])
 
 
 def _plan(s, config, log):

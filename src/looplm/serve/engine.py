@@ -242,30 +242,13 @@ class Engine:
         early-exited token skips are filled here (``kv_mode``)."""
         B, policy = self.B, self.policy
         starts = list(itertools.accumulate([0] + [it.length for it in items]))
-        cont, emit, exited = [], [], []  # emit: (item, row index into h_out)
-        inter, spans = [], {}
-        for it, s in zip(items, starts):
-            h = h_out[s : s + it.length]
-            if it.kind == "kv":
-                if it.loop < B - 1:
-                    it.h, it.loop = h, it.loop + 1
-                    cont.append(it)
-                continue
-            last = s + it.length - 1
-            if it.loop == B - 1:
-                emit.append((it, last))
-            elif policy.active and not it.req.full_depth and (it.kind == "token" or policy.kind == "oracle"):
-                # prompts never exit
-                inter.append((it, last))
-                spans[id(it)] = (s, it.length)
-            else:
-                it.h, it.loop = h, it.loop + 1
-                cont.append(it)
+        span_of = {id(it): (s, it.length) for it, s in zip(items, starts)}
+        cont, emit, inter = self._sort_by_loop(items, h_out, starts)  # emit, inter: (item, row index into h_out)
+        exited = []
         exit_mask = None
         logit_rows = emit[:]  # (item, row) pairs whose exit logits are needed
         # an exit runs the plan's coda (once per token that leaves, over all of its item's tokens: their keys and
         # values at the coda's depths are the cache's), then the head; a confidence read from logits needs it too
-        span_of = {id(it): (s, it.length) for it, s in zip(items, starts)}
         h_exit = self._through_coda(h_out, [it for it, _ in emit + (inter if policy.needs_logits else [])], span_of)
         if inter:
             rows_t = torch.tensor([r for _, r in inter], device=self.device)
@@ -301,10 +284,10 @@ class Engine:
                 if e:
                     exited.append((it, r))
                 else:
-                    s, n = spans[id(it)]
+                    s, n = span_of[id(it)]
                     it.h, it.loop = h_out[s : s + n], it.loop + 1
                     cont.append(it)
-        if policy.kind == "oracle" and emit:
+        if policy.kind == "oracle" and emit:  # analysis: the loop each final token was first the argmax at
             finals = logits[:n_emit].argmax(-1).tolist()
             for (it, _), fa in zip(emit, finals):
                 it.req.oracle_loops.append(policy.oracle_loop((it.req, it.pos), fa, B))
@@ -313,6 +296,28 @@ class Engine:
             self._fill_skipped(exited, h_out, cont)
             self._charge("kv_fill", t_kv)
         return Decision(cont, emit + exited, logits)
+
+    def _sort_by_loop(self, items: list[Item], h_out: torch.Tensor, starts: list[int]):
+        """``items`` as (continuing, emitting at their last loop, intermediate): an intermediate token may leave
+        early under the exit policy (prompts never do); a KV-filling item only moves on. The emitting and
+        intermediate ones come with the row of their last token in ``h_out``."""
+        cont, emit, inter = [], [], []
+        for it, s in zip(items, starts):
+            h = h_out[s : s + it.length]
+            if it.kind == "kv":
+                if it.loop < self.B - 1:
+                    it.h, it.loop = h, it.loop + 1
+                    cont.append(it)
+                continue
+            last = s + it.length - 1
+            if it.loop == self.B - 1:
+                emit.append((it, last))
+            elif self.policy.active and not it.req.full_depth and (it.kind == "token" or self.policy.kind == "oracle"):
+                inter.append((it, last))
+            else:
+                it.h, it.loop = h, it.loop + 1
+                cont.append(it)
+        return cont, emit, inter
 
     def _through_coda(self, h_out: torch.Tensor, items: list[Item], span_of: dict) -> torch.Tensor:
         """``h_out`` with the rows of ``items`` (their spans ``span_of``) run through the plan's coda, or

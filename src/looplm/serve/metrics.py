@@ -67,96 +67,65 @@ class Metrics:
             self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
     def render(self) -> str:
+        """The Prometheus text format of every metric below."""
         with self.lock:
-            now = time.monotonic()
-            recent = sum(n for t, n in self.recent if t >= now - self.window)
-            lines = []
-
-            def metric(name, kind, help_, samples):
-                lines.extend([f"# HELP looplm_{name} {help_}", f"# TYPE looplm_{name} {kind}"])
-                for labels, value in samples:
-                    lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                    lines.append(f"looplm_{name}{{{lab}}} {value}" if lab else f"looplm_{name} {value}")
-
-            metric("queue_depth", "gauge", "Requests waiting for a batch slot.", [({}, self.queue_depth)])
-            metric("running_requests", "gauge", "Requests holding a batch slot (KV cache row).", [({}, self.running)])
-            metric(
-                "batch_occupancy",
-                "gauge",
-                "Work items at each loop (depth) in the last engine step.",
-                [({"loop": str(i + 1)}, n) for i, n in enumerate(self.occupancy)],
-            )
-            metric(
-                "exits_total",
-                "counter",
-                "Tokens emitted after each loop (early exits are loops < the last).",
-                [({"loop": str(i + 1)}, n) for i, n in enumerate(self.exits)],
-            )
-            metric("generated_tokens_total", "counter", "Tokens generated.", [({}, self.tokens_total)])
-            metric(
-                "tokens_per_second",
-                "gauge",
-                f"Tokens generated per second over the last {self.window:g} s.",
-                [({}, round(recent / self.window, 3))],
-            )
-            sp = self.spec
-            metric(
-                "speculative_drafted_tokens_total",
-                "counter",
-                "Tokens drafted by speculative decoding (--speculate).",
-                [({}, sp["drafted"])],
-            )
-            metric(
-                "speculative_accepted_tokens_total",
-                "counter",
-                "Drafted tokens the full model accepted.",
-                [({}, sp["accepted"])],
-            )
-            metric(
-                "speculative_verifications_total",
-                "counter",
-                "Speculative verifications (one per request per round); generated tokens over these is the mean "
-                "accepted length.",
-                [({}, sp["rounds"])],
-            )
-            metric(
-                "speculative_acceptance_rate",
-                "gauge",
-                "Accepted over drafted tokens since the start (0 when nothing was drafted).",
-                [({}, round(sp["accepted"] / sp["drafted"], 4) if sp["drafted"] else 0)],
-            )
-            metric("engine_steps_total", "counter", "Engine steps (one loop over a batch).", [({}, self.steps_total)])
-            metric(
-                "engine_step_seconds_total",
-                "counter",
-                "Seconds spent in engine steps.",
-                [({}, round(self.step_seconds, 6))],
-            )
-            metric(
-                "requests_total",
-                "counter",
-                "Requests finished in the engine, by status.",
-                [({"status": s}, n) for s, n in sorted(self.requests.items())],
-            )
-            metric(
-                "http_errors_total",
-                "counter",
-                "Requests rejected before the engine, by HTTP status.",
-                [({"status": str(s)}, n) for s, n in sorted(self.http_errors.items())],
-            )
-            metric(
-                "errors_total",
-                "counter",
-                "Failed requests: engine errors plus HTTP rejections.",
-                [({}, self.requests.get("error", 0) + sum(self.http_errors.values()))],
-            )
-            metric(
-                "worker_faults_total",
-                "counter",
-                "Unexpected exceptions in the worker loop.",
-                [({}, self.worker_faults)],
-            )
+            families = self._serving() + self._speculation() + self._failures()
+        lines = []
+        for name, kind, help_, samples in families:
+            lines.extend([f"# HELP looplm_{name} {help_}", f"# TYPE looplm_{name} {kind}"])
+            for labels, value in samples:
+                lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lines.append(f"looplm_{name}{{{lab}}} {value}" if lab else f"looplm_{name} {value}")
         return "\n".join(lines) + "\n"
+
+    def _serving(self) -> list[tuple]:
+        """(name, kind, help, [(labels, value)]) of the queue, the batch and the throughput."""
+        now = time.monotonic()
+        recent = sum(n for t, n in self.recent if t >= now - self.window)
+
+        def per_loop(counts):
+            return [({"loop": str(i + 1)}, n) for i, n in enumerate(counts)]
+
+        return [
+            ("queue_depth", "gauge", "Requests waiting for a batch slot.", [({}, self.queue_depth)]),
+            ("running_requests", "gauge", "Requests holding a batch slot (KV cache row).", [({}, self.running)]),
+            ("batch_occupancy", "gauge", "Work items at each loop (depth) in the last engine step.",
+             per_loop(self.occupancy)),
+            ("exits_total", "counter", "Tokens emitted after each loop (early exits are loops < the last).",
+             per_loop(self.exits)),
+            ("generated_tokens_total", "counter", "Tokens generated.", [({}, self.tokens_total)]),
+            ("tokens_per_second", "gauge", f"Tokens generated per second over the last {self.window:g} s.",
+             [({}, round(recent / self.window, 3))]),
+            ("engine_steps_total", "counter", "Engine steps (one loop over a batch).", [({}, self.steps_total)]),
+            ("engine_step_seconds_total", "counter", "Seconds spent in engine steps.",
+             [({}, round(self.step_seconds, 6))]),
+        ]  # fmt: skip
+
+    def _speculation(self) -> list[tuple]:
+        sp = self.spec
+        rate = round(sp["accepted"] / sp["drafted"], 4) if sp["drafted"] else 0
+        return [
+            ("speculative_drafted_tokens_total", "counter", "Tokens drafted by speculative decoding (--speculate).",
+             [({}, sp["drafted"])]),
+            ("speculative_accepted_tokens_total", "counter", "Drafted tokens the full model accepted.",
+             [({}, sp["accepted"])]),
+            ("speculative_verifications_total", "counter",
+             "Speculative verifications (one per request per round); generated tokens over these is the mean "
+             "accepted length.", [({}, sp["rounds"])]),
+            ("speculative_acceptance_rate", "gauge",
+             "Accepted over drafted tokens since the start (0 when nothing was drafted).", [({}, rate)]),
+        ]  # fmt: skip
+
+    def _failures(self) -> list[tuple]:
+        errors = self.requests.get("error", 0) + sum(self.http_errors.values())
+        return [
+            ("requests_total", "counter", "Requests finished in the engine, by status.",
+             [({"status": s}, n) for s, n in sorted(self.requests.items())]),
+            ("http_errors_total", "counter", "Requests rejected before the engine, by HTTP status.",
+             [({"status": str(s)}, n) for s, n in sorted(self.http_errors.items())]),
+            ("errors_total", "counter", "Failed requests: engine errors plus HTTP rejections.", [({}, errors)]),
+            ("worker_faults_total", "counter", "Unexpected exceptions in the worker loop.", [({}, self.worker_faults)]),
+        ]  # fmt: skip
 
 
 # --- the worker thread --------------------------------------------------------------------------

@@ -350,6 +350,13 @@ class LoopServer:
             lifespan=lifespan,
         )
         app.add_middleware(BodyLimit, max_bytes=server.opts.max_body_bytes, on_reject=server.metrics.rejected)
+        self._add_error_handlers(app)
+        self._add_routes(app)
+        return app
+
+    def _add_error_handlers(self, app: FastAPI) -> None:
+        """Every failure answers in OpenAI's error shape and is counted by its HTTP status."""
+        server = self
 
         @app.exception_handler(APIError)
         async def _api_error(request, exc: APIError):
@@ -373,6 +380,10 @@ class LoopServer:
         async def _internal(request, exc: Exception):
             server.metrics.rejected(500)
             return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    def _add_routes(self, app: FastAPI) -> None:
+        """OpenAI's completions, chat completions and models, beside /health and /metrics."""
+        server = self
 
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, request: HTTPRequest):
@@ -416,8 +427,6 @@ class LoopServer:
         @app.get("/metrics")
         async def metrics():
             return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
-
-        return app
 
 
 class BodyLimit:

@@ -289,8 +289,6 @@ class Trainer(Checkpoints):
     def prepare(self):
         from accelerate import Accelerator
 
-        from ..models import load_model
-
         c = self.cfg
         adapter_spec = check_config(c)
         out = Path(c.out)
@@ -316,9 +314,29 @@ class Trainer(Checkpoints):
                 f"--grad-accum, or build a bigger corpus"
             )
         tokens_per_step = self.global_batch * seq
-        # A time budget becomes a step count once the first steps are timed and is fixed again as the run goes
-        # (step_loop.py); run.json keeps the count and the steps it was fixed at, so that a resumed run follows them.
-        # Until the first fix the count is open (None).
+        self._plan_steps(prev_run, tokens_per_step)
+        model, fp = self._load_model(adapter_spec)
+        # the training rows this run reads: all, or those no earlier run of the model read
+        self.prior_training = list((model.config.conversion or {}).get("training", []))
+        self.corpus_id = self.corpus.meta["splits"]["train"]["sha256"]
+        self.rows = rows_to_read(c, self.prior_training, self.corpus, self.corpus_id, self.global_batch)
+        self.teacher = load_teacher(c, model, fp)
+        check_same_model(out, prev_run, latest, model)
+        self.latest = latest
+
+        self.n_train = select_trainable(model, "exit" if c.freeze_body else c.train)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        if c.grad_checkpointing:
+            model.model.gradient_checkpointing = True
+        check_memory(c, model, self.teacher, self.n_params, seq, acc.device)
+        self.model = model
+        self.prev_run = prev_run
+
+    def _plan_steps(self, prev_run: dict | None, tokens_per_step: int) -> None:
+        """The run's step count. A time budget becomes one once the first steps are timed and is fixed again as the
+        run goes (step_loop.py); run.json keeps the count and the steps it was fixed at, so that a resumed run
+        follows them. Until the first fix the count is open (None)."""
+        c = self.cfg
         self.replanned_at = list((prev_run or {}).get("replanned_at", []))
         if c.budget_minutes is not None:
             self.max_steps = (prev_run or {}).get("max_steps")
@@ -327,6 +345,12 @@ class Trainer(Checkpoints):
             if self.max_steps < 1:
                 raise UsageError("the budget is less than one step; raise --max-steps or --train-tokens")
 
+    def _load_model(self, adapter_spec: dict | None):
+        """The model to train, with the exit adapters asked for; refused when its tokenizer is not the corpus's.
+        Returns it and its tokenizer's fingerprint."""
+        from ..models import load_model
+
+        c = self.cfg
         model, tok = load_model(c.model)
         if tok is None:
             raise UsageError(
@@ -346,21 +370,7 @@ class Trainer(Checkpoints):
                 f"--freeze-body leaves nothing to train: {c.model} has no exit adapter; add "
                 f"--exit-adapter head-lora:R or affine"
             )
-        # the training rows this run reads: all, or those no earlier run of the model read
-        self.prior_training = list((model.config.conversion or {}).get("training", []))
-        self.corpus_id = self.corpus.meta["splits"]["train"]["sha256"]
-        self.rows = rows_to_read(c, self.prior_training, self.corpus, self.corpus_id, self.global_batch)
-        self.teacher = load_teacher(c, model, fp)
-        check_same_model(out, prev_run, latest, model)
-        self.latest = latest
-
-        self.n_train = select_trainable(model, "exit" if c.freeze_body else c.train)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        if c.grad_checkpointing:
-            model.model.gradient_checkpointing = True
-        check_memory(c, model, self.teacher, self.n_params, seq, acc.device)
-        self.model = model
-        self.prev_run = prev_run
+        return model, fp
 
     def _lr_factor(self, step: int) -> float:
         """Warm-up (5% of the steps unless --warmup-steps) and cosine decay over the run's step count; while a

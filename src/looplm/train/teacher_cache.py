@@ -142,48 +142,64 @@ def build_cache(
     found = (d / "meta.json").exists()
     procs.wait_for_everyone()  # every process has looked before the main one writes meta.json
     if found:
-        if not procs.is_main_process:
-            procs.wait_for_everyone()  # the main process verifies the checksum, once
-        cache = TeacherCache(d, verify=procs.is_main_process)
-        if procs.is_main_process:
-            procs.wait_for_everyone()
-        mine = {k: cache.meta.get(k) for k in key}
-        if mine != key:
-            what = [k for k in key if mine[k] != key[k]]
-            raise UsageError(
-                f"{d} holds a teacher cache of another {'/'.join(what)}; delete it or give another cache directory"
-            )
-        log(f"teacher cache: reusing {d} ({cache.num_rows} rows x {cache.seq_len} tokens)")
-        return cache
+        return _reuse_cache(d, key, procs, log)
     c = teacher.config
     if teacher.config.num_loops != 1:
         raise UsageError("the teacher must be the original (vanilla, one-loop) model")
     shape = (c.num_hidden_layers + 1, len(rows), seq_len, c.hidden_size)
     tmp = d / ".states.bin.tmp"
     if procs.is_main_process:
-        d.mkdir(parents=True, exist_ok=True)
-        for stale in d.glob(".*tmp*"):
-            stale.unlink()
-        np.memmap(tmp, dtype=np.int16, mode="w+", shape=shape).flush()  # the whole file, each process fills its rows
+        _allocate_states(d, tmp, shape)
     procs.wait_for_everyone()
     computed = _write_states(
         teacher, corpus, rows, seq_len, batch_size, tmp, shape, procs, progress and procs.is_main_process, autocast
     )
     procs.wait_for_everyone()
     if procs.is_main_process:
-        os.replace(tmp, d / "states.bin")
-        write_json_atomic(
-            d / "meta.json",
-            {
-                **key,
-                "shape": list(shape),
-                "dtype": "bfloat16",
-                "computed_in": computed,
-                "sha256": sha256_file(d / "states.bin"),
-            },
-        )
+        _commit(d, tmp, key, shape, computed)
     procs.wait_for_everyone()
     return TeacherCache(d, verify=False)
+
+
+def _reuse_cache(d: Path, key: dict, procs, log) -> TeacherCache:
+    """The finished cache in ``d``, refused unless it was built for ``key`` (the same teacher, corpus and rows)."""
+    if not procs.is_main_process:
+        procs.wait_for_everyone()  # the main process verifies the checksum, once
+    cache = TeacherCache(d, verify=procs.is_main_process)
+    if procs.is_main_process:
+        procs.wait_for_everyone()
+    mine = {k: cache.meta.get(k) for k in key}
+    if mine != key:
+        what = [k for k in key if mine[k] != key[k]]
+        raise UsageError(
+            f"{d} holds a teacher cache of another {'/'.join(what)}; delete it or give another cache directory"
+        )
+    log(f"teacher cache: reusing {d} ({cache.num_rows} rows x {cache.seq_len} tokens)")
+    return cache
+
+
+def _allocate_states(d: Path, tmp: Path, shape: tuple) -> None:
+    """The states file ``tmp`` at its full size, for every process to fill its rows; an interrupted build's
+    leftovers removed."""
+    d.mkdir(parents=True, exist_ok=True)
+    for stale in d.glob(".*tmp*"):
+        stale.unlink()
+    np.memmap(tmp, dtype=np.int16, mode="w+", shape=shape).flush()
+
+
+def _commit(d: Path, tmp: Path, key: dict, shape: tuple, computed: str) -> None:
+    """states.bin in place, then meta.json: written last, the mark of a finished cache."""
+    os.replace(tmp, d / "states.bin")
+    write_json_atomic(
+        d / "meta.json",
+        {
+            **key,
+            "shape": list(shape),
+            "dtype": "bfloat16",
+            "computed_in": computed,
+            "sha256": sha256_file(d / "states.bin"),
+        },
+    )
 
 
 def _write_states(teacher, corpus, rows, seq_len, batch_size, path, shape, procs, progress, autocast) -> str:

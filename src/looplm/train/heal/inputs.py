@@ -103,28 +103,11 @@ def teacher_spans(student_cfg, teacher_cfg, student_name: str = "the student", t
     return list(zip(starts, ends))
 
 
-def load_inputs(c: HealConfig, processes=None) -> HealInputs:
-    """Read and check everything a run needs; refuse, in one line, a corpus, teacher or student that do not fit.
-    ``processes``: the run's Accelerator (its device, this process's rank and their number); None: one process,
-    on CUDA when there is one."""
+def _models(c: HealConfig, corpus: PackedCorpus):
+    """The student, the original (frozen later) and their tokenizer, refused when they and the corpus do not share
+    one tokenizer or the original is looped itself."""
     from ...models import load_model
     from ...models.loading import tokenizer_fingerprint
-
-    corpus = PackedCorpus(c.data)
-    if c.seq_len > corpus.seq_len:
-        raise UsageError(f"--seq-len {c.seq_len} is longer than the corpus's {corpus.seq_len}-token rows")
-    train = corpus.splits["train"]
-    if c.cache_rows > len(train):
-        raise UsageError(f"--cache-rows {c.cache_rows} is more than the corpus's {len(train)} training rows")
-    rows = cached_rows(len(train), c.cache_rows, c.seed)
-    stream = streamed_rows(corpus, c.seed) if c.e2e_rows == "online" else None
-    # no cached row may be held-out text (streamed_rows leaves such rows out of what --e2e-rows online reads)
-    held_rows = heldout_set(corpus)
-    if any(bytes(np.asarray(train[r])) in held_rows for r in rows):
-        raise UsageError(
-            f"the training slice of {c.data} contains held-out rows; rebuild the corpus "
-            f"(`looplm data build`) so that its splits are disjoint"
-        )
 
     student, tok = load_model(c.model)
     teacher, ttok = load_model(c.teacher)
@@ -143,13 +126,12 @@ def load_inputs(c: HealConfig, processes=None) -> HealInputs:
         )
     if teacher.config.num_loops != 1:
         raise UsageError(f"--teacher {c.teacher} is itself looped; give the original (vanilla) model")
-    spans = teacher_spans(student.config, teacher.config, c.model, c.teacher)
-    # text the run never heals on: each evaluation reports it too, so a run shows when it starts to overfit
-    try:
-        bos = bool(getattr(student.config, "add_bos_token", False))
-        ood = domain_windows(tok, list(DOMAINS), c.ood_windows, c.seq_len, bos) if c.ood_windows else {}
-    except UsageError as e:
-        raise UsageError(f"{e} (or heal without the out-of-domain evaluation: --ood-windows 0)") from None
+    return student, teacher, tok
+
+
+def _processes(c: HealConfig, processes):
+    """The device, this process's rank, the number of processes and whether the layers are sharded (FSDP); the
+    step batches must split evenly over the processes."""
     device = processes.device if processes is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, world = (processes.process_index, processes.num_processes) if processes is not None else (0, 1)
     sharded = world > 1 and launched()
@@ -165,6 +147,38 @@ def load_inputs(c: HealConfig, processes=None) -> HealInputs:
             f"--e2e-average {c.e2e_average} keeps a weight average that sharded (FSDP) layers do not support; "
             f"heal without it under FSDP, or launch with configs/accelerate/ddp.yaml"
         )
+    return device, rank, world, sharded
+
+
+def load_inputs(c: HealConfig, processes=None) -> HealInputs:
+    """Read and check everything a run needs; refuse, in one line, a corpus, teacher or student that do not fit.
+    ``processes``: the run's Accelerator (its device, this process's rank and their number); None: one process,
+    on CUDA when there is one."""
+    corpus = PackedCorpus(c.data)
+    if c.seq_len > corpus.seq_len:
+        raise UsageError(f"--seq-len {c.seq_len} is longer than the corpus's {corpus.seq_len}-token rows")
+    train = corpus.splits["train"]
+    if c.cache_rows > len(train):
+        raise UsageError(f"--cache-rows {c.cache_rows} is more than the corpus's {len(train)} training rows")
+    rows = cached_rows(len(train), c.cache_rows, c.seed)
+    stream = streamed_rows(corpus, c.seed) if c.e2e_rows == "online" else None
+    # no cached row may be held-out text (streamed_rows leaves such rows out of what --e2e-rows online reads)
+    held_rows = heldout_set(corpus)
+    if any(bytes(np.asarray(train[r])) in held_rows for r in rows):
+        raise UsageError(
+            f"the training slice of {c.data} contains held-out rows; rebuild the corpus "
+            f"(`looplm data build`) so that its splits are disjoint"
+        )
+
+    student, teacher, tok = _models(c, corpus)
+    spans = teacher_spans(student.config, teacher.config, c.model, c.teacher)
+    # text the run never heals on: each evaluation reports it too, so a run shows when it starts to overfit
+    try:
+        bos = bool(getattr(student.config, "add_bos_token", False))
+        ood = domain_windows(tok, list(DOMAINS), c.ood_windows, c.seq_len, bos) if c.ood_windows else {}
+    except UsageError as e:
+        raise UsageError(f"{e} (or heal without the out-of-domain evaluation: --ood-windows 0)") from None
+    device, rank, world, sharded = _processes(c, processes)
     bf16 = resolve_precision(c.precision, device) == "bf16"
     if c.compile:
         check_compile_available(device)

@@ -89,11 +89,25 @@ def start(run: HealRun) -> None:
 
 def heal(cfg: HealConfig, log=print) -> dict:
     run = prepare(cfg, log)
-    c, inputs, out = run.cfg, run.inputs, Path(cfg.out)
     start(run)
     resumed = run.run_dir.latest() is not None
-    cache_dir = Path(c.cache) if c.cache else out / "cache"
-    if run.settings is None:  # written first, so that a run killed while caching resumes with --resume
+    cache_original(run)
+    if "plan" not in run.settings:
+        plan_budget(run)
+    if run.cfg.base_weights != "float" and not resumed:
+        stages.round_base(run)  # a resumed run's checkpoint holds the rounded weights already
+    if not run.evals("converted"):
+        run.log_eval(tag="converted")
+    run_stages(run)
+    return finish(run)
+
+
+def cache_original(run: HealRun) -> None:
+    """Record the run's settings (first, so that a run killed while caching resumes with --resume) and the machines
+    it ran on, start the run clock and cache the original's states."""
+    c, inputs = run.cfg, run.inputs
+    cache_dir = Path(c.cache) if c.cache else Path(c.out) / "cache"
+    if run.settings is None:
         run.settings = {
             "config": {f.name: getattr(c, f.name) for f in fields(c)},
             "cache": str(cache_dir),
@@ -112,25 +126,31 @@ def heal(cfg: HealConfig, log=print) -> dict:
         shard_layers(inputs.teacher)
     if run.progress.stage == "cache":
         run.progress.time = run.clock()
-    if "plan" not in run.settings:
-        seconds_left = None if c.train_tokens is not None else c.budget_minutes * 60 - run.clock()
-        timed = partial(plan.time_steps, inputs, run.cache, c, run.exit_spec, run.log)
-        # the main process times the steps (of its share of the rows) and every process takes its plan; under FSDP
-        # every process runs the timed steps with it (a sharded layer's forward gathers it from all)
-        planned = (
-            plan.plan_steps(c, inputs.student.config, run.exit_spec, seconds_left, timed, run.log)
-            if run.main or inputs.sharded
-            else None
-        )
-        run.settings.update(plan=run.agreed(planned), teacher_eval=run.evaluate(inputs.teacher))
-        # what a run killed before its first checkpoint resumes at
-        run.settings["plan_clock"] = run.agreed(round(run.clock(), 2))
-        run.write_settings()
-    if c.base_weights != "float" and not resumed:
-        stages.round_base(run)  # a resumed run's checkpoint holds the rounded weights already
-    if not run.evals("converted"):
-        run.log_eval(tag="converted")
-    progress, steps_planned = run.progress, run.plan
+
+
+def plan_budget(run: HealRun) -> None:
+    """The steps of each stage, from the token budget or from the steps timed against the time left; kept in the
+    run's settings with the original's evaluation."""
+    c, inputs = run.cfg, run.inputs
+    seconds_left = None if c.train_tokens is not None else c.budget_minutes * 60 - run.clock()
+    timed = partial(plan.time_steps, inputs, run.cache, c, run.exit_spec, run.log)
+    # the main process times the steps (of its share of the rows) and every process takes its plan; under FSDP
+    # every process runs the timed steps with it (a sharded layer's forward gathers it from all)
+    planned = (
+        plan.plan_steps(c, inputs.student.config, run.exit_spec, seconds_left, timed, run.log)
+        if run.main or inputs.sharded
+        else None
+    )
+    run.settings.update(plan=run.agreed(planned), teacher_eval=run.evaluate(inputs.teacher))
+    # what a run killed before its first checkpoint resumes at
+    run.settings["plan_clock"] = run.agreed(round(run.clock(), 2))
+    run.write_settings()
+
+
+def run_stages(run: HealRun) -> None:
+    """Layer-local, end to end, then the exit adapters: each from where a resumed run stopped, each ending on a
+    checkpoint."""
+    c, out, progress, steps_planned = run.cfg, Path(run.cfg.out), run.progress, run.plan
     if progress.stage == "cache":
         progress.stage = "local"
     if progress.stage == "local":
@@ -153,12 +173,17 @@ def heal(cfg: HealConfig, log=print) -> dict:
         stages.exit_stage(run)
         progress.stage = "done"
         run.save()
-    after_local = run.evals("local")
-    trained_after_local = steps_planned["e2e_steps"] or steps_planned.get("exit_steps")
-    final = after_local[-1] if after_local and not trained_after_local else run.log_eval(tag="final")
+
+
+def finish(run: HealRun) -> dict:
+    """The final evaluation, then the healed model, its plot and heal.json, written by the main process."""
     from ...models import save_model
     from ...models.checkpoint import load_checkpoint
 
+    inputs, out, progress, steps_planned = run.inputs, Path(run.cfg.out), run.progress, run.plan
+    after_local = run.evals("local")
+    trained_after_local = steps_planned["e2e_steps"] or steps_planned.get("exit_steps")
+    final = after_local[-1] if after_local and not trained_after_local else run.log_eval(tag="final")
     summary = {
         "out": str(out),
         "final": str(out / "final"),

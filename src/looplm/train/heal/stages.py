@@ -7,6 +7,7 @@ process's at the same global batch."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -52,6 +53,42 @@ def round_base(run: HealRun) -> None:
     )
 
 
+def _reach(run: HealRun, states: dict, d: int) -> None:
+    """Sequential: the student's inputs of depth ``d`` into ``states``, propagated from the last depth reached."""
+    inputs = run.inputs
+    if not states:
+        states[0] = steps.first_inputs(run.cache, len(inputs.rows))
+    while max(states) < d:
+        top = max(states)
+        states[top + 1] = steps.propagate(inputs.student, top, states[top], inputs.autocast, inputs.device)
+
+
+def _train_visit(run: HealRun, layer: int, n_steps: int, rng, states: dict, bar, depth: int):
+    """Shared block ``layer`` trained alone for ``n_steps`` steps (at ``depth``'s inputs when sequential); the
+    layer-local error of its first and of its last step (None, None without steps)."""
+    c, inputs, model = run.cfg, run.inputs, run.inputs.student
+    n_rows = len(inputs.rows)
+    block = model.model.layers[layer]
+    opt = adamw(steps.unfreeze(block, c.base_weights), lr=c.local_lr, weight_decay=0.0)
+    first = last = None
+    for s in range(n_steps):
+        idx = inputs.share(rng.choice(n_rows, size=c.local_batch, replace=False))
+        lr = c.local_lr * cosine(s, n_steps, warmup_steps(n_steps))
+        loss = steps.local_step(
+            *(model, layer, run.cache, inputs.spans, idx, opt, states, lr),
+            *(inputs.autocast, inputs.device, c.grad_clip),
+            average=inputs.world > 1,
+            channels=inputs.channels,
+        )
+        first = loss if first is None else first
+        last = loss
+        run.progress.local_tokens += c.local_batch * c.seq_len
+        bar.update(1)
+        bar.set_postfix(depth=depth, layer=layer, err=f"{loss:.4f}")
+    block.requires_grad_(False)
+    return first, last
+
+
 def local_stage(run: HealRun) -> None:
     """Each shared block alone (``--local-mode parallel``), or each depth of a shared block in order on the
     student's own inputs (``sequential``), for the planned steps of each visit; a checkpoint after every visit.
@@ -60,7 +97,7 @@ def local_stage(run: HealRun) -> None:
     from tqdm import tqdm
 
     c, p, inputs, progress = run.cfg, run.plan, run.inputs, run.progress
-    model, cache, n_rows = inputs.student, run.cache, len(inputs.rows)
+    model, n_rows = inputs.student, len(inputs.rows)
     cfg = model.config
     K = cfg.num_shared_layers
     per_visit = p["local_steps_per_visit"]
@@ -69,16 +106,8 @@ def local_stage(run: HealRun) -> None:
     sequential = c.local_mode == "sequential"
     order = steps.local_visits(cfg, sequential)
     states: dict[int, torch.Tensor] = {}  # sequential: the student's inputs of the depths reached
-
-    def reach(d: int) -> None:  # sequential: the student's inputs of depth d, propagated from the last reached
-        if not states:
-            states[0] = steps.first_inputs(cache, n_rows)
-        while max(states) < d:
-            top = max(states)
-            states[top + 1] = steps.propagate(model, top, states[top], inputs.autocast, inputs.device)
-
     if sequential and progress.visit > 0:  # resume: recompute the student's inputs of the depths already reached
-        reach(order[min(progress.visit, len(order) - 1)])
+        _reach(run, states, order[min(progress.visit, len(order) - 1)])
     if c.compile:
         steps.compile_layers(model)
     model.requires_grad_(False)
@@ -96,25 +125,8 @@ def local_stage(run: HealRun) -> None:
             started, d = run.clock(), order[v]
             layer = cfg.layer_map[d] if sequential else d
             if sequential:
-                reach(d)
-            block = model.model.layers[layer]
-            opt = adamw(steps.unfreeze(block, c.base_weights), lr=c.local_lr, weight_decay=0.0)
-            first = last = None
-            for s in range(counts[v]):
-                idx = inputs.share(rng.choice(n_rows, size=c.local_batch, replace=False))
-                lr = c.local_lr * cosine(s, counts[v], warmup_steps(counts[v]))
-                loss = steps.local_step(
-                    *(model, layer, cache, inputs.spans, idx, opt, states, lr),
-                    *(inputs.autocast, inputs.device, c.grad_clip),
-                    average=inputs.world > 1,
-                    channels=inputs.channels,
-                )
-                first = loss if first is None else first
-                last = loss
-                progress.local_tokens += c.local_batch * c.seq_len
-                bar.update(1)
-                bar.set_postfix(depth=d, layer=layer, err=f"{loss:.4f}")
-            block.requires_grad_(False)
+                _reach(run, states, d)
+            first, last = _train_visit(run, layer, counts[v], rng, states, bar, d)
             progress.visit = v + 1
             progress.time = run.clock()
             if "local_end_seconds" in p and v + 1 < len(order) and counts[v]:
@@ -125,17 +137,8 @@ def local_stage(run: HealRun) -> None:
             if first is not None:  # the errors over all of the steps' rows
                 first, last = run.mean({"first": first, "last": last}).values()
             run.append(
-                {
-                    "stage": "local",
-                    "visit": v + 1,
-                    "depth": d,
-                    "layer": layer,
-                    "err_first": first,
-                    "err_last": last,
-                    "time": round(progress.time, 2),
-                    "local_tokens": progress.local_tokens,
-                    "tokens": progress.tokens,
-                }
+                {"stage": "local", "visit": v + 1, "depth": d, "layer": layer, "err_first": first, "err_last": last}
+                | {"time": round(progress.time, 2), "local_tokens": progress.local_tokens, "tokens": progress.tokens}
             )
             run.save()
             if run.eval_due() and v + 1 < len(order):  # the stage's end is evaluated by the recipe
@@ -208,6 +211,23 @@ def exit_stage(run: HealRun) -> None:
     inputs.student.requires_grad_(False)
 
 
+def _replan(run: HealRun, stage: str, s: int, seconds_per_step: float, now: float) -> int:
+    """The stage's step count fixed again from the seconds its steps took (kept in the run's settings)."""
+    total = replan_stage(run.plan, stage, s, seconds_per_step, now, run.cfg, run.log)
+    run.write_settings()
+    return total
+
+
+def _evaluate(run: HealRun, stage: str, avg: WeightAverage | None) -> None:
+    """A held-out evaluation amid a stage: of the weights, and of their average beside them."""
+    run.inputs.student.eval()
+    run.log_eval(tag=stage)
+    if avg is not None:
+        with avg.swapped_in():
+            run.log_eval(tag=f"{stage}-average")
+    run.inputs.student.train()
+
+
 def train_steps(
     run: HealRun,
     stage: str,
@@ -241,19 +261,6 @@ def train_steps(
             avg.update()
         return values
 
-    def replan(s: int, seconds_per_step: float, now: float) -> int:
-        total = replan_stage(run.plan, stage, s, seconds_per_step, now, c, run.log)
-        run.write_settings()
-        return total
-
-    def evaluate_now() -> None:
-        student.eval()
-        run.log_eval(tag=stage)
-        if avg is not None:
-            with avg.swapped_in():
-                run.log_eval(tag=f"{stage}-average")
-        student.train()
-
     loop = StepLoop(
         step,
         total,
@@ -265,9 +272,9 @@ def train_steps(
         record=lambda r: run.append({"stage": stage, **r, "local_tokens": progress.local_tokens}),
         save=lambda: run.save(opt, avg),
         save_every=Every(seconds=c.save_every_seconds),
-        evaluate=evaluate_now,
+        evaluate=partial(_evaluate, run, stage, avg),
         evaluate_every=Every(seconds=c.eval_every_seconds) if evaluate else Every(),
-        replan=replan if c.budget_minutes else None,
+        replan=partial(_replan, run, stage) if c.budget_minutes else None,
         replanned_at=run.plan.setdefault(f"{stage}_replanned_at", []),
         processes=run.processes,
     )
