@@ -128,7 +128,7 @@ def test_every_flag_default_is_the_dataclass_default(name, cls):
             spelled = f.metadata.get("spelled", {})
             assert a.default == spelled.get(f.default, f.default), f.name
     # and parsing no flag (but the required ones) gives the dataclass (heal's recipe fills its Nones later:
-    # commands/train.py _heal_defaults)
+    # recipes/heal.py fill_recipe_defaults)
     required = {a.dest: a.option_strings[0] for a in actions.values() if a.required}
     parsed = from_args(cls, _command(name).parse_args(["m"] + [x for flag in required.values() for x in (flag, "x")]))
     assert replace(parsed, model=cls().model) == cls(**dict.fromkeys(required, "x"))

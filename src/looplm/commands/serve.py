@@ -11,7 +11,7 @@ from ..recipes.teacher_text import GenerateConfig
 from ..settings import setting
 from ..util import print_json
 from . import Command
-from .args import write_settings
+from .args import call_with, write_settings
 
 EXIT_POLICY_HELP = (
     "exit policy[:threshold][+copy[:BONUS]]: softmax, margin, entropy, cosine, probe or none; +copy (or copy alone) "
@@ -220,60 +220,24 @@ def cmd_serve(s: Serve) -> int:
 
 
 def cmd_fit_exit_probe(s: FitExitProbe) -> int:
-    import json
     import sys
-    from pathlib import Path
 
-    import numpy as np
     import torch
 
-    from ..data.corpus import PackedCorpus
-    from ..models import load_model
-    from ..models.loading import is_looplm_dir, tokenizer_fingerprint
-    from ..serve.probe import fit_probe
+    from ..recipes.exit_probe import fit_exit_probe
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    d = Path(s.model)
-    if not (d.is_dir() and is_looplm_dir(d)):
-        raise UsageError(
-            f"{d} is not a saved looplm model directory; the probe is written beside its weights "
-            f"(save one with `looplm convert` or `looplm train`)"
-        )
-    if s.fit_rows < 1 or s.calib_rows < 1 or not 0 < s.target_agreement <= 1:
-        raise UsageError("need --fit-rows >= 1, --calib-rows >= 1 and 0 < --target-agreement <= 1")
-    corpus = PackedCorpus(s.data)
-    model, tok = load_model(d)
-    if model.config.num_loops < 2:
-        raise UsageError(f"{d} has B = 1 loop: there is no early exit to fit a probe for")
-    if tok is not None and tokenizer_fingerprint(tok) != corpus.tokenizer:
-        raise UsageError(
-            f"corpus {s.data} was tokenised with another tokenizer than {d}; build one with "
-            f"`looplm data build {d} --out DIR`"
-        )
-    train = corpus.splits["train"]
-    n = s.fit_rows + s.calib_rows
-    if len(train) < n:
-        raise UsageError(f"the corpus has {len(train)} training rows; lower --fit-rows/--calib-rows to at most that")
-    picks = np.linspace(0, len(train) - 1, n).round().astype(int)  # spread over every source
-    rows = [train[i].astype(np.int64).tolist() for i in picks]
-    calib_at = set(np.linspace(0, n - 1, s.calib_rows).round().astype(int).tolist())  # interleaved with fit rows
-    fit_rows = [r for i, r in enumerate(rows) if i not in calib_at]
-    calib_rows = [r for i, r in enumerate(rows) if i in calib_at]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if s.json else print
-    probe, report = fit_probe(model, fit_rows, calib_rows, s.target_agreement, s.l2, log=log, features=s.features)
-    path = probe.save(d)
-    report = {"model": str(d), "data": s.data, "probe": str(path), **report}
-    (d / "eval").mkdir(exist_ok=True)
-    (d / "eval" / "exit_probe.json").write_text(json.dumps(report, indent=2))
+    report = call_with(fit_exit_probe, s, log=log)
     if s.json:
         print_json(report)
     else:
         at = report["calib_at_threshold"]
         print(
-            f"wrote {path}: threshold {probe.threshold} (calibration rows: {at['early_exit_fraction']:.1%} of "
-            f"tokens leave early at {at['agreement']:.3f} agreement with the final loop); use it with "
-            f"--exit-policy probe (or probe:THRESHOLD)"
+            f"wrote {report['probe']}: threshold {report['threshold']} (calibration rows: "
+            f"{at['early_exit_fraction']:.1%} of tokens leave early at {at['agreement']:.3f} agreement with the final "
+            f"loop); use it with --exit-policy probe (or probe:THRESHOLD)"
         )
     return 0
 

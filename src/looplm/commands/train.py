@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..settings import setting
-from ..train.heal.config import COMPILE_MINUTES, DEFAULT_HEAL_MINUTES, HealConfig
+from ..train.heal.config import HealConfig
 from ..train.loop import TrainConfig
 from . import Command
 from .args import write_settings
@@ -41,9 +41,12 @@ def cmd_train(s: TrainConfig) -> int:
 
 
 def cmd_heal(s: HealConfig) -> int:
+    from ..recipes.heal import fill_recipe_defaults
     from ..train.heal import heal
 
-    _heal_defaults(s)
+    chosen = fill_recipe_defaults(s)
+    if chosen:
+        print(f"looplm heal: {', '.join(chosen)}", file=sys.stderr)
     r = heal(s)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # the main process reports the run
@@ -61,44 +64,6 @@ def cmd_heal(s: HealConfig) -> int:
         )
     print(f"healed in {r['minutes']:.1f} min; wrote {r['final']} and {Path(r['out']) / 'heal.png'}")
     return 0
-
-
-def _heal_defaults(s: HealConfig) -> None:
-    """Fill what the command line left out with the recipe's choices, build the default corpus if it is
-    missing, and say what was chosen."""
-    from ..errors import UsageError
-    from ..models.checkpoint import read_config
-
-    chosen = []
-    if not (Path(s.model) / "config.json").exists():
-        raise UsageError(f"{s.model} is not a converted model directory; make one with `looplm convert` first")
-    if s.teacher is None:
-        source = read_config(s.model).get("conversion", {}).get("source")
-        if not source:
-            raise UsageError(f"{s.model} records no model it was converted from; name it with --teacher")
-        s.teacher = source
-        chosen.append(f"teacher {source} (the model it was converted from)")
-    if s.data is None:
-        from ..recipes.teacher_text import recipe_corpus
-
-        s.data = recipe_corpus(s.teacher, s.seq_len, s.progress)
-        chosen.append(f"data {s.data}")
-    if s.out is None:
-        s.out = str(Path("out") / f"{Path(s.model).name}-healed")
-        chosen.append(f"out {s.out}")
-    if s.budget_minutes is None and s.train_tokens is None:
-        s.budget_minutes = DEFAULT_HEAL_MINUTES
-        chosen.append(f"{s.budget_minutes:g} minutes")
-    if s.compile is None:
-        import torch
-
-        from ..util import cpu_compiler
-
-        compiler = torch.cuda.is_available() or cpu_compiler() is not None
-        s.compile = bool(s.budget_minutes and s.budget_minutes >= COMPILE_MINUTES and compiler)
-        chosen.append("compiled" if s.compile else "not compiled")
-    if chosen:
-        print(f"looplm heal: {', '.join(chosen)}", file=sys.stderr)
 
 
 @dataclass

@@ -24,7 +24,7 @@ COMPILE_MINUTES = 15.0  # from this budget on, compiling (about a minute) pays b
 @dataclass
 class HealConfig(RunSettings):
     """`looplm heal`'s settings; a None is chosen by the recipe when the command line leaves it out
-    (commands/train.py ``_heal_defaults``)."""
+    (recipes/heal.py ``fill_recipe_defaults``)."""
 
     model: str = setting(
         "", "the converted model (looplm directory from `looplm convert`)", positional=True, required=True
