@@ -73,3 +73,9 @@ def heal_step(cfg: HealConfig, rounds: int, log=print) -> dict:
         "steps": steps,
         "machine": machine(),
     }
+
+
+def heal_step_table(result: dict) -> tuple[list[str], list[list]]:
+    """The benchmark's table: a row per kind of step."""
+    rows = [[name, s["seconds"], s["tokens_per_s"], s["note"]] for name, s in result["steps"].items()]
+    return ["step", "seconds", "tokens/s", "what it runs"], rows

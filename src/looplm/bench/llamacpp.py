@@ -408,3 +408,20 @@ def ratios(times: dict) -> dict:
             for t, tv in theirs.items()
         }
     return out
+
+
+def llamacpp_table(result: dict) -> tuple[list[str], list[list]]:
+    """The benchmark's table: a row per configuration, ours and llama.cpp's."""
+    s = result["settings"]
+    trace = [f"tokens/s {s['requests']} requests"] if s["requests"] else []
+    rows = [
+        [
+            name,
+            c.get("batch1_tokens_per_s", ""),
+            *([c.get("trace_tokens_per_s", "")] if trace else []),
+            c.get("agreement_with_fp32", c.get("agreement_full_depth", "")),
+            c.get("perplexity") or "",
+        ]
+        for name, c in result["configs"].items()
+    ]
+    return ["configuration", "tokens/s batch 1", *trace, "agreement", "perplexity"], rows

@@ -648,3 +648,12 @@ def exit_tradeoff(
             exit_loop = _exit_loops(kind, thr, tgt, logp, probs, cosv, probe_pv)
             out["policies"].append(_policy_row(f"{kind}:{thr}", exit_loop, arg, nll_loop))
     return out
+
+
+def serve_table(result: dict) -> tuple[list[str], list[list]]:
+    """The benchmark's table: a row per run (scheduler and model on a trace)."""
+    rows = [
+        [name, fig["model"], fig["tokens_per_s"], fig["ttft_p50"], fig["tpot_p50"], fig.get("agreement", "")]
+        for name, fig in result.get("runs", {}).items()
+    ]
+    return ["run", "model", "tokens/s", "TTFT p50 s", "TPOT p50 s", "agreement"], rows

@@ -202,3 +202,13 @@ def _say(log, row: dict) -> None:
         f"  x{row['vs_off']:.2f}  acceptance {row['acceptance_rate']}  accepted length {row['mean_accepted_length']}"
         f"  same tokens {row['same_tokens_as_off']}"
     )
+
+
+def speculate_table(result: dict) -> tuple[list[str], list[list]]:
+    """The benchmark's table: a row per model, weight format, prompt and speculation mode."""
+    header = ["model", "weights", "prompt", "speculate", "tokens/s", "x off", "acceptance", "accepted length", "same"]
+    header += ["x vanilla off", "x llama.cpp off"]
+    keys = ["model", "weights", "prompt", "speculate", "tokens_per_s", "vs_off", "acceptance_rate"]
+    keys += ["mean_accepted_length", "same_tokens_as_off"]
+    rows = [[r[k] for k in keys] + [r.get("vs_vanilla", ""), r.get("vs_llamacpp", "")] for r in result["runs"]]
+    return header, rows

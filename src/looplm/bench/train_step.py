@@ -44,3 +44,10 @@ def train_step(cfg: TrainConfig, warmup: int, log=print) -> dict:
         "step_seconds": [round(s, 4) for s in seconds],
         "machine": machine(),
     }
+
+
+def train_step_table(result: dict) -> tuple[list[str], list[list]]:
+    """The benchmark's table: one row, the timed step."""
+    r = result
+    row = [f"{r['global_batch']} x {r['seq_len']} tokens, {r['precision']}", r["seconds_per_step"], r["tokens_per_s"]]
+    return ["step", "seconds", "tokens/s", "steps timed"], [row + [r["steps"] - r["warmup"]]]

@@ -153,15 +153,26 @@ class TrainStep(BenchOutput):
     precision: str = setting(TrainConfig.precision, PRECISION_HELP, choices=PRECISIONS)
 
 
+def _report(s: BenchOutput, result: dict, table_of, say=print) -> None:
+    """The settings the benchmark ran with into its result; the result as JSON (``--json``), the machine and the
+    benchmark's table (``table_of(result) -> (header, rows)``) printed, and the JSON written to ``--out``."""
+    from ..bench.report import finish
+    from ..util import print_json
+
+    result["settings"] = setting_values(s)
+    if getattr(s, "json", False):
+        print_json(result)
+    finish(result, *table_of(result), s.out, say)
+
+
 def cmd_speculate(s: Speculate) -> int:
     import functools
     import sys
 
     import torch
 
-    from ..bench.report import finish
-    from ..bench.speculate import bench_speculate
-    from ..util import machine, print_json
+    from ..bench.speculate import bench_speculate, speculate_table
+    from ..util import machine
 
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -184,28 +195,7 @@ def cmd_speculate(s: Speculate) -> int:
         s.models, weights, modes, s.new_tokens, s.rounds, log=say, llamacpp=gguf, threads=s.threads
     )
     result["machine"] = machine()
-    result["settings"] = setting_values(s)
-    if s.json:
-        print_json(result)
-    rows = [
-        [
-            r["model"],
-            r["weights"],
-            r["prompt"],
-            r["speculate"],
-            r["tokens_per_s"],
-            r["vs_off"],
-            r["acceptance_rate"],
-            r["mean_accepted_length"],
-            r["same_tokens_as_off"],
-            r.get("vs_vanilla", ""),
-            r.get("vs_llamacpp", ""),
-        ]
-        for r in result["runs"]
-    ]
-    header = ["model", "weights", "prompt", "speculate", "tokens/s", "x off", "acceptance", "accepted length", "same"]
-    header += ["x vanilla off", "x llama.cpp off"]
-    finish(result, header, rows, s.out, say)
+    _report(s, result, speculate_table, say)
     return 0
 
 
@@ -215,9 +205,8 @@ def cmd_serve(s: BenchServe) -> int:
 
     import torch
 
-    from ..bench.report import finish
-    from ..bench.serving import bench_serve
-    from ..util import machine, print_json
+    from ..bench.serving import bench_serve, serve_table
+    from ..util import machine
 
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -234,22 +223,14 @@ def cmd_serve(s: BenchServe) -> int:
     say = functools.partial(print, file=sys.stderr, flush=True) if s.json else print
     result = bench_serve(s, arrivals, log=say)
     result["machine"] = {**machine(), **result.get("machine", {})}
-    result["settings"] = setting_values(s)
-    if s.json:
-        print_json(result)
-    rows = [
-        [name, fig["model"], fig["tokens_per_s"], fig["ttft_p50"], fig["tpot_p50"], fig.get("agreement", "")]
-        for name, fig in result.get("runs", {}).items()
-    ]
-    finish(result, ["run", "model", "tokens/s", "TTFT p50 s", "TPOT p50 s", "agreement"], rows, s.out, say)
+    _report(s, result, serve_table, say)
     return 0
 
 
 def cmd_llamacpp(s: Llamacpp) -> int:
     import torch
 
-    from ..bench.llamacpp import bench_llamacpp, check_available
-    from ..bench.report import finish
+    from ..bench.llamacpp import bench_llamacpp, check_available, llamacpp_table
 
     check_available()  # before any model loads
     if s.equalize and not s.calib_data:
@@ -259,19 +240,7 @@ def cmd_llamacpp(s: Llamacpp) -> int:
     if s.threads:
         torch.set_num_threads(s.threads)
     r = bench_llamacpp(s)
-    r["settings"] = setting_values(s)
-    trace = [f"tokens/s {s.requests} requests"] if s.requests else []
-    rows = [
-        [
-            name,
-            c.get("batch1_tokens_per_s", ""),
-            *([c.get("trace_tokens_per_s", "")] if trace else []),
-            c.get("agreement_with_fp32", c.get("agreement_full_depth", "")),
-            c.get("perplexity") or "",
-        ]
-        for name, c in r["configs"].items()
-    ]
-    finish(r, ["configuration", "tokens/s batch 1", *trace, "agreement", "perplexity"], rows, s.out)
+    _report(s, r, llamacpp_table)
     for part, ratios in r["ratios"].items():
         if ratios:
             print(f"{part}: " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
@@ -281,8 +250,7 @@ def cmd_llamacpp(s: Llamacpp) -> int:
 def cmd_heal_step(s: HealStep) -> int:
     import torch
 
-    from ..bench.heal_step import heal_step
-    from ..bench.report import finish
+    from ..bench.heal_step import heal_step, heal_step_table
     from ..train.heal import HealConfig
 
     if s.threads:
@@ -291,18 +259,14 @@ def cmd_heal_step(s: HealStep) -> int:
         raise UsageError("--rounds must be >= 1")
     # out: the benchmark's JSON; the steps run in a directory of their own
     cfg = call_with(HealConfig, s, out=None, progress=False)
-    r = heal_step(cfg, s.rounds)
-    r["settings"] = setting_values(s)
-    rows = [[name, s["seconds"], s["tokens_per_s"], s["note"]] for name, s in r["steps"].items()]
-    finish(r, ["step", "seconds", "tokens/s", "what it runs"], rows, s.out)
+    _report(s, heal_step(cfg, s.rounds), heal_step_table)
     return 0
 
 
 def cmd_train_step(s: TrainStep) -> int:
     import torch
 
-    from ..bench.report import finish
-    from ..bench.train_step import train_step
+    from ..bench.train_step import train_step, train_step_table
     from ..train.loop import TrainConfig
 
     if s.threads:
@@ -310,17 +274,7 @@ def cmd_train_step(s: TrainStep) -> int:
     if s.steps < 1 or s.warmup < 0:
         raise UsageError("--steps must be >= 1 and --warmup >= 0")
     cfg = call_with(TrainConfig, s, out=None, max_steps=s.steps, progress=False)
-    r = train_step(cfg, s.warmup)
-    r["settings"] = setting_values(s)
-    rows = [
-        [
-            f"{r['global_batch']} x {r['seq_len']} tokens, {r['precision']}",
-            r["seconds_per_step"],
-            r["tokens_per_s"],
-            r["steps"] - r["warmup"],
-        ]
-    ]
-    finish(r, ["step", "seconds", "tokens/s", "steps timed"], rows, s.out)
+    _report(s, train_step(cfg, s.warmup), train_step_table)
     return 0
 
 
