@@ -130,6 +130,11 @@ def run_cli(*args, check=True):
     return proc
 
 
+def quantize_args(model, out, *options) -> list[str]:
+    """The argument list of `looplm quantize MODEL --out OUT OPTIONS`, for ``main``."""
+    return ["quantize", str(model), "--out", str(out), *map(str, options)]
+
+
 def make_hf_model(family: str, num_layers: int = 4, seed: int = 0):
     """A randomly initialised transformers model of a family, with norms and biases perturbed so
     that they matter in comparisons."""

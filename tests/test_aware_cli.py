@@ -27,38 +27,20 @@ def calib_text(tmp_path_factory):
     return path
 
 
+# convert's options for two loops at full LoRA rank (which can keep the model exactly), scored on 256 tokens, as JSON
+FULL_RANK = ["--loops", "2", "--lora-rank", "full", "--scored-tokens", "256", "--json"]
+
+
+def calibrated_on(calib_text) -> list[str]:
+    """Convert's options that calibrate on 512 tokens of ``calib_text``, in rows of 128."""
+    return ["--calib-text", str(calib_text), "--calib-tokens", "512", "--calib-seq-len", "128"]
+
+
 def test_full_rank_data_aware_conversion_keeps_the_perplexity(hf_dir, calib_text, tmp_path):
     """Tied norms and all: a full-rank aware-svd model is the original model (plain svd is not)."""
-    common = [
-        str(hf_dir),
-        "--loops",
-        "2",
-        "--lora-rank",
-        "full",
-        "--norms",
-        "tied-avg",
-        "--scored-tokens",
-        "256",
-        "--json",
-    ]
-    aware = json.loads(
-        run(
-            "convert",
-            *common,
-            "--out",
-            str(tmp_path / "a"),
-            "--init",
-            "aware",
-            "--lora-init",
-            "aware-svd",
-            "--calib-text",
-            str(calib_text),
-            "--calib-tokens",
-            "512",
-            "--calib-seq-len",
-            "128",
-        ).stdout
-    )
+    common = [str(hf_dir), *FULL_RANK, "--norms", "tied-avg"]
+    aware_svd = ["--init", "aware", "--lora-init", "aware-svd", *calibrated_on(calib_text)]
+    aware = json.loads(run("convert", *common, "--out", str(tmp_path / "a"), *aware_svd).stdout)
     assert aware["calibration"]["tokens"] == 512 and aware["calibration"]["fold_norms"] is True
     assert aware["ppl_after"] == pytest.approx(aware["ppl_before"], rel=1e-4)
     plain = json.loads(run("convert", *common, "--out", str(tmp_path / "p"), "--lora-init", "svd").stdout)
@@ -114,25 +96,7 @@ def test_gemma3_full_rank_aware_svd_is_exact_with_per_depth_norms_and_warns_with
     d = tmp_path / "tiny-gemma3"
     hf.save_pretrained(d)
     smollm2_tokenizer.save_pretrained(d)
-    common = [
-        "convert",
-        str(d),
-        "--loops",
-        "2",
-        "--lora-rank",
-        "full",
-        "--lora-init",
-        "aware-svd",
-        "--calib-text",
-        str(calib_text),
-        "--calib-tokens",
-        "512",
-        "--calib-seq-len",
-        "128",
-        "--scored-tokens",
-        "256",
-        "--json",
-    ]
+    common = ["convert", str(d), *FULL_RANK, "--lora-init", "aware-svd", *calibrated_on(calib_text)]
     exact = run(*common, "--norms", "per-depth", "--out", str(tmp_path / "pd"))
     result = json.loads(exact.stdout)
     assert result["ppl_after"] == pytest.approx(result["ppl_before"], rel=1e-4)

@@ -19,6 +19,10 @@ def setup(tmp_path_factory, one_torch_thread):
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
 
 
+# a small trace: three requests of 4-8 prompt tokens and 2-4 new tokens, two at a time
+TRACE = ["--requests", 3, "--prompt-len", "4:8", "--output-len", "2:4", "--max-concurrency", 2]
+
+
 def run(capsys, *args):
     rc = main(["bench", *map(str, args)])
     captured = capsys.readouterr()
@@ -46,28 +50,8 @@ def test_serve(setup, tmp_path, capsys):
     out = tmp_path / "serve.json"
     printed = run(
         capsys,
-        "serve",
-        models["teacher"],
-        "--looped",
-        models["student"],
-        "--requests",
-        3,
-        "--prompt-len",
-        "4:8",
-        "--output-len",
-        "2:4",
-        "--max-concurrency",
-        2,
-        "--arrivals",
-        "all",
-        "--exit-policy",
-        "softmax:0.5",
-        "--tradeoff-tokens",
-        0,
-        "--sim-samples",
-        0,
-        "--out",
-        out,
+        *("serve", models["teacher"], "--looped", models["student"], *TRACE, "--arrivals", "all"),
+        *("--exit-policy", "softmax:0.5", "--tradeoff-tokens", 0, "--sim-samples", 0, "--out", out),
     )
     result = json.loads(out.read_text())
     assert set(result["schedulers"]) == {"static", "sequence", "depth"}
@@ -93,21 +77,10 @@ def test_heal_step(setup, tmp_path, capsys):
 
 
 def test_heal_step_without_an_exit_stage_from_cached_rows(setup, tmp_path, capsys):
-    out = tmp_path / "heal.json"
-    run(
-        capsys,
-        *heal_step(setup),
-        "--e2e-rows",
-        "cache",
-        "--exit-adapter",
-        "none",
-        "--cache",
-        tmp_path / "cache",
-        "--out",
-        out,
-    )
+    out, cache = tmp_path / "heal.json", tmp_path / "cache"
+    run(capsys, *heal_step(setup), "--e2e-rows", "cache", "--exit-adapter", "none", "--cache", cache, "--out", out)
     assert set(json.loads(out.read_text())["steps"]) == {"local", "e2e"}
-    assert (tmp_path / "cache").is_dir()  # kept where asked
+    assert cache.is_dir()  # kept where asked
 
 
 def test_train_step(setup, tmp_path, capsys):
@@ -115,22 +88,8 @@ def test_train_step(setup, tmp_path, capsys):
     out = tmp_path / "train.json"
     printed = run(
         capsys,
-        "train-step",
-        models["student"],
-        "--data",
-        corpus,
-        "--batch-size",
-        2,
-        "--seq-len",
-        16,
-        "--steps",
-        3,
-        "--warmup",
-        1,
-        "--precision",
-        "fp32",
-        "--out",
-        out,
+        *("train-step", models["student"], "--data", corpus, "--batch-size", 2, "--seq-len", 16),
+        *("--steps", 3, "--warmup", 1, "--precision", "fp32", "--out", out),
     )
     result = json.loads(out.read_text())
     assert result["steps"] == 3 and result["warmup"] == 1 and len(result["step_seconds"]) == 3
@@ -182,43 +141,10 @@ def test_llamacpp_flow_with_llama_cpp_stood_in(setup, tmp_path, capsys, monkeypa
     out = tmp_path / "llamacpp.json"
     printed = run(
         capsys,
-        "llamacpp",
-        models["teacher"],
-        "--weights",
-        formats,
-        "--b1-requests",
-        2,
-        "--b1-new-tokens",
-        3,
-        "--requests",
-        3,
-        "--prompt-len",
-        "4:8",
-        "--output-len",
-        "2:4",
-        "--max-concurrency",
-        2,
-        "--llama-concurrency",
-        "1,2",
-        "--rounds",
-        2,
-        "--data",
-        corpus,
-        "--scored-tokens",
-        64,
-        "--calib-data",
-        corpus,
-        "--calib-rows",
-        4,
-        "--equalize",
-        "--looped",
-        models["student"],
-        "--looped-weights",
-        "fp32",
-        "--exit-policy",
-        "none,softmax:0.5",
-        "--out",
-        out,
+        *("llamacpp", models["teacher"], "--weights", formats, "--b1-requests", 2, "--b1-new-tokens", 3, *TRACE),
+        *("--llama-concurrency", "1,2", "--rounds", 2, "--data", corpus, "--scored-tokens", 64),
+        *("--calib-data", corpus, "--calib-rows", 4, "--equalize", "--looped", models["student"]),
+        *("--looped-weights", "fp32", "--exit-policy", "none,softmax:0.5", "--out", out),
     )
     r = json.loads(out.read_text())
     fp32 = r["configs"]["looplm fp32"]

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import TINY as CONFTEST_TINY
+from conftest import quantize_args
 from test_gptq import FORMATS
 from test_train_fixtures import build_corpus, make_models
 
@@ -121,23 +122,7 @@ def test_quantize_equalize_command(tmp_path, capsys):
     models = make_models(tmp_path)
     corpus = build_corpus(tmp_path, models["student"], seq_len=32)
     fmt, out = "int8", tmp_path / "q"
-    assert (
-        main(
-            [
-                "quantize",
-                str(models["student"]),
-                "--out",
-                str(out),
-                "--weights",
-                fmt,
-                "--calib-data",
-                str(corpus),
-                "--calib-rows",
-                "4",
-            ]
-        )
-        == 0
-    )
+    assert main(quantize_args(models["student"], out, "--weights", fmt, "--calib-data", corpus, "--calib-rows", 4)) == 0
     assert "input channels equalized" in capsys.readouterr().out  # the default with --calib-data
     back = load_model(out)[0]
     rec = back.config.quantization
@@ -146,6 +131,6 @@ def test_quantize_equalize_command(tmp_path, capsys):
     with torch.no_grad():  # the stored norms and rows carry the scales: the quantized model is the float one, rounded
         want, got = load_model(models["student"])[0](ids).logits, back(ids).logits
     assert (got - want).norm() < 0.03 * want.norm()  # 0.013 here; 0.058 if the norms kept their scales
-    assert main(["quantize", str(models["student"]), "--out", str(tmp_path / "bad"), "--equalize"]) == 2
+    assert main(quantize_args(models["student"], tmp_path / "bad", "--equalize")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--calib-data" in err and not (tmp_path / "bad").exists()

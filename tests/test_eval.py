@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_model
 from lm_eval.api.instance import Instance
 
 from looplm.commands import main
@@ -15,7 +16,7 @@ from looplm.convert import convert
 from looplm.eval import task_data
 from looplm.eval.lm_eval_adapter import LoopLMEval
 from looplm.eval.tasks import PAPER7, resolve_tasks
-from looplm.models import ConfigError, LoopLMConfig, LoopLMForCausalLM, save_model
+from looplm.models import ConfigError, LoopLMForCausalLM, save_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,18 +27,8 @@ def tokenizer(smollm2_tokenizer):
 
 
 def tiny(vocab=49152, layers=4, **kw) -> LoopLMForCausalLM:
-    torch.manual_seed(0)
-    cfg = LoopLMConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        **kw,
-    )
-    return LoopLMForCausalLM(cfg).eval()
+    """conftest's TINY model, with SmolLM2's vocabulary unless ``vocab`` is given."""
+    return tiny_model(vocab_size=vocab, num_hidden_layers=layers, **kw)
 
 
 @pytest.fixture(scope="module")

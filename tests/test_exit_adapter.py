@@ -63,15 +63,23 @@ def loop_states(model, ids):
 IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("kind,rank", SPECS)
-def test_zero_init_adapter_leaves_every_exit_identical(kind, rank):
+def with_new_adapter(kind, rank):
+    """A relaxed model given a zero-init adapter of ``kind``, with what it computed on IDS before: its loop
+    states, their plain exits and its output."""
     model = relaxed()
     states = loop_states(model, IDS)
     with torch.no_grad():
         plain = [model.exit_logits(h) for h in states]
         out = model(IDS).logits
         add_exit_adapters(model, kind, rank)
-        assert model.config.exit_adapter["kind"] == kind
+    return model, states, plain, out
+
+
+@pytest.mark.parametrize("kind,rank", SPECS)
+def test_zero_init_adapter_leaves_every_exit_identical(kind, rank):
+    model, states, plain, out = with_new_adapter(kind, rank)
+    assert model.config.exit_adapter["kind"] == kind
+    with torch.no_grad():
         for i, h in enumerate(states):
             assert torch.equal(model.exit_logits(h, loop=i), plain[i]), i
         assert torch.equal(model(IDS).logits, out)
@@ -79,14 +87,10 @@ def test_zero_init_adapter_leaves_every_exit_identical(kind, rank):
 
 @pytest.mark.parametrize("kind,rank", SPECS)
 def test_trained_adapter_changes_intermediate_exits_only(kind, rank):
-    model = relaxed()
-    states = loop_states(model, IDS)
+    model, states, plain, out = with_new_adapter(kind, rank)
+    trained(model)
+    B = model.config.num_loops
     with torch.no_grad():
-        plain = [model.exit_logits(h) for h in states]
-        out = model(IDS).logits
-        add_exit_adapters(model, kind, rank)
-        trained(model)
-        B = model.config.num_loops
         for i in range(B - 1):
             assert (model.exit_logits(states[i], loop=i) - plain[i]).abs().max() > 1e-3, i
             # a static exit through forward uses the adapter of its loop
@@ -352,28 +356,19 @@ def setup(tmp_path_factory):
     return tmp, models, build_corpus(tmp, models["student"], seq_len=32)
 
 
+def train_student(setup, out, **settings) -> dict:
+    """Train the fixture's student on its corpus into ``out``, quietly: batches of 2, aggressive early exit, fp32."""
+    _, models, corpus = setup
+    base = dict(model=str(models["student"]), data=str(corpus), out=str(out), batch_size=2, early_exit="aggressive")
+    return train(TrainConfig(**base, precision="fp32", progress=False, **settings), lambda *a: None)
+
+
 @pytest.mark.parametrize("spec", ["head-lora:4", "affine"])
 def test_freeze_body_trains_only_the_adapter(setup, spec):
-    tmp, models, corpus = setup
+    tmp, models, _ = setup
     out = tmp / f"frozen-{spec.replace(':', '')}"
-    train(
-        TrainConfig(
-            model=str(models["student"]),
-            data=str(corpus),
-            out=str(out),
-            max_steps=2,
-            batch_size=2,
-            early_exit="aggressive",
-            self_distill=True,
-            exit_adapter=spec,
-            freeze_body=True,
-            teacher=str(models["teacher"]),
-            lr=1e-2,
-            precision="fp32",
-            progress=False,
-        ),
-        lambda *a: None,
-    )
+    frozen = dict(exit_adapter=spec, freeze_body=True, self_distill=True, teacher=str(models["teacher"]))
+    train_student(setup, out, max_steps=2, lr=1e-2, **frozen)
     before, _ = load_model(models["student"])
     after, _ = load_model(out / "final")
     assert after.config.exit_adapter == parse_exit_adapter(spec)
@@ -394,51 +389,26 @@ def test_freeze_body_trains_only_the_adapter(setup, spec):
 def test_frozen_run_resumes_and_older_run_files_still_resume(setup):
     import json
 
-    tmp, models, corpus = setup
+    tmp, _, _ = setup
     out = tmp / "resume"
-    cfg = dict(
-        model=str(models["student"]),
-        data=str(corpus),
-        out=str(out),
-        batch_size=2,
-        early_exit="aggressive",
-        exit_adapter="affine",
-        freeze_body=True,
-        save_every_steps=1,
-        precision="fp32",
-        progress=False,
-    )
-    train(TrainConfig(max_steps=1, **cfg), lambda *a: None)
-    assert train(TrainConfig(max_steps=2, resume=True, **cfg), lambda *a: None)["steps"] == 2
+    frozen = dict(exit_adapter="affine", freeze_body=True, save_every_steps=1)
+    train_student(setup, out, max_steps=1, **frozen)
+    assert train_student(setup, out, max_steps=2, resume=True, **frozen)["steps"] == 2
     with pytest.raises(UsageError, match="freeze_body"):
-        train(TrainConfig(max_steps=3, resume=True, **{**cfg, "freeze_body": False}), lambda *a: None)
+        train_student(setup, out, max_steps=3, resume=True, **{**frozen, "freeze_body": False})
     # a run.json written before the options existed resumes with their defaults
     run = json.loads((out / "run.json").read_text())
     for k in ("exit_adapter", "freeze_body"):
         run["config"].pop(k)
     (out / "run.json").write_text(json.dumps(run))
     with pytest.raises(UsageError, match="exit_adapter: None -> 'affine'"):
-        train(TrainConfig(max_steps=3, resume=True, **cfg), lambda *a: None)
+        train_student(setup, out, max_steps=3, resume=True, **frozen)
 
 
 def test_training_with_an_adapter_and_the_body_updates_both(setup):
-    tmp, models, corpus = setup
+    tmp, models, _ = setup
     out = tmp / "unfrozen"
-    train(
-        TrainConfig(
-            model=str(models["student"]),
-            data=str(corpus),
-            out=str(out),
-            max_steps=2,
-            batch_size=2,
-            early_exit="aggressive",
-            exit_adapter="affine",
-            lr=1e-2,
-            precision="fp32",
-            progress=False,
-        ),
-        lambda *a: None,
-    )
+    train_student(setup, out, max_steps=2, exit_adapter="affine", lr=1e-2)
     before, _ = load_model(models["student"])
     after, _ = load_model(out / "final")
     assert after.exit_adapter.weight.abs().max() > 0
@@ -455,44 +425,13 @@ def _fails(capsys, *argv, match):
 def test_bad_train_flags_are_one_line_errors(setup, capsys):
     tmp, models, corpus = setup
     base = [models["student"], "--data", corpus, "--max-steps", 1]
-    _fails(capsys, *base, "--out", tmp / "e1", "--early-exit", "aggressive", "--freeze-body", match="no exit adapter")
-    _fails(
-        capsys,
-        *base,
-        "--out",
-        tmp / "e2",
-        "--early-exit",
-        "aggressive",
-        "--exit-adapter",
-        "lens",
-        match="unknown exit adapter kind",
-    )
-    _fails(
-        capsys,
-        *base,
-        "--out",
-        tmp / "e3",
-        "--early-exit",
-        "aggressive",
-        "--exit-adapter",
-        "head-lora:0",
-        match="rank >= 1",
-    )
+    early = [*base, "--early-exit", "aggressive"]
+    _fails(capsys, *early, "--out", tmp / "e1", "--freeze-body", match="no exit adapter")
+    _fails(capsys, *early, "--out", tmp / "e2", "--exit-adapter", "lens", match="unknown exit adapter kind")
+    _fails(capsys, *early, "--out", tmp / "e3", "--exit-adapter", "head-lora:0", match="rank >= 1")
     _fails(capsys, *base, "--out", tmp / "e4", "--exit-adapter", "affine", match="--early-exit")
-    _fails(
-        capsys,
-        *base,
-        "--out",
-        tmp / "e5",
-        "--early-exit",
-        "aggressive",
-        "--exit-adapter",
-        "affine",
-        "--freeze-body",
-        "--train",
-        "lora",
-        match="drop --train",
-    )
+    frozen_lora = ["--exit-adapter", "affine", "--freeze-body", "--train", "lora"]
+    _fails(capsys, *early, "--out", tmp / "e5", *frozen_lora, match="drop --train")
     assert not any((tmp / f"e{i}").exists() for i in range(1, 6))
 
 

@@ -40,6 +40,20 @@ def quiet(*_):
     pass
 
 
+def whole_corpus(setup):
+    """The corpus of 60 generated tokens that the first test writes (written here when that test did not run)."""
+    tmp, models, corpus = setup
+    gen = tmp / "whole"
+    if not (gen / "manifest.json").exists():
+        generate_corpus(config(models, corpus, gen, tokens=60), log=quiet)
+    return gen
+
+
+def teacher_build(models, out, sources, **settings):
+    """`looplm data build` of ``sources`` into ``out`` with the teacher's tokenizer, quietly."""
+    return build(out, model=str(models["teacher"]), sources=str(sources), log=quiet, progress=False, **settings)
+
+
 def test_a_resumed_corpus_equals_an_uninterrupted_one(setup):
     tmp, models, corpus = setup
     whole = generate_corpus(config(models, corpus, tmp / "whole", tokens=60), log=quiet)
@@ -156,68 +170,29 @@ def test_prompts_are_a_function_of_the_seed_and_index(setup):
 
 
 def test_a_generated_corpus_is_a_build_source_and_caps_weigh_a_mix(setup):
-    tmp, models, corpus = setup
-    gen = tmp / "whole"
-    if not (gen / "manifest.json").exists():
-        generate_corpus(config(models, corpus, gen, tokens=60), log=quiet)
+    tmp, models, _ = setup
+    gen = whole_corpus(setup)
     samples = read_samples(gen)
-    meta = build(
-        tmp / "from-gen",
-        model=str(models["teacher"]),
-        sources=str(gen),
-        seq_len=16,
-        heldout=0.2,
-        log=quiet,
-        progress=False,
-    )
+    meta = teacher_build(models, tmp / "from-gen", gen, seq_len=16, heldout=0.2)
     assert meta["sources"]["whole"]["documents"] == len(samples)
     texts = write_texts(tmp / "mix-texts")
-    full = build(
-        tmp / "uncapped",
-        model=str(models["teacher"]),
-        sources=str(texts),
-        seq_len=32,
-        heldout=0.1,
-        block_chars=2000,
-        log=quiet,
-        progress=False,
-    )
-    capped = build(
-        tmp / "capped",
-        model=str(models["teacher"]),
-        sources=f"{texts}:3",
-        seq_len=32,
-        heldout=0.1,
-        block_chars=2000,
-        log=quiet,
-        progress=False,
-    )
+    mix = dict(seq_len=32, heldout=0.1, block_chars=2000)
+    full = teacher_build(models, tmp / "uncapped", texts, **mix)
+    capped = teacher_build(models, tmp / "capped", f"{texts}:3", **mix)
     for name in full["sources"]:
         assert capped["sources"][name]["train"]["seqs"] == 3 < full["sources"][name]["train"]["seqs"]
         assert capped["sources"][name]["heldout"] == full["sources"][name]["heldout"]
     whole_rows = {bytes(r) for r in np.asarray(PackedCorpus(tmp / "uncapped").splits["train"])}
     assert all(bytes(r) in whole_rows for r in np.asarray(PackedCorpus(tmp / "capped").splits["train"]))
-    again = build(
-        tmp / "capped",
-        model=str(models["teacher"]),
-        sources=f"{texts}:4",
-        seq_len=32,
-        heldout=0.1,
-        block_chars=2000,
-        log=quiet,
-        progress=False,
-    )
+    again = teacher_build(models, tmp / "capped", f"{texts}:4", **mix)
     assert all(again["sources"][n]["train"]["seqs"] == 4 for n in full["sources"])
     assert json.loads((tmp / "capped" / "meta.json").read_text())["sources"][name]["max_train_rows"] == 4
     with pytest.raises(UsageError, match="at least 1"):
-        build(tmp / "bad", model=str(models["teacher"]), sources=f"{texts}:0", seq_len=32, log=quiet, progress=False)
+        teacher_build(models, tmp / "bad", f"{texts}:0", seq_len=32)
 
 
 def test_the_recipe_mix_holds_as_many_real_tokens_as_generated_ones(setup):
-    tmp, models, corpus = setup
-    gen = tmp / "whole"
-    if not (gen / "manifest.json").exists():
-        generate_corpus(config(models, corpus, gen, tokens=60), log=quiet)
+    gen = whole_corpus(setup)
     tokens = read_manifest(gen)["tokens"]
     real = ("one", "two", "three")
     spec = teacher_mix_sources(gen, 8, real=real)

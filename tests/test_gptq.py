@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from conftest import quantize_args
 from test_train_fixtures import build_corpus, byte_tokenizer, make_models, tiny_vanilla
 
 from looplm.commands import main
@@ -138,24 +139,8 @@ def test_quantize_calibrate_command(tmp_path, capsys):
     corpus = build_corpus(tmp_path, models["student"], seq_len=32)
     out = tmp_path / "q"
     fmt = FORMATS[-1]
-    assert (
-        main(
-            [
-                "quantize",
-                str(models["student"]),
-                "--out",
-                str(out),
-                "--weights",
-                fmt,
-                "--calib-data",
-                str(corpus),
-                "--calib-rows",
-                "4",
-                "--no-equalize",
-            ]
-        )
-        == 0
-    )
+    calibrated = ("--calib-data", corpus, "--calib-rows", 4, "--no-equalize")
+    assert main(quantize_args(models["student"], out, "--weights", fmt, *calibrated)) == 0
     assert "GPTQ on 128 calibration tokens" in capsys.readouterr().out
     back, _ = load_model(out)
     rec = back.config.quantization
@@ -170,13 +155,13 @@ def test_quantize_calibrate_command(tmp_path, capsys):
         (["--calib-rows", "0"], "must be positive"),
         (["--calib-data", str(tmp_path / "none")], "does not exist"),
     ):
-        assert main(["quantize", str(models["student"]), "--out", str(tmp_path / "bad"), *bad]) == 2
+        assert main(quantize_args(models["student"], tmp_path / "bad", *bad)) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and msg in err and not (tmp_path / "bad").exists()
     other = tmp_path / "other"
     from looplm.models import save_model
 
     save_model(load_model(models["student"])[0], byte_tokenizer("<extra>"), other)  # another vocabulary
-    assert main(["quantize", str(other), "--out", str(tmp_path / "bad"), "--calib-data", str(corpus)]) == 2
+    assert main(quantize_args(other, tmp_path / "bad", "--calib-data", corpus)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "another tokenizer" in err

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from looplm.commands import main
 
@@ -13,20 +14,10 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from looplm.models import LoopLMConfig, LoopLMForCausalLM, load_model, save_model
+    from looplm.models import load_model, save_model
 
     _, tok = load_model("smollm2-135m")
-    torch.manual_seed(0)
-    model = LoopLMForCausalLM(
-        LoopLMConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    model = tiny_model(vocab_size=len(tok), initializer_range=0.02)  # LoopLMConfig's default initialisation
     return save_model(model, tok, tmp_path_factory.mktemp("m") / "tiny")
 
 

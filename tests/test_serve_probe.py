@@ -25,27 +25,19 @@ def test_fit_logistic_learns_a_rule_on_unscaled_features():
     assert w[0].abs() * 100 < w[2].abs() * 0.01  # the irrelevant large feature gets a tiny weight
 
 
+def fit_probe(model_dir, corpus, *options) -> None:
+    """`looplm fit-exit-probe` of ``model_dir`` on 12 rows of ``corpus``, its threshold set on 6 more for 90%
+    agreement; it succeeds."""
+    argv = [model_dir, "--data", corpus, "--fit-rows", 12, "--calib-rows", 6, "--target-agreement", 0.9]
+    assert main(["fit-exit-probe", *map(str, argv), *options, "--json"]) == 0
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("probe")
     models = make_models(tmp)
     corpus = build_corpus(tmp, models["recursive"])
-    rc = main(
-        [
-            "fit-exit-probe",
-            str(models["recursive"]),
-            "--data",
-            str(corpus),
-            "--fit-rows",
-            "12",
-            "--calib-rows",
-            "6",
-            "--target-agreement",
-            "0.9",
-            "--json",
-        ]
-    )
-    assert rc == 0
+    fit_probe(models["recursive"], corpus)
     return models, corpus
 
 
@@ -144,24 +136,7 @@ def fitted_confidence(fitted, tmp_path_factory):
     models, corpus = fitted
     d = tmp_path_factory.mktemp("probe_conf") / "recursive"
     shutil.copytree(models["recursive"], d)
-    rc = main(
-        [
-            "fit-exit-probe",
-            str(d),
-            "--data",
-            str(corpus),
-            "--fit-rows",
-            "12",
-            "--calib-rows",
-            "6",
-            "--target-agreement",
-            "0.9",
-            "--features",
-            "confidence",
-            "--json",
-        ]
-    )
-    assert rc == 0
+    fit_probe(d, corpus, "--features", "confidence")
     return d
 
 

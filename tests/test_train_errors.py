@@ -32,8 +32,18 @@ def snapshot(d):
     }
 
 
+def run_args(model, data, out, steps=1) -> list:
+    """`looplm train`'s arguments for ``steps`` steps of ``model`` on ``data`` into ``out``."""
+    return [model, "--data", data, "--out", out, "--max-steps", steps]
+
+
+def train_cli(*argv) -> int:
+    """`looplm train ARGV` in fp32 without a progress bar: its exit code."""
+    return main(["train", *map(str, argv), "--precision", "fp32", "--no-progress"])
+
+
 def fails(capsys, *argv, match):
-    code = main(["train", *map(str, argv), "--precision", "fp32", "--no-progress"])
+    code = train_cli(*argv)
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert err.count("\n") == 0 and err.startswith("looplm train: error:"), err
@@ -44,56 +54,24 @@ def fails(capsys, *argv, match):
 def test_missing_and_empty_corpus(setup, capsys, tmp_path):
     _, models, _ = setup
     out = tmp_path / "run"
-    fails(
-        capsys,
-        models["student"],
-        "--data",
-        tmp_path / "nope",
-        "--out",
-        out,
-        "--max-steps",
-        1,
-        match="looplm data build --out",
-    )
+    fails(capsys, *run_args(models["student"], tmp_path / "nope", out), match="looplm data build --out")
     (tmp_path / "empty").mkdir()
-    fails(capsys, models["student"], "--data", tmp_path / "empty", "--out", out, "--max-steps", 1, match="no meta.json")
+    fails(capsys, *run_args(models["student"], tmp_path / "empty", out), match="no meta.json")
     assert not out.exists()
 
 
 def test_tokenizer_mismatches(setup, capsys, tmp_path):
     _, models, corpus = setup
     out = tmp_path / "run"
-    fails(
-        capsys,
-        models["student"],
-        "--teacher",
-        models["other_tok"],
-        "--data",
-        corpus,
-        "--out",
-        out,
-        "--max-steps",
-        1,
-        match="different tokenizers",
-    )
-    fails(
-        capsys,
-        models["other_tok"],
-        "--data",
-        corpus,
-        "--out",
-        out,
-        "--max-steps",
-        1,
-        match="rebuild it with `looplm data build ",
-    )
+    student = run_args(models["student"], corpus, out)
+    fails(capsys, *student, "--teacher", models["other_tok"], match="different tokenizers")
+    fails(capsys, *run_args(models["other_tok"], corpus, out), match="rebuild it with `looplm data build ")
     assert not out.exists()
 
 
 def trains(model, corpus, out) -> None:
     """Two steps of `looplm train` of ``model`` on ``corpus`` into ``out``, which succeed."""
-    args = ["train", str(model), "--data", str(corpus), "--out", str(out), "--max-steps", "2"]
-    assert main([*args, "--precision", "fp32", "--no-progress"]) == 0
+    assert train_cli(*run_args(model, corpus, out, steps=2)) == 0
 
 
 def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
@@ -102,24 +80,10 @@ def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
     trains(models["student"], corpus, out)
     capsys.readouterr()
     before = snapshot(out)
-    fails(
-        capsys, models["recursive"], "--data", corpus, "--out", out, "--max-steps", 2, "--resume", match="another model"
-    )
-    fails(capsys, models["student"], "--data", corpus, "--out", out, "--max-steps", 2, match="add --resume")
-    fails(
-        capsys,
-        models["student"],
-        "--data",
-        corpus,
-        "--out",
-        out,
-        "--max-steps",
-        2,
-        "--resume",
-        "--lr",
-        "1e-3",
-        match="different settings (lr",
-    )
+    fails(capsys, *run_args(models["recursive"], corpus, out, steps=2), "--resume", match="another model")
+    student = run_args(models["student"], corpus, out, steps=2)
+    fails(capsys, *student, match="add --resume")
+    fails(capsys, *student, "--resume", "--lr", "1e-3", match="different settings (lr")
     # a checkpoint dir swapped in from another model's run
     other = tmp / "run-recursive"
     trains(models["recursive"], corpus, other)
@@ -137,47 +101,11 @@ def test_resume_from_another_models_run_leaves_it_untouched(setup, capsys):
 
 def test_batch_too_large(setup, capsys, tmp_path):
     _, models, corpus = setup
-    n = len(PackedCorpus(corpus))
-    fails(
-        capsys,
-        models["student"],
-        "--data",
-        corpus,
-        "--out",
-        tmp_path / "r",
-        "--max-steps",
-        1,
-        "--batch-size",
-        n + 1,
-        match="lower --batch-size",
-    )
-    fails(
-        capsys,
-        models["student"],
-        "--data",
-        corpus,
-        "--out",
-        tmp_path / "r",
-        "--max-steps",
-        1,
-        "--train",
-        "lora,embedx",
-        match="unknown --train",
-    )
-    fails(
-        capsys,
-        models["recursive"],
-        "--data",
-        corpus,
-        "--out",
-        tmp_path / "r",
-        "--max-steps",
-        1,
-        "--train",
-        "lora",
-        match="has no LoRA",
-    )
-    assert not (tmp_path / "r").exists()
+    n, out = len(PackedCorpus(corpus)), tmp_path / "r"
+    fails(capsys, *run_args(models["student"], corpus, out), "--batch-size", n + 1, match="lower --batch-size")
+    fails(capsys, *run_args(models["student"], corpus, out), "--train", "lora,embedx", match="unknown --train")
+    fails(capsys, *run_args(models["recursive"], corpus, out), "--train", "lora", match="has no LoRA")
+    assert not out.exists()
 
 
 def test_batch_larger_than_memory(setup, capsys, tmp_path):
@@ -206,13 +134,7 @@ def test_batch_larger_than_memory(setup, capsys, tmp_path):
     assert len(PackedCorpus(tmp_path / "corpus")) >= batch
     err = fails(
         capsys,
-        models["student"],
-        "--data",
-        tmp_path / "corpus",
-        "--out",
-        tmp_path / "r",
-        "--max-steps",
-        1,
+        *run_args(models["student"], tmp_path / "corpus", tmp_path / "r"),
         "--batch-size",
         batch,
         match="GiB is free; lower --batch-size",
@@ -222,22 +144,18 @@ def test_batch_larger_than_memory(setup, capsys, tmp_path):
 
 def test_config_errors(setup):
     tmp, models, corpus = setup
+
+    def config(**settings) -> TrainConfig:
+        return TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), **settings)
+
     with pytest.raises(ValueError, match="give one budget: --max-steps N, --train-tokens N or --budget-minutes M"):
-        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x")))
+        train(config())
     with pytest.raises(ValueError, match="give one budget"):
-        train(
-            TrainConfig(
-                model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1, budget_minutes=1.0
-            )
-        )
+        train(config(max_steps=1, budget_minutes=1.0))
     with pytest.raises(ValueError, match="--budget-minutes 0.0 must be positive"):
-        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), budget_minutes=0.0))
+        train(config(budget_minutes=0.0))
     with pytest.raises(ValueError, match="add --early-exit"):
-        train(
-            TrainConfig(
-                model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1, self_distill=True
-            )
-        )
+        train(config(max_steps=1, self_distill=True))
     with pytest.raises(ValueError, match="use one of fkl"):
-        train(TrainConfig(model=str(models["student"]), data=str(corpus), out=str(tmp / "x"), max_steps=1, kd="kl"))
+        train(config(max_steps=1, kd="kl"))
     assert not (tmp / "x").exists()
