@@ -13,7 +13,9 @@
 # the first has written it), on the real corpus's training split (HEAL_DATA), into OUT/heal/NAME; `looplm eval suite` scores them on the five out-of-domain domains, the
 # real corpus's held-out split and the seven tasks (LIMIT documents each) into RESULTS.json.
 # Resumable: every step skips what is finished and resumes what was interrupted. Environment: OUT, STUDENTS, STEPS
-# (a subset of "convert heal suite"), TASKS, LIMIT, WINDOWS, RESULTS, HEAL_BUDGET, PYTHON, LOOPLM.
+# (a subset of "convert heal suite"), TASKS, LIMIT, WINDOWS, RESULTS, HEAL_BUDGET, HEAL_DATA, TAG (a suffix of the
+# suite's names, so that the same plans healed on other text are told apart: -mix on the recipe's corpus), PYTHON,
+# LOOPLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -26,6 +28,7 @@ TASKS=${TASKS:-paper7}  # none: perplexity alone (the tasks cost about 20 minute
 WINDOWS=${WINDOWS:-32}
 RESULTS=${RESULTS:-docs/results/sharing/smollm2}
 HEAL_BUDGET=${HEAL_BUDGET:-"--train-tokens 327452 --local-share 0.6395"}
+TAG=${TAG:-}
 HEAL_DATA=${HEAL_DATA:-$OUT/corpus-512}  # the real text's training split (the recipe's mix needs 90 min of the original's text first)
 model=smollm2-135m real=$OUT/corpus-512 calib=$OUT/calib
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -65,14 +68,15 @@ done
 if has suite; then
   specs=("original=$model") names=()
   for s in $STUDENTS; do
-    [ -f "$OUT/heal/$s/final/config.json" ] && specs+=("$s=$OUT/heal/$s/final") && names+=("$s")
+    [ -f "$OUT/heal/$s/final/config.json" ] && specs+=("$s$TAG=$OUT/heal/$s/final") && names+=("$s")
   done
   pairs=()
   for p in mc,reduced16 rec,reduced15 p3c3,reduced18 p2c2,reduced17 mc,rec-r12 mc,rec mc,def p3c3,mc p2c2,mc mc56,def; do
-    [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "$p")
+    [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "${p%,*}$TAG,${p#*,}$TAG")
   done
   $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \
     "${pairs[@]}" --resume --out "$RESULTS" \
-    --reproduce "STUDENTS=\"${names[*]}\" bash experiments/sharing_comparison.sh" > "$OUT/logs/suite.log"
+    --reproduce "STUDENTS=\"${names[*]}\"${TAG:+ HEAL_DATA=$HEAL_DATA OUT=$OUT TAG=$TAG} bash experiments/sharing_comparison.sh" \
+    > "$OUT/logs/suite.log"
   echo "wrote $RESULTS.md"
 fi

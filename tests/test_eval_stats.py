@@ -14,7 +14,7 @@ from test_train_fixtures import build_corpus, make_models, ood_texts, tiny_vanil
 from looplm.data.corpus import PackedCorpus
 from looplm.errors import UsageError
 from looplm.eval import stats
-from looplm.eval.claims import CLAIMS, decide, load_results, markdown
+from looplm.eval.claims import CLAIMS, PLAN_CLAIMS, decide, load_results, markdown
 
 WINDOWS = 120
 DOMAINS = ("fiction", "science", "qa")
@@ -204,6 +204,30 @@ def test_claims_are_decided_from_the_saved_results(tmp_path):
     path.write_text(json.dumps({**result, "partial": True}))  # a suite cut short decides nothing
     with pytest.raises(UsageError, match="interrupted suite"):
         load_results([path])
+
+
+def test_the_same_plans_healed_on_other_text_are_decided_apart(tmp_path):
+    """mc and reduced16 healed on the real text (one file) and on the recipe's corpus (another, names tagged -mix):
+    each pair is decided from its own file, and a plan pair no file holds names the command that runs it."""
+    real, mix = tmp_path / "real.json", tmp_path / "mix.json"
+    real.write_text(json.dumps(synthetic_result({"mc": noise(0.02, 1), "reduced16": 0.10 + noise(0.02, 2)})))
+    mix.write_text(json.dumps(synthetic_result({"mc-mix": 0.10 + noise(0.02, 3), "reduced16-mix": noise(0.02, 4)})))
+    entries = decide(PLAN_CLAIMS, load_results([real, mix]))
+    by = {(e["better"], e["worse"], e.get("metric"), e.get("half")): e for e in entries}
+    assert by[("mc", "reduced16", "ood", "report")]["decision"] == "held"
+    assert by[("mc", "reduced16", "ood", "report")]["results"] == str(real)
+    assert by[("mc-mix", "reduced16-mix", "ood", "report")]["decision"] == "not held"
+    assert by[("mc-mix", "reduced16-mix", "ood", "report")]["results"] == str(mix)
+    assert by[("p3c3", "reduced18", None, None)]["command"] == (
+        'STUDENTS="p3c3 reduced18" bash experiments/sharing_comparison.sh'
+    )
+    mix.unlink()
+    entries = decide(PLAN_CLAIMS, load_results([real]))
+    by = {(e["better"], e["worse"], e.get("metric")): e for e in entries}
+    assert by[("mc-mix", "reduced16-mix", None)]["command"] == (
+        'STUDENTS="mc reduced16" HEAL_DATA=out/corpus-smollm2-135m-mix-512 OUT=out/sharing/smollm2-mix TAG=-mix '
+        "bash experiments/sharing_comparison.sh"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -151,8 +151,13 @@ CLAIMS = (
 )
 
 
-def _plans(text: str, a: str, b: str) -> Claim:
-    return Claim(text, a, b, f'STUDENTS="{a} {b}"', halves=True, script="experiments/sharing_comparison.sh")
+def _plans(text: str, a: str, b: str, tag: str = "") -> Claim:
+    """Plan ``a`` against ``b``; with ``tag`` (-mix) both healed on the recipe's corpus, their suite names tagged."""
+    runs = f'STUDENTS="{a} {b}"'
+    if tag:
+        a, b = a + tag, b + tag
+        runs += f" HEAL_DATA=out/corpus-smollm2-135m{tag}-512 OUT=out/sharing/smollm2{tag} TAG={tag}"
+    return Claim(text, a, b, runs, halves=True, script="experiments/sharing_comparison.sh")
 
 
 # Sharing plans against each other and against the reduced-size model of their own N-emb (SmolLM2-135M, B=2,
@@ -160,6 +165,11 @@ def _plans(text: str, a: str, b: str) -> Claim:
 # first half of the suite's windows, decided on the second half.
 PLAN_CLAIMS = (
     _plans("Middle-cycle (1 + 14 x 2 + 1) beats the reduced-size model of its N-emb (16 layers)", "mc", "reduced16"),
+    _plans(
+        "Middle-cycle beats the reduced-size model of its N-emb, both healed on the recipe's corpus (the original's "
+        "own text beside real text)",
+        *("mc", "reduced16", "-mix"),
+    ),
     _plans("Cycle (15 x 2) beats the reduced-size model of its N-emb (15 layers)", "rec", "reduced15"),
     _plans("3 + 12 x 2 + 3 beats the reduced-size model of its N-emb (18 layers)", "p3c3", "reduced18"),
     _plans("2 + 13 x 2 + 2 beats the reduced-size model of its N-emb (17 layers)", "p2c2", "reduced17"),
