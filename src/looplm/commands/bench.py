@@ -251,7 +251,6 @@ def cmd_heal_step(s: HealStep) -> int:
     import torch
 
     from ..bench.heal_step import heal_step, heal_step_table
-    from ..train.heal import HealConfig
 
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -267,7 +266,6 @@ def cmd_train_step(s: TrainStep) -> int:
     import torch
 
     from ..bench.train_step import train_step, train_step_table
-    from ..train.loop import TrainConfig
 
     if s.threads:
         torch.set_num_threads(s.threads)

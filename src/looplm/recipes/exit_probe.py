@@ -19,14 +19,16 @@ from ..serve.probe import fit_probe
 def fit_exit_probe(
     model: str,
     data: str,
-    fit_rows: int = 32,
-    calib_rows: int = 16,
-    target_agreement: float = 0.95,
-    l2: float = 1e-3,
-    features: str = "hidden",
+    *,
+    fit_rows: int,
+    calib_rows: int,
+    target_agreement: float,
+    l2: float,
+    features: str,
     log=print,
 ) -> dict:
-    """Fit the probe of looped model directory ``model`` on corpus ``data``; its report, with where the probe is."""
+    """Fit the probe of looped model directory ``model`` on corpus ``data``; its report, with where the probe is.
+    The settings' defaults are `looplm fit-exit-probe`'s (commands/serve.py ``FitExitProbe``)."""
     d = Path(model)
     if not (d.is_dir() and is_looplm_dir(d)):
         raise UsageError(
