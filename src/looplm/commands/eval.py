@@ -1,4 +1,4 @@
-"""`looplm eval ppl`, `fewshot`, `suite` and `claims`, and `looplm report`."""
+"""`looplm eval ppl`, `fewshot`, `suite`, `claims` and `curve`, and `looplm report`."""
 
 from __future__ import annotations
 
@@ -118,6 +118,15 @@ class Claims:
         "the sharing plans' comparisons instead (experiments/sharing_comparison.sh's suite), chosen on the held-out "
         "split and the first half of the windows and documents, decided on the second half",
     )
+
+
+@dataclass
+class Curve:
+    results: list[str] = setting(
+        [], "`looplm eval suite` .json files of healed models scored alike", positional=True, nargs="+"
+    )
+    out: str | None = setting(None, "write OUT.json (points, fit, targets) and OUT.png")
+    json: bool = setting(False, JSON_HELP)
 
 
 @dataclass
@@ -301,6 +310,21 @@ def cmd_claims(s: Claims) -> int:
     return 0
 
 
+def cmd_curve(s: Curve) -> int:
+    from ..eval.curve import build_curve, markdown, save
+
+    curve = build_curve(s.results)
+    if s.out:
+        js, png = save(curve, s.out)
+    if s.json:
+        print_json(curve)
+        return 0
+    print(markdown(curve), end="")
+    if s.out:
+        print(f"wrote {js} and {png}")
+    return 0
+
+
 def _pm(value: float, stderr: float | None) -> str:
     """A percentage with its standard error."""
     return f"{100 * value:6.2f}" + ("" if stderr is None else f" ± {100 * stderr:4.2f}")
@@ -335,6 +359,12 @@ COMMANDS = [
         Claims,
         cmd_claims,
         "the paper's claims decided from saved suite results (held / not held beyond two standard errors)",
+    ),
+    Command(
+        ("eval", "curve"),
+        Curve,
+        cmd_curve,
+        "quality against healing tokens from saved suite results, with a power law fitted to the out-of-domain gap",
     ),
     Command(("report",), Report, cmd_report, "markdown table and Pareto plot from saved eval results"),
 ]

@@ -150,7 +150,8 @@ def _linears(block) -> dict[str, LoopLinear]:
 
 
 def _norms(block) -> dict[str, DepthNorm]:
-    return {n: m for n, m in block.named_modules() if isinstance(m, DepthNorm)}
+    """A block's norms, the original's layers have too (not the loop scale, which starts at ones)."""
+    return {n: m for n, m in block.named_modules() if isinstance(m, DepthNorm) and n != "loop_scale"}
 
 
 def svd_factors(residual: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,9 +191,11 @@ def convert(
     prefix_length: int = 0,
     prelude: int = 0,
     coda: int = 0,
+    loop_scale: bool = False,
 ) -> LoopLMForCausalLM:
     """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model, relaxed by
-    per-depth LoRA (``lora_ranks``), per-depth prefixes (``prefix_length``, paper appendix G) or both.
+    per-depth LoRA (``lora_ranks``), per-depth prefixes (``prefix_length``, paper appendix G) or both, and
+    optionally a loop scale (``loop_scale``: Mixture-of-Recursions' per-recursion vector, ones at first).
 
     ``strategy`` is the core's pattern or a named plan (middle-cycle); ``prelude`` and ``coda`` keep that many of
     the original's first and last layers unique, exactly as they were. ``norms`` None follows the init
@@ -208,6 +211,9 @@ def convert(
     torch.manual_seed(seed)
     started = time.perf_counter()
     config = _looped_config(src_cfg, loops, strategy, prelude, coda, init, norms, lora_ranks, lora_init, prefix_length)
+    if loop_scale:
+        config = _derived_config(config, loop_scale=True)
+        config.conversion["loop_scale"] = True
     model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
     if init != "random":  # the paper's Random baseline uses no pretrained weight at all, embeddings included
         _copy_outer(vanilla, model)
@@ -371,6 +377,11 @@ def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
     norm weights and its own prefix. Used for export and to check that conversion is exact where it should
     be. An exit adapter is dropped: the unrolled model has no intermediate loop to exit after."""
     c = model.config
+    if c.loop_scale:
+        raise ConfigError(
+            "a model with a loop scale has no vanilla equivalent (the scale multiplies the residual stream between "
+            "loops, which no dense layer can do); unroll or export a model converted without --loop-scale"
+        )
     config = _derived_config(
         c,
         num_loops=1,
@@ -453,6 +464,7 @@ def describe(model: LoopLMForCausalLM) -> dict:
         "lora_ranks": c.lora_ranks,
         "exit_adapter_spec": copy.deepcopy(c.exit_adapter),
         "prefix_length": c.prefix_length,
+        "loop_scale": c.loop_scale,
         "quantization": {k: v for k, v in (getattr(c, "quantization", None) or {}).items() if k != "sha256"} or None,
         "layer_map": c.layer_map,
         "depth_attention": c.depth_attention,

@@ -128,6 +128,16 @@ def run_budget(spec: str) -> str | None:
     return f"uptrain: {steps[-1]['tokens']:,} tokens{minutes}{on}"
 
 
+def heal_tokens(spec: str) -> int | None:
+    """The tokens `looplm heal` trained the model on, in the unit of its ``--train-tokens``: the end-to-end stages'
+    tokens plus the layer-local tokens of one shared layer; None for a model that is no heal's ``final/``."""
+    run = Path(spec).parent
+    if not (run / "heal.json").exists() or not (run / "run.json").exists():
+        return None
+    plan = json.loads((run / "run.json").read_text()).get("plan") or {}
+    return json.loads((run / "heal.json").read_text())["tokens"] + int(plan.get("local_tokens_per_layer", 0))
+
+
 def run_suite(
     specs: list[str],
     domains: str | None = None,
@@ -274,6 +284,7 @@ def _scored_row(label: str, spec: str, reference_fp: str | None, first: str, dat
         "exit_loop": exit_loop,
         "n_emb": count_parameters(model)["n_emb"],
         "budget": run_budget(path),
+        "heal_tokens": heal_tokens(path),
         "tokenizer": fp,
         **score_model(model.eval(), tok, exit_loop=exit_loop, **score),
     }

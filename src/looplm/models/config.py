@@ -83,6 +83,7 @@ class LoopLMConfig(PretrainedConfig):
         per_depth_vectors: bool = False,
         lora_ranks: dict | None = None,
         prefix_length: int = 0,
+        loop_scale: bool = False,
         conversion: dict | None = None,
         exit_adapter: dict | None = None,
         **kwargs,
@@ -97,7 +98,7 @@ class LoopLMConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.add_bos_token = add_bos_token
         self._set_looping(num_loops, sharing, prelude_layers, coda_layers)
-        self._set_relaxation(per_depth_vectors, lora_ranks, prefix_length)
+        self._set_relaxation(per_depth_vectors, lora_ranks, prefix_length, loop_scale)
         self._set_conversion_and_exits(conversion, exit_adapter)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
@@ -170,7 +171,7 @@ class LoopLMConfig(PretrainedConfig):
             sharing, int(prelude_layers), int(coda_layers)
         )
 
-    def _set_relaxation(self, per_depth_vectors, lora_ranks, prefix_length) -> None:
+    def _set_relaxation(self, per_depth_vectors, lora_ranks, prefix_length, loop_scale) -> None:
         """What each depth of a shared block keeps of its own: vectors, LoRA, prefix."""
         # Norm weights and linear biases kept per depth instead of shared: a few thousand numbers,
         # and the only way a full-rank relaxed model reproduces the original exactly.
@@ -179,6 +180,9 @@ class LoopLMConfig(PretrainedConfig):
         # Per-depth prefix (paper appendix G): P learned vectors per depth whose keys and values every
         # query of that depth attends to; 0 = none.
         self.prefix_length = prefix_length
+        # Mixture-of-Recursions' per-recursion vector: each loop's output (the residual stream) scaled by a vector of
+        # its own, initialised to ones (so the conversion stays exact); False: none.
+        self.loop_scale = loop_scale
 
     def _set_conversion_and_exits(self, conversion, exit_adapter) -> None:
         """How the model was made, and what serves its intermediate exits."""
@@ -260,5 +264,11 @@ class LoopLMConfig(PretrainedConfig):
                 )
         if not isinstance(self.prefix_length, int) or self.prefix_length < 0:
             raise ConfigError(f"prefix_length must be a whole number >= 0, got {self.prefix_length!r}")
+        if self.loop_scale and self.plan.loop_end_block is None:
+            raise ConfigError(
+                f"a loop scale needs a core whose every loop ends at one shared block (a cycle core); "
+                f"{self.sharing} with {self.num_loops} loop(s) has none: drop --loop-scale or use --sharing "
+                "middle-cycle or cycle"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")

@@ -424,6 +424,9 @@ class Block(nn.Module):
         self.mlp_norm = DepthNorm(c.hidden_size, pre, c.norm_eps, S)
         self.attn_out_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S) if c.sandwich_norms else None
         self.mlp_out_norm = DepthNorm(c.hidden_size, c.norm_type, c.norm_eps, S) if c.sandwich_norms else None
+        # the block that ends every loop scales its output, loop i's by row i (models/config.py ``loop_scale``)
+        ends_loops = c.loop_scale and layer == c.plan.loop_end_block
+        self.loop_scale = DepthNorm(c.hidden_size, "scale", c.norm_eps, c.num_loops) if ends_loops else None
 
     def forward(self, h, slot, cos, sin, mask, cache=None, depth: int = 0):
         """Dense attention over this call's tokens plus, with a cache, the depth's cached keys/values
@@ -461,14 +464,16 @@ class Block(nn.Module):
         b, _, t, _ = out.shape
         a = self.attn.o_proj(out.transpose(1, 2).reshape(b, t, -1), slot)
         if self.parallel:
-            return h + a + self.mlp(self.mlp_norm(h, slot), slot)
-        if self.attn_out_norm is not None:
-            a = self.attn_out_norm(a, slot)
-        h = h + a
-        m = self.mlp(self.mlp_norm(h, slot), slot)
-        if self.mlp_out_norm is not None:
-            m = self.mlp_out_norm(m, slot)
-        return h + m
+            h = h + a + self.mlp(self.mlp_norm(h, slot), slot)
+        else:
+            if self.attn_out_norm is not None:
+                a = self.attn_out_norm(a, slot)
+            h = h + a
+            m = self.mlp(self.mlp_norm(h, slot), slot)
+            if self.mlp_out_norm is not None:
+                m = self.mlp_out_norm(m, slot)
+            h = h + m
+        return h if self.loop_scale is None else self.loop_scale(h, slot)
 
     def project_kv(self, h, slot, cos, sin):
         """The rotated k, v [b, KV, t, d] this block would cache for input ``h`` (no attention, no

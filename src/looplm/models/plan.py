@@ -216,6 +216,17 @@ class DepthPlan:
             for k in range(self.num_shared)
         )
 
+    @cached_property
+    def loop_end_block(self) -> int | None:
+        """The shared block that ends every loop of the core, at slot i in loop i (a cycle core's last block):
+        where a loop scale (``loop_scale``) multiplies each loop's output; None where the loops end elsewhere."""
+        if not self.looped:
+            return None
+        ends = [self.loop(i)[-1] for i in range(self.num_loops)]
+        if any(e.block != ends[0].block or e.slot != i for i, e in enumerate(ends)):
+            return None
+        return ends[0].block
+
     def describe(self) -> str:
         """One line for `looplm info`: e.g. '1 + 14 x 2 + 1 (cycle core)'."""
         if not self.looped:

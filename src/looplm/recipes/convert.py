@@ -119,6 +119,12 @@ class ConvertConfig:
     prefix_length: int | None = setting(
         None, "with --relax prefix: learned prefix vectors per depth (default 64)", advanced=BEST
     )
+    loop_scale: bool = setting(
+        False,
+        "scale each loop's output by a vector of its own, initialised to ones (Mixture-of-Recursions' per-recursion "
+        "vector; a cycle core only; the model then has no vanilla equivalent to unroll or export)",
+        advanced=BEST,
+    )
     calib_seq_len: int = setting(512, "calibration window length in tokens", advanced=BEST)
     calib_damp: float = setting(0.01, "damping of the input statistics, relative to their mean diagonal", advanced=BEST)
     calib_no_fold_norms: bool = setting(
@@ -166,6 +172,7 @@ def convert_model(c: ConvertConfig, log=_note):
             prefix_length=prefix,
             prelude=c.prelude,
             coda=c.coda,
+            loop_scale=c.loop_scale,
         )
     _note_capped_ranks(model, log)
     report = _report(c, vanilla, model, rank, prefix, t_load.seconds, t_conv.seconds)
