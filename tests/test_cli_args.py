@@ -173,3 +173,15 @@ def test_call_with_passes_the_settings_a_function_takes_by_name_and_given_values
 
     assert call_with(score, Settings()) == ("m", 4, None, None)
     assert call_with(score, Settings(), model="loaded", tasks=["a"]) == ("loaded", 4, None, ["a"])
+
+
+def test_a_value_below_a_settings_minimum_is_refused_from_flags_and_config_files(tmp_path, capsys):
+    """``setting(minimum=...)``: the bound is the field's, so the flag and a --config file meet the same check."""
+    from looplm.commands import main
+
+    assert main(["eval", "suite", "smollm2-135m", "--windows", "0"]) == 2
+    assert "--windows must be >= 1, got 0" in capsys.readouterr().err
+    config = tmp_path / "c.json"
+    config.write_text('{"resamples": 1}')
+    assert main(["eval", "claims", "r.json", "--out", "x.md", "--config", str(config)]) == 2
+    assert "--resamples must be >= 2, got 1" in capsys.readouterr().err

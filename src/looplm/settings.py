@@ -28,6 +28,7 @@ _KEYS = (
     "exclusive",
     "required",
     "spelled",
+    "minimum",
 )
 
 
@@ -55,6 +56,7 @@ def setting(
     exclusive: str | None = None,
     required: bool | None = None,
     spelled: dict | None = None,
+    minimum: float | None = None,
 ) -> Field:
     """A dataclass field that is also a command-line argument.
 
@@ -72,6 +74,7 @@ def setting(
     required: the flag (or positional) must be given.
     spelled: the dataclass's values the command line spells otherwise ({value: spelling}); the dataclass's own
         spelling is refused on the command line, naming the flag's.
+    minimum: the smallest value the command takes (None, where the default is None, stays allowed).
     """
     meta = _metadata(
         help=help,
@@ -88,6 +91,7 @@ def setting(
         exclusive=exclusive,
         required=required,
         spelled=spelled,
+        minimum=minimum,
     )
     if repeat or nargs in ("+", "*") or isinstance(default, list):
         given = list(default or ())

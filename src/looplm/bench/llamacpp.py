@@ -69,21 +69,21 @@ class Settings:
         None, "a 4-bit llama.cpp file (default: an embedded model's own GGUF file)", metavar="FILE"
     )
     q8_gguf: str | None = setting(None, "a Q8_0 llama.cpp file (default: exported from MODEL)", metavar="FILE")
-    b1_requests: int = setting(4, "requests served one at a time")
-    b1_output: int = setting(64, "generated tokens of each batch-1 request", flag="--b1-new-tokens")
-    requests: int = setting(64, "requests in the batched trace (0: batch 1 only)")
+    b1_requests: int = setting(4, "requests served one at a time", minimum=1)
+    b1_output: int = setting(64, "generated tokens of each batch-1 request", flag="--b1-new-tokens", minimum=1)
+    requests: int = setting(64, "requests in the batched trace (0: batch 1 only)", minimum=0)
     prompt_len: tuple[int, int] = setting((16, 64), "prompt tokens", parse=token_range, metavar="LO:HI")
     output_len: tuple[int, int] = setting(
         (32, 32), "generated tokens of each trace request", parse=token_range, metavar="LO:HI"
     )
-    max_concurrency: int = setting(64, "requests our engine serves at once on the trace", metavar="N")
+    max_concurrency: int = setting(64, "requests our engine serves at once on the trace", metavar="N", minimum=1)
     llama_concurrency: list[int] = setting(
         [16, 64],
         "llama.cpp's sequences at once on the trace, a comma list (its best is kept)",
         parse=int_list,
         metavar="LIST",
     )
-    rounds: int = setting(2, "rounds, each running every configuration in turn")
+    rounds: int = setting(2, "rounds, each running every configuration in turn", minimum=1)
     data: str | None = setting(None, "a corpus from `looplm data build`: each format's perplexity on its held-out rows")
     scored_tokens: int = setting(4088, "held-out tokens scored with --data")
     calib_data: str | None = setting(

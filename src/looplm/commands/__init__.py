@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # transformers' per-file loading bars; ours report real work
+        if getattr(settings, "threads", None):  # every command with a --threads setting
+            import torch
+
+            torch.set_num_threads(settings.threads)
         return int(cmd.run(settings) or 0)
     except (UsageError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ import typing
 from dataclasses import MISSING, Field, asdict, fields, is_dataclass
 from pathlib import Path
 
+from ..errors import UsageError
 from ..util import write_json_atomic
 
 ADVANCED = "advanced"
@@ -176,7 +177,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...]
 
 def from_args(cls: type, args: argparse.Namespace):
     """The settings ``cls`` of parsed arguments: every field the arguments hold (a flag's value in the dataclass's
-    spelling), the others at their defaults."""
+    spelling), the others at their defaults; a value below its field's ``minimum`` is refused."""
     given = vars(args)
     values = {}
     for f in fields(cls):
@@ -186,6 +187,10 @@ def from_args(cls: type, args: argparse.Namespace):
             if spelled:
                 value = {v: k for k, v in spelled.items()}.get(value, value)
             values[f.name] = value
+    for f in fields(cls):  # flags and --config files alike
+        low, value = f.metadata.get("minimum"), values.get(f.name, _default(f))
+        if low is not None and value is not None and value < low:
+            raise UsageError(f"{flag_name(f)} must be >= {low}, got {value}")
     return cls(**values)
 
 

@@ -34,8 +34,8 @@ class Speculate(BenchOutput):
     models: list[str] = setting([], "embedded names or model directories", positional=True, nargs="+", metavar="MODEL")
     weights: str = setting("fp32", "comma list of weight formats (fp32, bf16, int8, int4)")
     modes: str = setting("context,loop1,both", "comma list of speculation modes to time")
-    new_tokens: int = setting(256, "generated tokens per prompt (EOS ignored)")
-    rounds: int = setting(1, "times each run repeats, interleaved (the best is kept)")
+    new_tokens: int = setting(256, "generated tokens per prompt (EOS ignored)", minimum=1)
+    rounds: int = setting(1, "times each run repeats, interleaved (the best is kept)", minimum=1)
     llamacpp: str | None = setting(
         None,
         "also time llama.cpp on this GGUF file (or an embedded model's own, by name), plain and with its prompt-lookup "
@@ -50,7 +50,7 @@ class BenchServe(OnTheFly, BenchOutput):
     model: str = setting("smollm2-135m", "the vanilla model (embedded name or directory)", positional=True)
     looped: str | None = setting(None, "a saved looped model (default: convert MODEL on the fly)")
     loops: int = setting(2, "B when converting on the fly")
-    requests: int = setting(24, "requests in the trace")
+    requests: int = setting(24, "requests in the trace", minimum=1)
     prompt_len: tuple[int, int] = setting((16, 96), "prompt tokens", parse=token_range, metavar="LO:HI")
     output_len: tuple[int, int] = setting((8, 64), "generated tokens", parse=token_range, metavar="LO:HI")
     arrivals: str = setting("all,poisson", "comma list of all (at once), poisson")
@@ -64,6 +64,7 @@ class BenchServe(OnTheFly, BenchOutput):
         flag="--max-concurrency",
         metavar="N",
         renamed_from=("--max-batch",),
+        minimum=1,
     )
     exit: str = setting(
         "softmax:0.9",
@@ -136,7 +137,7 @@ class HealStep(BenchOutput):
     cache: str | None = setting(None, "keep the teacher cache in DIR (default: a temporary directory)", metavar="DIR")
     precision: str = setting(HealConfig.precision, PRECISION_HELP, choices=PRECISIONS)
     compile: bool = setting(False, "time the steps with each layer through torch.compile")
-    rounds: int = setting(2, "timings, each on a fresh copy of the student (the median is reported)")
+    rounds: int = setting(2, "timings, each on a fresh copy of the student (the median is reported)", minimum=1)
 
 
 @dataclass
@@ -148,8 +149,8 @@ class TrainStep(BenchOutput):
     teacher: str | None = setting(None, "distil from this model too (as `looplm train --teacher`)")
     batch_size: int = setting(TrainConfig.batch_size, "sequences per step")
     seq_len: int | None = setting(None, "crop the corpus's rows (default: their full length)")
-    steps: int = setting(6, "steps to run")
-    warmup: int = setting(2, "first steps left out of the figures")
+    steps: int = setting(6, "steps to run", minimum=1)
+    warmup: int = setting(2, "first steps left out of the figures", minimum=0)
     precision: str = setting(TrainConfig.precision, PRECISION_HELP, choices=PRECISIONS)
 
 
@@ -169,18 +170,13 @@ def cmd_speculate(s: Speculate) -> int:
     import functools
     import sys
 
-    import torch
-
     from ..bench.speculate import bench_speculate, speculate_table
     from ..util import machine
 
-    if s.threads:
-        torch.set_num_threads(s.threads)
     weights = [w.strip() for w in s.weights.split(",") if w.strip()]
     modes = [m.strip() for m in s.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("context", "loop1", "both")]
-    if bad or not modes or s.new_tokens < 1 or s.rounds < 1:
-        raise UsageError("need --modes from context, loop1, both, --new-tokens >= 1 and --rounds >= 1")
+    if not modes or any(m not in ("context", "loop1", "both") for m in modes):
+        raise UsageError(f"--modes takes a comma list of context, loop1, both; got {s.modes!r}")
     gguf = s.llamacpp
     if gguf:  # before anything loads
         from ..bench.llamacpp import check_available
@@ -203,18 +199,12 @@ def cmd_serve(s: BenchServe) -> int:
     import functools
     import sys
 
-    import torch
-
     from ..bench.serving import bench_serve, serve_table
     from ..util import machine
 
-    if s.threads:
-        torch.set_num_threads(s.threads)
     arrivals = [a.strip() for a in s.arrivals.split(",") if a.strip()]
     if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
         raise UsageError(f"--arrivals takes a comma list of all, poisson; got {s.arrivals!r}")
-    if s.requests < 1 or s.max_batch < 1:
-        raise UsageError("--requests and --max-concurrency must be >= 1")
     check_engine_args(s)
     if not s.looped and not s.hf_only:  # before anything loads
         from ..serve.on_the_fly import check_unhealed
@@ -228,17 +218,12 @@ def cmd_serve(s: BenchServe) -> int:
 
 
 def cmd_llamacpp(s: Llamacpp) -> int:
-    import torch
 
     from ..bench.llamacpp import bench_llamacpp, check_available, llamacpp_table
 
     check_available()  # before any model loads
     if s.equalize and not s.calib_data:
         raise UsageError("--equalize chooses its scales on calibration rows: add --calib-data DATA")
-    if min(s.b1_requests, s.b1_output, s.rounds, s.max_concurrency) < 1 or s.requests < 0:
-        raise UsageError("--b1-requests, --b1-new-tokens, --rounds and --max-concurrency must be >= 1")
-    if s.threads:
-        torch.set_num_threads(s.threads)
     r = bench_llamacpp(s)
     _report(s, r, llamacpp_table)
     for part, ratios in r["ratios"].items():
@@ -248,14 +233,9 @@ def cmd_llamacpp(s: Llamacpp) -> int:
 
 
 def cmd_heal_step(s: HealStep) -> int:
-    import torch
 
     from ..bench.heal_step import heal_step, heal_step_table
 
-    if s.threads:
-        torch.set_num_threads(s.threads)
-    if s.rounds < 1:
-        raise UsageError("--rounds must be >= 1")
     # out: the benchmark's JSON; the steps run in a directory of their own
     cfg = call_with(HealConfig, s, out=None, progress=False)
     _report(s, heal_step(cfg, s.rounds), heal_step_table)
@@ -263,14 +243,9 @@ def cmd_heal_step(s: HealStep) -> int:
 
 
 def cmd_train_step(s: TrainStep) -> int:
-    import torch
 
     from ..bench.train_step import train_step, train_step_table
 
-    if s.threads:
-        torch.set_num_threads(s.threads)
-    if s.steps < 1 or s.warmup < 0:
-        raise UsageError("--steps must be >= 1 and --warmup >= 0")
     cfg = call_with(TrainConfig, s, out=None, max_steps=s.steps, progress=False)
     _report(s, train_step(cfg, s.warmup), train_step_table)
     return 0

