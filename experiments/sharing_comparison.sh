@@ -4,6 +4,7 @@
 #   rec        cycle, 15 shared layers (the paper's plan)
 #   mc         middle-cycle: layer 0 and layer 29 unique, the middle 28 depths as 14 layers looped twice
 #   mcs        mc with a loop scale (`--loop-scale`: each loop's output times a vector of its own, ones at first)
+#   mcm        mc with a magnitude (`--magnitude`: each shared linear's output times a vector per depth, ones at first)
 #   p2c2, p3c3 prelude / core x 2 / coda: 2 + 13 x 2 + 2 and 3 + 12 x 2 + 3
 #   rec-r12    cycle with a rank-12 LoRA per depth: about one layer's parameters (3.66M), mc's N-emb
 #   reducedN   the reduced-size model of N layers (Stepwise picks, the first and last kept), each plan's N-emb
@@ -51,6 +52,7 @@ convert() {  # convert NAME DIR
            --scored-tokens 0 --out "$dir" ;;
     mc) $LOOPLM convert "$model" --loops 2 --lora-rank 0 --sharing middle-cycle $aware --out "$dir" ;;
     mcs) $LOOPLM convert "$model" --loops 2 --lora-rank 0 --sharing middle-cycle --loop-scale $aware --out "$dir" ;;
+    mcm) $LOOPLM convert "$model" --loops 2 --lora-rank 0 --sharing middle-cycle --magnitude $aware --out "$dir" ;;
     p*c*) local p=${name#p}; p=${p%c*}
           $LOOPLM convert "$model" --loops 2 --lora-rank 0 --prelude "$p" --coda "${name##*c}" $aware --out "$dir" ;;
     *) echo "error: unknown student $name" >&2; exit 2 ;;
@@ -73,7 +75,7 @@ if has suite; then
     [ -f "$OUT/heal/$s/final/config.json" ] && specs+=("$s$TAG=$OUT/heal/$s/final") && names+=("$s")
   done
   pairs=()
-  for p in mcs,mc mcs,reduced16 mc,reduced16 rec,reduced15 p3c3,reduced18 p2c2,reduced17 mc,rec-r12 mc,rec mc,def p3c3,mc p2c2,mc mc56,def; do
+  for p in mcs,mc mcs,reduced16 mcm,mc mcm,reduced16 mc,reduced16 rec,reduced15 p3c3,reduced18 p2c2,reduced17 mc,rec-r12 mc,rec mc,def p3c3,mc p2c2,mc mc56,def; do
     [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "${p%,*}$TAG,${p#*,}$TAG")
   done
   $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \

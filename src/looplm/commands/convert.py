@@ -132,7 +132,9 @@ def cmd_info(s: Info) -> int:
     print(f"total      {info['total']:>13,}")
     print(
         f"LoRA ranks {info['lora_ranks']}, prefix length {info['prefix_length']}, "
-        f"per-depth norms: {info['per_depth_vectors']}" + (", a loop scale" if info["loop_scale"] else "")
+        f"per-depth norms: {info['per_depth_vectors']}"
+        + (", a loop scale" if info["loop_scale"] else "")
+        + (", a magnitude per depth" if info["magnitude"] else "")
     )
     if info["quantization"]:
         q = info["quantization"]

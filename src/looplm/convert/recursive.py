@@ -192,10 +192,12 @@ def convert(
     prelude: int = 0,
     coda: int = 0,
     loop_scale: bool = False,
+    magnitude: bool = False,
 ) -> LoopLMForCausalLM:
     """A Recursive (rank 0) or Relaxed Recursive Transformer initialised from a vanilla model, relaxed by
     per-depth LoRA (``lora_ranks``), per-depth prefixes (``prefix_length``, paper appendix G) or both, and
-    optionally a loop scale (``loop_scale``: Mixture-of-Recursions' per-recursion vector, ones at first).
+    optionally a loop scale (``loop_scale``: Mixture-of-Recursions' per-recursion vector) and a magnitude per depth
+    on every shared linear (``magnitude``: DoRA's), both ones at first.
 
     ``strategy`` is the core's pattern or a named plan (middle-cycle); ``prelude`` and ``coda`` keep that many of
     the original's first and last layers unique, exactly as they were. ``norms`` None follows the init
@@ -211,9 +213,9 @@ def convert(
     torch.manual_seed(seed)
     started = time.perf_counter()
     config = _looped_config(src_cfg, loops, strategy, prelude, coda, init, norms, lora_ranks, lora_init, prefix_length)
-    if loop_scale:
-        config = _derived_config(config, loop_scale=True)
-        config.conversion["loop_scale"] = True
+    if loop_scale or magnitude:
+        config = _derived_config(config, loop_scale=loop_scale, magnitude=magnitude)
+        config.conversion.update(loop_scale=loop_scale, magnitude=magnitude)
     model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
     if init != "random":  # the paper's Random baseline uses no pretrained weight at all, embeddings included
         _copy_outer(vanilla, model)
@@ -390,6 +392,7 @@ def unroll(model: LoopLMForCausalLM) -> LoopLMForCausalLM:
         coda_layers=0,
         per_depth_vectors=False,
         lora_ranks={},
+        magnitude=False,  # merged_weight scales each depth's rows by it
         exit_adapter=None,
     )
     out = LoopLMForCausalLM(config).to(next(model.parameters()).dtype)
@@ -465,6 +468,7 @@ def describe(model: LoopLMForCausalLM) -> dict:
         "exit_adapter_spec": copy.deepcopy(c.exit_adapter),
         "prefix_length": c.prefix_length,
         "loop_scale": c.loop_scale,
+        "magnitude": c.magnitude,
         "quantization": {k: v for k, v in (getattr(c, "quantization", None) or {}).items() if k != "sha256"} or None,
         "layer_map": c.layer_map,
         "depth_attention": c.depth_attention,

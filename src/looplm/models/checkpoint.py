@@ -133,7 +133,12 @@ def save_quantized_checkpoint(
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = q.quantize_portable(model, fmt, group, head, lora, moments, progress=progress)
-    merged = {f"{n}.{p}" for n, m in q.linears(model) if q.merges(m, lora) for p in ("weight", "lora_A", "lora_B")}
+    merged = {
+        f"{n}.{p}"
+        for n, m in q.linears(model)
+        if q.merges(m, lora)
+        for p in ("weight", "lora_A", "lora_B", "magnitude")
+    }
     sd = {
         k: v.detach().to(dtype).contiguous()
         for k, v in model.state_dict().items()

@@ -84,6 +84,7 @@ class LoopLMConfig(PretrainedConfig):
         lora_ranks: dict | None = None,
         prefix_length: int = 0,
         loop_scale: bool = False,
+        magnitude: bool = False,
         conversion: dict | None = None,
         exit_adapter: dict | None = None,
         **kwargs,
@@ -98,7 +99,7 @@ class LoopLMConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.add_bos_token = add_bos_token
         self._set_looping(num_loops, sharing, prelude_layers, coda_layers)
-        self._set_relaxation(per_depth_vectors, lora_ranks, prefix_length, loop_scale)
+        self._set_relaxation(per_depth_vectors, lora_ranks, prefix_length, loop_scale, magnitude)
         self._set_conversion_and_exits(conversion, exit_adapter)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
@@ -171,7 +172,7 @@ class LoopLMConfig(PretrainedConfig):
             sharing, int(prelude_layers), int(coda_layers)
         )
 
-    def _set_relaxation(self, per_depth_vectors, lora_ranks, prefix_length, loop_scale) -> None:
+    def _set_relaxation(self, per_depth_vectors, lora_ranks, prefix_length, loop_scale, magnitude) -> None:
         """What each depth of a shared block keeps of its own: vectors, LoRA, prefix."""
         # Norm weights and linear biases kept per depth instead of shared: a few thousand numbers,
         # and the only way a full-rank relaxed model reproduces the original exactly.
@@ -183,6 +184,8 @@ class LoopLMConfig(PretrainedConfig):
         # Mixture-of-Recursions' per-recursion vector: each loop's output (the residual stream) scaled by a vector of
         # its own, initialised to ones (so the conversion stays exact); False: none.
         self.loop_scale = loop_scale
+        # DoRA's magnitude: each shared linear's output scaled per depth by a vector, initialised to ones
+        self.magnitude = magnitude
 
     def _set_conversion_and_exits(self, conversion, exit_adapter) -> None:
         """How the model was made, and what serves its intermediate exits."""

@@ -77,6 +77,8 @@ class LoopLMPreTrainedModel(PreTrainedModel):
             if module.lora_A is not None:
                 nn.init.normal_(module.lora_A, std=module.in_features**-0.5)
                 nn.init.zeros_(module.lora_B)
+            if module.magnitude is not None:
+                nn.init.ones_(module.magnitude)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, nn.Linear):

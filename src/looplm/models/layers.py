@@ -58,7 +58,9 @@ class DepthNorm(nn.Module):
 class LoopLinear(nn.Module):
     """A linear layer shared by B depths, with an optional LoRA per depth: y = W x + b + B_s A_s x.
 
-    lora_A: [B, r, in], lora_B: [B, out, r]. Rank 0 is the plain (recursive) linear.
+    lora_A: [B, r, in], lora_B: [B, out, r]. Rank 0 is the plain (recursive) linear. ``magnitude`` [B, out] (DoRA's
+    per-depth magnitude vector, ones at first): y = m_s * (W + B_s A_s) x + b; DoRA also divides by the rows'
+    norms of W + B_s A_s, which at fixed weights only rescales m_s, so it is left out.
     """
 
     merge_lora = True  # False: always run the LoRA as two small matmuls (see _merge_pays)
@@ -66,9 +68,18 @@ class LoopLinear(nn.Module):
     lora_plan = None  # and the LoRA's products
     # ``quant``: None, or an int8/int4 weight (models/quantized.py) that replaces ``weight`` (then None)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, num_slots: int, bias_slots: int, rank: int):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        num_slots: int,
+        bias_slots: int,
+        rank: int,
+        magnitude: bool = False,
+    ):
         super().__init__()
-        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.in_features, self.out_features, self.rank, self.num_slots = in_features, out_features, rank, num_slots
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.quant = None  # an instance attribute: a module assigned later must shadow it (nn.Module rules)
         self.bias = nn.Parameter(torch.zeros(bias_slots, out_features)) if bias else None
@@ -78,11 +89,19 @@ class LoopLinear(nn.Module):
         else:
             self.register_parameter("lora_A", None)
             self.register_parameter("lora_B", None)
+        self.magnitude = nn.Parameter(torch.ones(num_slots, out_features)) if magnitude else None
 
     def forward(self, x: torch.Tensor, slot: Slot = 0, shared: torch.Tensor | None = None) -> torch.Tensor:
         """``shared``: W' x when the caller already has it (a fused q|k|v or gate|up matmul, see
         ``fused_inputs``); the bias and the depth's LoRA are added to it."""
         bias = None if self.bias is None else _select(self.bias, slot)
+        if self.magnitude is None:
+            return self._product(x, slot, shared, bias)
+        y = self._product(x, slot, shared, None) * _select(self.magnitude, slot)  # the bias is not scaled
+        return y if bias is None else y + bias
+
+    def _product(self, x: torch.Tensor, slot: Slot, shared: torch.Tensor | None, bias) -> torch.Tensor:
+        """(W' + B_s A_s) x + b."""
         if shared is not None:
             y = shared if bias is None else shared + bias
         elif isinstance(slot, int) and self.lora_A is not None and self.quant is None and self._merge_pays(x):
@@ -130,11 +149,15 @@ class LoopLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def merged_weight(self, slot: int) -> torch.Tensor:
-        """The dense weight depth ``slot`` effectively uses: W' + B_s A_s."""
+        """The dense weight depth ``slot`` effectively uses: m_s * (W' + B_s A_s)."""
         w = self.weight.detach() if self.quant is None else self.quant.dequantize(slot)
-        if self.lora_A is None:
-            return w.clone()
-        return (w + self.lora_B[slot] @ self.lora_A[slot]).detach()
+        w = w.clone() if self.lora_A is None else (w + self.lora_B[slot] @ self.lora_A[slot]).detach()
+        return w if self.magnitude is None else w * self.magnitude[slot].detach()[:, None]
+
+    @property
+    def per_depth(self) -> bool:
+        """Whether a depth's dense weight is its own (a LoRA or a magnitude on top of the shared one)."""
+        return self.lora_A is not None or self.magnitude is not None
 
 
 def fused_inputs(fused: nn.Module | None, x: torch.Tensor, n: int, slot: Slot = 0) -> tuple[torch.Tensor | None, ...]:
@@ -255,17 +278,24 @@ def block_ranks(config: LoopLMConfig, layer: int) -> dict:
     return config.lora_ranks
 
 
+def block_magnitude(config: LoopLMConfig, layer: int) -> bool:
+    """Whether block ``layer``'s linears carry a magnitude per depth: a shared block of a model converted with one
+    (a unique block is the original's own layer)."""
+    return config.magnitude and not config.plan.is_unique(layer) and config.plan.looped
+
+
 class Attention(nn.Module):
     def __init__(self, config: LoopLMConfig, layer: int = 0):
         super().__init__()
         c = config
         B, S, r = c.block_slots(layer), c.vector_slots(layer), block_ranks(c, layer)
+        m = block_magnitude(c, layer)
         H, KV, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, d
-        self.q_proj = LoopLinear(c.hidden_size, H * d, c.attention_bias, B, S, r["q"])
-        self.k_proj = LoopLinear(c.hidden_size, KV * d, c.attention_bias, B, S, r["kv"])
-        self.v_proj = LoopLinear(c.hidden_size, KV * d, c.attention_bias, B, S, r["kv"])
-        self.o_proj = LoopLinear(H * d, c.hidden_size, c.attention_out_bias, B, S, r["out"])
+        self.q_proj = LoopLinear(c.hidden_size, H * d, c.attention_bias, B, S, r["q"], m)
+        self.k_proj = LoopLinear(c.hidden_size, KV * d, c.attention_bias, B, S, r["kv"], m)
+        self.v_proj = LoopLinear(c.hidden_size, KV * d, c.attention_bias, B, S, r["kv"], m)
+        self.o_proj = LoopLinear(H * d, c.hidden_size, c.attention_out_bias, B, S, r["out"], m)
         # q/k norms per head (over head_dim) or over the whole projection (OLMo-2's, before the head split)
         self.qk_norm_all = c.qk_norm and c.qk_norm_scope == "all"
         q_dim, k_dim = (H * d, KV * d) if self.qk_norm_all else (d, d)
@@ -393,12 +423,13 @@ class MLP(nn.Module):
         if c.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {c.hidden_act!r} is not supported; use one of {sorted(ACTIVATIONS)}")
         B, S, r = c.block_slots(layer), c.vector_slots(layer), block_ranks(c, layer)["ffn"]
+        m = block_magnitude(c, layer)
         self.act = ACTIVATIONS[c.hidden_act]
         self.gate_proj = (
-            LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r) if c.mlp_type == "glu" else None
+            LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r, m) if c.mlp_type == "glu" else None
         )
-        self.up_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r)
-        self.down_proj = LoopLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, B, S, r)
+        self.up_proj = LoopLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, B, S, r, m)
+        self.down_proj = LoopLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, B, S, r, m)
         self.gate_up = None  # the stacked gate|up weight of quantized serving (models/quantized.py), never saved
 
     def forward(self, x: torch.Tensor, slot: Slot) -> torch.Tensor:

@@ -353,14 +353,14 @@ def merges(lin: LoopLinear, lora: str) -> bool:
     """Whether ``lora`` mode stores this linear as one merged weight per depth."""
     if lora not in LORA_MODES:
         raise UsageError(f"unknown LoRA mode {lora!r}; use one of {', '.join(LORA_MODES)}")
-    return lora == "merged" and lin.lora_A is not None
+    return lora == "merged" and lin.per_depth
 
 
 def weight_names(name: str, lin: LoopLinear, lora: str) -> list[str]:
     """The portable tensors' names of linear ``name``: its shared weight, or with ``lora="merged"`` one
     weight per depth (``NAME.depthS.weight``)."""
     if merges(lin, lora):
-        return [f"{name}.depth{s}.weight" for s in range(lin.lora_A.shape[0])]
+        return [f"{name}.depth{s}.weight" for s in range(lin.num_slots)]
     return [f"{name}.weight"]
 
 
@@ -436,10 +436,10 @@ def _per_depth(weights: list[QuantWeight]) -> QuantWeight | PerDepthWeight:
 
 
 def _drop_float(lin: LoopLinear, merged: bool) -> None:
-    """The float weight is replaced; a merged LoRA lives in the per-depth weights."""
+    """The float weight is replaced; a merged LoRA (and magnitude) lives in the per-depth weights."""
     lin.weight = None
     if merged:
-        lin.lora_A = lin.lora_B = None
+        lin.lora_A = lin.lora_B = lin.magnitude = None
 
 
 def attach(

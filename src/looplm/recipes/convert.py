@@ -125,6 +125,12 @@ class ConvertConfig:
         "vector; a cycle core only; the model then has no vanilla equivalent to unroll or export)",
         advanced=BEST,
     )
+    magnitude: bool = setting(
+        False,
+        "a vector per depth scaling each shared linear's output, initialised to ones (DoRA's magnitude beside the "
+        "LoRA; at rank 0 the only per-depth weights)",
+        advanced=BEST,
+    )
     calib_seq_len: int = setting(512, "calibration window length in tokens", advanced=BEST)
     calib_damp: float = setting(0.01, "damping of the input statistics, relative to their mean diagonal", advanced=BEST)
     calib_no_fold_norms: bool = setting(
@@ -173,6 +179,7 @@ def convert_model(c: ConvertConfig, log=_note):
             prelude=c.prelude,
             coda=c.coda,
             loop_scale=c.loop_scale,
+            magnitude=c.magnitude,
         )
     _note_capped_ranks(model, log)
     report = _report(c, vanilla, model, rank, prefix, t_load.seconds, t_conv.seconds)
