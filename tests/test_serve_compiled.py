@@ -124,6 +124,23 @@ def test_compiled_engine_serves_the_eager_engines_tokens_and_compiles_only_in_wa
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_compiled_engine_serves_a_middle_cycle_model_with_a_loop_scale_and_magnitudes():
+    """Mixture-of-Recursions' relaxations run inside the compiled regions (the loop scale after the block, the
+    magnitude in each linear): the same tokens as the eager forward, prelude and coda included."""
+    torch.manual_seed(0)
+    vanilla = LoopLMForCausalLM(LoopLMConfig(**{**TINY, "num_hidden_layers": 6})).eval()
+    model = convert(vanilla, loops=2, strategy="middle-cycle", lora_ranks=4, loop_scale=True, magnitude=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("loop_scale.weight", "magnitude")):
+                p.uniform_(0.5, 1.5)
+    prompts = _prompts()
+    want = [full_depth_greedy(model, p, 6) for p in prompts]
+    engine = Engine(model, max_batch=3, max_seq_len=64, compile=True)
+    warm_up(engine)
+    assert _serve(engine, prompts, 6, "sequence") == want
+
+
 def test_compiled_regions_match_the_eager_layer_outputs():
     model = _relaxed()
     layer = model.model.layers[0]
