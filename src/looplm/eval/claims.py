@@ -179,6 +179,12 @@ PLAN_CLAIMS = (
     _plans("Middle-cycle beats cycle, both rank 0 (middle-cycle one layer larger)", "mc", "rec"),
     _plans("Middle-cycle at rank 56 beats cycle at rank 64 (equal N-emb, 72.7M)", "mc56", "def"),
     _plans("3 + 12 x 2 + 3 beats middle-cycle, both rank 0", "p3c3", "mc"),
+    _plans("A loop scale (Mixture-of-Recursions' per-recursion vector) improves middle-cycle at rank 0", "mcs", "mc"),
+    _plans("A magnitude per depth (DoRA's) improves middle-cycle at rank 0", "mcm", "mc"),
+    _plans(
+        "Middle-cycle with a magnitude per depth beats the reduced-size model of its N-emb (0.3% smaller)",
+        *("mcm", "reduced16"),
+    ),
 )
 
 
