@@ -145,3 +145,13 @@ def test_convert_and_info_commands(tmp_path, capsys):
     assert "a loop scale" in capsys.readouterr().out
     assert main(["unroll", str(out), "--out", str(tmp_path / "dense")]) == 2  # export-gguf unrolls the same way
     assert "no vanilla equivalent" in capsys.readouterr().err
+
+
+def test_a_model_without_the_new_relaxations_keeps_its_fingerprint():
+    """Teacher caches and resumable runs name a model by its architecture: switches it does not use are no part of
+    it, so models made before the loop scale and the magnitude existed keep their fingerprints."""
+    from looplm.models.config import architecture
+
+    plain = convert(_vanilla(), loops=2, strategy="middle-cycle")
+    assert not {"loop_scale", "magnitude"} & set(architecture(plain.config))
+    assert architecture(_scaled().config)["loop_scale"] is True

@@ -21,14 +21,21 @@ LORA_GROUPS = ("q", "kv", "out", "ffn")
 NORM_TYPES = ("rms", "rms_plus1", "layer")
 # config keys that record where a model came from, not what it computes
 PROVENANCE_KEYS = ("conversion", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype")
+# relaxations added after models were made: a model that does not use one has the architecture it always had, so
+# that the fingerprints of its teacher caches and resumable runs stay the same
+UNUSED = {"loop_scale": False, "magnitude": False}
 
 
 def architecture(config: PretrainedConfig, ignore: tuple[str, ...] = ()) -> dict:
-    """A config as a dict of what decides the model's function: without its provenance (``PROVENANCE_KEYS``)
-    and without the keys in ``ignore`` (those a caller knows do not matter to it)."""
+    """A config as a dict of what decides the model's function: without its provenance (``PROVENANCE_KEYS``),
+    the relaxations it does not use (``UNUSED``) and the keys in ``ignore`` (those a caller knows do not matter to
+    it)."""
     d = config.to_dict()
     for key in PROVENANCE_KEYS + ignore:
         d.pop(key, None)
+    for key, off in UNUSED.items():
+        if key in d and d[key] == off:
+            del d[key]
     return d
 
 
