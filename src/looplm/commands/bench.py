@@ -218,7 +218,6 @@ def cmd_serve(s: BenchServe) -> int:
 
 
 def cmd_llamacpp(s: Llamacpp) -> int:
-
     from ..bench.llamacpp import bench_llamacpp, check_available, llamacpp_table
 
     check_available()  # before any model loads
@@ -233,7 +232,6 @@ def cmd_llamacpp(s: Llamacpp) -> int:
 
 
 def cmd_heal_step(s: HealStep) -> int:
-
     from ..bench.heal_step import heal_step, heal_step_table
 
     # out: the benchmark's JSON; the steps run in a directory of their own
@@ -243,7 +241,6 @@ def cmd_heal_step(s: HealStep) -> int:
 
 
 def cmd_train_step(s: TrainStep) -> int:
-
     from ..bench.train_step import train_step, train_step_table
 
     cfg = call_with(TrainConfig, s, out=None, max_steps=s.steps, progress=False)
