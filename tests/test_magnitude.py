@@ -118,3 +118,22 @@ def test_saved_loaded_and_healed(tmp_path):
     assert magnitudes and all(id(p) in params for p in magnitudes)
     loaded(_ids(), labels=_ids()).loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in magnitudes)
+
+
+@pytest.mark.parametrize("lora", ["shared", "merged"])
+def test_looplm_quantize_stores_and_reloads_it(tmp_path, lora):
+    """`looplm quantize`: the magnitude is saved as a float tensor (shared) or inside each depth's rounded weight
+    (merged, no magnitude tensor), and the reloaded model serves what the in-memory quantized one does."""
+    from conftest import quantize_args
+    from safetensors import safe_open
+
+    from looplm.commands import main
+
+    save_checkpoint(_with_magnitude(), tmp_path / "m")
+    out = tmp_path / f"q-{lora}"
+    assert main(quantize_args(tmp_path / "m", out, "--weights", "int8", "--lora", lora)) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert any(k.endswith("magnitude") for k in f.keys()) == (lora == "shared")
+    reloaded, in_memory = load_checkpoint(out), prepare(_with_magnitude(), "int8", lora=lora)
+    with torch.no_grad():
+        assert torch.allclose(reloaded(_ids()).logits, in_memory(_ids()).logits, atol=1e-3)
