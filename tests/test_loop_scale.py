@@ -5,12 +5,12 @@ healing; plans without such a block, unrolling and export are refused."""
 
 import pytest
 import torch
-from conftest import TINY, arrive_one_per_step, full_depth_greedy
+from conftest import TINY, full_depth_greedy, serve_arriving
 
 from looplm.convert import convert, count_parameters, unroll
 from looplm.models import ConfigError, LoopLMConfig, load_checkpoint, save_checkpoint
 from looplm.models.quantized import prepare
-from looplm.serve import Engine, ExitPolicy, Request, make_scheduler
+from looplm.serve import ExitPolicy
 from looplm.train.heal.steps import body_params
 
 SIX = dict(TINY, num_hidden_layers=6)  # middle-cycle at B=2: 1 + 2 x 2 + 1
@@ -76,11 +76,8 @@ def test_each_loop_output_is_scaled_by_its_row_at_every_exit():
 def test_the_engine_serves_the_scaled_loops_exactly(scheduler):
     model = _scaled(lora_ranks=4)
     prompts = [_ids(1, n, seed=10 + n)[0].tolist() for n in (5, 11, 3)]
-    want = [full_depth_greedy(model, p, 6) for p in prompts]
-    engine = Engine(model, max_batch=3, max_seq_len=48)
-    reqs = [Request(p, 6) for p in prompts]
-    arrive_one_per_step(make_scheduler(scheduler, engine), reqs)
-    assert [r.output for r in reqs] == want
+    engine, outputs = serve_arriving(model, prompts, 6, scheduler)
+    assert outputs == [full_depth_greedy(model, p, 6) for p in prompts]
     if scheduler == "depth":
         assert engine.stats["mixed_stages"] > 0
 
@@ -91,13 +88,13 @@ def test_early_exits_leave_after_the_scaled_loop():
     model = _scaled(strategy="cycle")
     assert model.config.plan.loop_end_block == 2
     prompt = _ids(1, 7)[0].tolist()
-    engine = Engine(model, max_batch=2, max_seq_len=48, exit_policy=ExitPolicy("softmax", 0.0), kv_mode="later")
-    req = Request(prompt, 5)
-    arrive_one_per_step(make_scheduler("depth", engine), [req])
+    _, (output,) = serve_arriving(
+        model, [prompt], 5, "depth", max_batch=2, exit_policy=ExitPolicy("softmax", 0.0), kv_mode="later"
+    )
     with torch.no_grad():
-        _, states, _ = model.model(torch.tensor([prompt + req.output]), output_loop_states=True)
+        _, states, _ = model.model(torch.tensor([prompt + output]), output_loop_states=True)
         exit1 = model.exit_logits(states[0])[0, len(prompt) : -1].argmax(-1).tolist()
-    assert req.output[1:] == exit1[: len(req.output) - 1]
+    assert output[1:] == exit1[: len(output) - 1]
 
 
 def test_saved_and_loaded_and_quantized_it_keeps_its_rows(tmp_path):

@@ -4,13 +4,12 @@ the serving engine's mixed-depth steps, int8 weights with the LoRA shared and me
 
 import pytest
 import torch
-from conftest import TINY, arrive_one_per_step, full_depth_greedy, tiny_model
+from conftest import TINY, full_depth_greedy, serve_arriving, tiny_model
 
 from looplm.convert import convert, count_parameters, unroll
 from looplm.models import load_checkpoint, save_checkpoint
 from looplm.models.layers import LoopLinear
 from looplm.models.quantized import prepare
-from looplm.serve import Engine, Request, make_scheduler
 from looplm.train.heal.steps import body_params
 
 
@@ -76,11 +75,8 @@ def test_the_unrolled_model_folds_it_into_each_depths_weight():
 def test_the_engine_serves_it_exactly(scheduler):
     model = _with_magnitude(strategy="cycle")  # a cycle core: every step of the depth-wise run mixes loops
     prompts = [_ids(1, n, seed=10 + n)[0].tolist() for n in (5, 11, 3)]
-    want = [full_depth_greedy(model, p, 6) for p in prompts]
-    engine = Engine(model, max_batch=3, max_seq_len=48)
-    reqs = [Request(p, 6) for p in prompts]
-    arrive_one_per_step(make_scheduler(scheduler, engine), reqs)
-    assert [r.output for r in reqs] == want
+    engine, outputs = serve_arriving(model, prompts, 6, scheduler)
+    assert outputs == [full_depth_greedy(model, p, 6) for p in prompts]
     if scheduler == "depth":
         assert engine.stats["mixed_stages"] > 0
 

@@ -212,10 +212,8 @@ def convert(
     aware.check_calibration(calibration, src_cfg, init, lora_init, lora_ranks)
     torch.manual_seed(seed)
     started = time.perf_counter()
-    config = _looped_config(src_cfg, loops, strategy, prelude, coda, init, norms, lora_ranks, lora_init, prefix_length)
-    if loop_scale or magnitude:
-        config = _derived_config(config, loop_scale=loop_scale, magnitude=magnitude)
-        config.conversion.update(loop_scale=loop_scale, magnitude=magnitude)
+    relax = {"prefix_length": prefix_length, "loop_scale": loop_scale, "magnitude": magnitude}
+    config = _looped_config(src_cfg, loops, strategy, prelude, coda, init, norms, lora_ranks, lora_init, relax)
     model = LoopLMForCausalLM(config).to(next(vanilla.parameters()).dtype)
     if init != "random":  # the paper's Random baseline uses no pretrained weight at all, embeddings included
         _copy_outer(vanilla, model)
@@ -246,10 +244,11 @@ def _check_options(src_cfg: LoopLMConfig, init: str, norms: str | None, lora_ini
 
 
 def _looped_config(
-    src_cfg: LoopLMConfig, loops, strategy, prelude, coda, init, norms, lora_ranks: dict, lora_init, prefix_length
+    src_cfg: LoopLMConfig, loops, strategy, prelude, coda, init, norms, lora_ranks: dict, lora_init, relax: dict
 ) -> LoopLMConfig:
-    """The looped model's config: the source's with the plan and relaxation asked for, LoRA ranks capped at what
-    their linears can use, and the record of the conversion (``conversion``) that reports show."""
+    """The looped model's config: the source's with the plan and relaxation asked for (``relax``: the prefix length,
+    the loop scale and the magnitude), LoRA ranks capped at what their linears can use, and the record of the
+    conversion (``conversion``) that reports show."""
     config = _derived_config(
         src_cfg,
         num_loops=loops,
@@ -257,7 +256,7 @@ def _looped_config(
         prelude_layers=prelude,
         coda_layers=coda,
         per_depth_vectors=norms == "per-depth",
-        prefix_length=prefix_length,
+        **relax,
     )
     config.lora_ranks, capped = _resolve_ranks(config, lora_ranks)
     config.conversion = {
@@ -270,7 +269,8 @@ def _looped_config(
         "norms": norms,
         "lora_ranks": dict(config.lora_ranks),
         "lora_init": lora_init if config.is_relaxed else None,
-        "prefix_length": prefix_length,
+        "prefix_length": relax["prefix_length"],
+        **{k: True for k in ("loop_scale", "magnitude") if relax[k]},  # recorded where used
     }
     if capped:
         config.conversion["capped_ranks"] = capped

@@ -128,7 +128,7 @@ class ConvertConfig:
     magnitude: bool = setting(
         False,
         "a vector per depth scaling each shared linear's output, initialised to ones (DoRA's magnitude beside the "
-        "LoRA; at rank 0 the only per-depth weights)",
+        "LoRA)",
         advanced=BEST,
     )
     calib_seq_len: int = setting(512, "calibration window length in tokens", advanced=BEST)
