@@ -10,6 +10,8 @@
 #   reducedN   the reduced-size model of N layers (Stepwise picks, the first and last kept), each plan's N-emb
 #   def        `looplm convert`'s defaults before this comparison: cycle, rank 64 (N-emb 72.7M)
 #   mc56       the same conversion with middle-cycle at rank 56, the rank that keeps its N-emb at def's
+#   NAME-seedN NAME's conversion healed again with seed N (its own teacher cache, OUT/cache-seedN: other rows), for
+#              the claims' gap over seeds (`looplm eval claims --plans`)
 # Each is healed (`looplm heal`, the recipe) on the claims' token budget (327,452 tokens, 0.6395 of them local), one
 # teacher cache for all (OUT/cache: the same rows of the same original; run a second heal beside the first only once
 # the first has written it), on the real corpus's training split (HEAL_DATA), into OUT/heal/NAME; `looplm eval suite` scores them on the five out-of-domain domains, the
@@ -60,12 +62,14 @@ convert() {  # convert NAME DIR
 }
 
 for s in $STUDENTS; do
-  has convert && convert "$s" "$OUT/models/$s"
+  base=${s%-seed*} seed=0 cache=$OUT/cache
+  [ "$base" != "$s" ] && seed=${s##*-seed} && cache=$OUT/cache-seed$seed
+  has convert && convert "$base" "$OUT/models/$base"
   if has heal && [ ! -f "$OUT/heal/$s/heal.json" ]; then
     resume=""; [ -f "$OUT/heal/$s/run.json" ] && resume="--resume"
     # shellcheck disable=SC2086
-    $LOOPLM heal "$OUT/models/$s" --teacher "$model" --data "$HEAL_DATA" --out "$OUT/heal/$s" --cache "$OUT/cache" \
-      --seed 0 --no-progress $HEAL_BUDGET --compile $resume
+    $LOOPLM heal "$OUT/models/$base" --teacher "$model" --data "$HEAL_DATA" --out "$OUT/heal/$s" --cache "$cache" \
+      --seed "$seed" --no-progress $HEAL_BUDGET --compile $resume
   fi
 done
 
@@ -75,7 +79,7 @@ if has suite; then
     [ -f "$OUT/heal/$s/final/config.json" ] && specs+=("$s$TAG=$OUT/heal/$s/final") && names+=("$s")
   done
   pairs=()
-  for p in mcs,mc mcs,reduced16 mcm,mc mcm,reduced16 mc,reduced16 rec,reduced15 p3c3,reduced18 p2c2,reduced17 mc,rec-r12 mc,rec mc,def p3c3,mc p2c2,mc mc56,def; do
+  for p in mc-seed1,reduced16-seed1 mcs,mc mcs,reduced16 mcm,mc mcm,reduced16 mc,reduced16 rec,reduced15 p3c3,reduced18 p2c2,reduced17 mc,rec-r12 mc,rec mc,def p3c3,mc p2c2,mc mc56,def; do
     [[ " ${names[*]} " == *" ${p%,*} "* && " ${names[*]} " == *" ${p#*,} "* ]] && pairs+=(--compare "${p%,*}$TAG,${p#*,}$TAG")
   done
   $LOOPLM eval suite "${specs[@]}" --data "$real" --tasks "$TASKS" --limit "$LIMIT" --windows "$WINDOWS" \

@@ -67,7 +67,7 @@ def _refused(argv, capsys) -> str:
         (["generate", "m", "Hello", "--max-tokens", "5"], "use --max-new-tokens"),
         (["generate", "m", "Hello", "--exit", "softmax:0.9"], "use --exit-policy"),
         (["heal", "d", "--tokens", "100"], "use --train-tokens"),
-        (["heal", "d", "--base-weights", "float"], "use --base-weights fp32"),
+        (["heal", "d", "--base-weights", "float"], "choose from 'fp32', 'int4', 'int8'"),
         (["quantize", "m", "--out", "o", "--calibrate", "c"], "use --calib-data"),
         (["quantize", "m", "--out", "o", "--dtype", "float32"], "choose from 'fp32', 'bf16'"),
         (["train", "m", "--data", "d", "--out", "o", "--eval-seqs", "3"], "use --eval-rows"),
@@ -147,14 +147,13 @@ def test_settings_from_a_config_file_and_flags_beside_it_win(tmp_path, capsys):
 
 
 def test_the_settings_a_run_writes_repeat_it(tmp_path):
-    """command.json holds every setting in the dataclass's spelling; --config reads it back to the same settings,
-    a value the command line spells otherwise (heal's base weights "float": fp32) included."""
+    """command.json holds every setting; --config reads it back to the same settings."""
     argv = ["heal", "student", "--train-tokens", "100", "--base-weights", "fp32", "--no-progress", "--out", "o"]
     cmd, s = parse(argv)
-    assert s.base_weights == "float"
+    assert s.base_weights == "fp32"
     write_settings(tmp_path, cmd.name, s)
     record = json.loads((tmp_path / "command.json").read_text())
-    assert record["command"] == "looplm heal" and record["settings"]["base_weights"] == "float"
+    assert record["command"] == "looplm heal" and record["settings"]["base_weights"] == "fp32"
     _, again = parse(["heal", "--config", str(tmp_path / "command.json")])  # the model, too, from the file
     assert again == s
 

@@ -422,3 +422,36 @@ def test_claims_decide_a_task_gap_at_two_standard_errors():
         got = by[("rec-heal", "reduced-heal", "average")]
         assert got["difference"] / got["se"] == pytest.approx(sigmas, abs=0.02)
         assert got["decision"] == decision
+
+
+def test_seeds_spread_enters_the_error_of_a_gap():
+    """Two seeds that disagree (middle-cycle 0.10 better with one, 0.10 worse with the other) leave the gap not
+    decided however small the text's error; two that agree keep it held. The error is the seeds' spread beside the
+    text's, which the seeds share."""
+    assert stats.across_seeds([(-0.1, 0.01), (0.1, 0.01)]) == pytest.approx((0.0, math.hypot(0.1, 0.01)))
+    with pytest.raises(UsageError, match="at least two seeds"):
+        stats.across_seeds([(-0.1, 0.01)])
+
+    def entries(seed1_gap: float) -> dict:
+        result = synthetic_result(
+            {
+                "mc": noise(0.02, 1),
+                "reduced16": 0.10 + noise(0.02, 2),
+                "mc-seed1": seed1_gap + noise(0.02, 3),
+                "reduced16-seed1": noise(0.02, 4),
+            }
+        )
+        got = decide(PLAN_CLAIMS, [(Path("suite.json"), result)], resamples=50)
+        return {(e["metric"], e["half"]): e for e in got if e["better"] == "mc" and e["worse"] == "reduced16"
+                and e.get("seeds")}  # fmt: skip
+
+    disagree = entries(+0.10)[("ood", "report")]
+    assert disagree["seeds"] == 2 and abs(disagree["difference"]) < 0.02 and disagree["se"] > 0.05
+    assert disagree["decision"] == "not decided at this budget"
+    agree = entries(-0.09)[("ood", "report")]
+    assert agree["difference"] == pytest.approx(-0.095, abs=0.01) and agree["decision"] == "held"
+    assert (
+        "over 2 seeds" in agree["metric_name"]
+        and 'STUDENTS="mc reduced16 mc-seed1 reduced16-seed1"' in (agree["command"])
+    )
+    assert "over N seeds" in markdown([agree])

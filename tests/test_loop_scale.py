@@ -114,7 +114,7 @@ def test_saved_and_loaded_and_quantized_it_keeps_its_rows(tmp_path):
 
 def test_healing_trains_the_scale():
     model = _scaled()
-    params = body_params(model, "float")
+    params = body_params(model, "fp32")
     scale = model.model.layers[model.config.plan.loop_end_block].loop_scale.weight
     assert any(p is scale for p in params)
     ids = _ids()

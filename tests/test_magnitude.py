@@ -109,7 +109,7 @@ def test_saved_loaded_and_healed(tmp_path):
     assert loaded.config.magnitude and loaded.config.conversion["magnitude"]
     with torch.no_grad():
         assert torch.equal(loaded(_ids()).logits, model(_ids()).logits)
-    params = {id(p) for p in body_params(loaded, "float")}
+    params = {id(p) for p in body_params(loaded, "fp32")}
     magnitudes = [p for n, p in loaded.named_parameters() if n.endswith("magnitude")]
     assert magnitudes and all(id(p) in params for p in magnitudes)
     loaded(_ids(), labels=_ids()).loss.backward()

@@ -33,7 +33,6 @@ class Toy(Base):
     hidden: int = 7  # not a flag either
     count: int = setting(3, "how many", renamed_from=("--number",))
     mode: str = setting("fast", "how", choices=("fast", "slow"), advanced=True)
-    rounding: str = setting("float", "weights", choices=("fp32", "int8"), spelled={"float": "fp32"})
     loud: bool = setting(False, "say more")
     fancy: bool | None = setting(None, "the recipe chooses when absent (default: when it pays)")
     steps: int | None = setting(None, "instead: steps", exclusive="budget", metavar="N")
@@ -72,7 +71,7 @@ def test_the_help_lists_first_then_own_then_shared_and_advanced_apart():
     main = next(g for g in p._action_groups if g.title == "options")
     names = [a.option_strings[0] for a in main._group_actions if a.option_strings and a.dest != "help"]
     assert names[0] == "--count"  # first
-    assert names.index("--rounding") < names.index("--out")  # Toy's own before those every run has
+    assert names.index("--loud") < names.index("--out")  # Toy's own before those every run has
     research = next(g for g in p._action_groups if g.title.startswith("advanced"))
     assert {a.dest for a in research._group_actions} == {"mode", "seed", "precision"}
 
@@ -94,13 +93,6 @@ def test_switches_and_spelled_values():
     assert from_args(Toy, p.parse_args(["--progress"])).progress is True
     # default None: --x/--no-x, absent left to the recipe
     assert [from_args(Toy, p.parse_args(a)).fancy for a in ([], ["--fancy"], ["--no-fancy"])] == [None, True, False]
-    # the command line spells the dataclass's "float" as fp32, and refuses the dataclass's spelling
-    assert p.parse_args([]).rounding == "fp32" and from_args(Toy, p.parse_args([])).rounding == "float"
-    assert from_args(Toy, p.parse_args(["--rounding", "int8"])).rounding == "int8"
-    with pytest.raises(SystemExit):
-        p.parse_args(["--rounding", "float"])
-    with pytest.raises(SystemExit):
-        p.parse_args(["--rounding", "int5"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +167,7 @@ def test_the_former_flag_names_are_refused(capsys):
     cfg = from_args(HealConfig, args)
     assert (cfg.train_tokens, cfg.base_weights, cfg.progress, cfg.compile, cfg.teacher) == (
         100,
-        "float",
+        "fp32",
         False,
         None,
         None,
@@ -203,7 +195,10 @@ def test_a_saved_config_of_the_old_shape_is_read_under_the_new_names():
         "data_rows": "all",
     }
     assert set(FORMER_NAMES.values()) <= {f.name for f in fields(TrainConfig)} | {f.name for f in fields(HealConfig)}
-    now = HealConfig(**{**{k: v for k, v in OLD_HEAL.items() if k != "tokens"}, "train_tokens": 640})
+    # the former "float" of base_weights reads as its name now
+    now = HealConfig(
+        **{**{k: v for k, v in OLD_HEAL.items() if k != "tokens"}, "train_tokens": 640, "base_weights": "fp32"}
+    )
     assert changed_settings(OLD_HEAL, now, HealConfig.FIXED, HealConfig.FORMER_DEFAULTS) == []
     check_resume_settings(OLD_HEAL, now, HealConfig.FIXED, HealConfig.FORMER_DEFAULTS)
     now.train_tokens = 1280
@@ -220,6 +215,7 @@ def test_an_old_run_json_reads_under_the_new_names(tmp_path):
     run.run_json.write_text(json.dumps({"config": OLD_HEAL, "rows": 4, "tokens": 12}))
     settings = run.settings()
     assert settings["config"]["train_tokens"] == 640 and "tokens" not in settings["config"]
+    assert settings["config"]["base_weights"] == "fp32"  # its former value "float"
     assert settings["tokens"] == 12  # only the config's settings are renamed
     assert list(settings["config"]).index("train_tokens") == list(OLD_HEAL).index("tokens")  # in its place
 

@@ -27,7 +27,6 @@ _KEYS = (
     "group",
     "exclusive",
     "required",
-    "spelled",
     "minimum",
 )
 
@@ -35,35 +34,20 @@ _KEYS = (
 def _metadata(**kw) -> dict:
     unknown = set(kw) - set(_KEYS)
     if unknown:
-        raise TypeError(f"unknown setting metadata {sorted(unknown)}")
+        raise TypeError(f"unknown setting options {sorted(unknown)}; the options are {', '.join(_KEYS[1:])}")
+    if kw.get("choices") is not None:
+        kw["choices"] = tuple(kw["choices"])
     return {k: v for k, v in kw.items() if v is not None and v is not False}
 
 
-def setting(
-    default,
-    help: str,
-    *,
-    flag: str | None = None,
-    positional: bool = False,
-    nargs: str | None = None,
-    repeat: bool = False,
-    parse=None,
-    choices: tuple | list | None = None,
-    metavar: str | None = None,
-    renamed_from: tuple[str, ...] | None = None,
-    advanced: bool | str | None = None,
-    group: str | None = None,
-    exclusive: str | None = None,
-    required: bool | None = None,
-    spelled: dict | None = None,
-    minimum: float | None = None,
-) -> Field:
+def setting(default, help: str, **options) -> Field:
     """A dataclass field that is also a command-line argument.
 
     help: the argument's help (the default is added to it by the help formatter, unless the help names it).
+    The options (keywords; any other is refused):
     flag: the flag's name (default ``--`` and the field's name with dashes).
-    positional: an argument, not a flag (``required``: it must be given; else it may be left out); ``nargs`` "+" or
-        "*" takes a list.
+    positional: an argument, not a flag: it must be given where its default is None, else it may be left out; ``nargs``
+        "+" or "*" takes a list.
     repeat: a flag that may be given again, each value added to a list (the default: an empty list).
     parse: the function that turns the text into the value (default: the field's type).
     choices, metavar: as argparse's.
@@ -71,29 +55,11 @@ def setting(
     advanced: listed in the "advanced" group of research knobs (a text: that group's own title).
     group: listed in an argument group of this title.
     exclusive: a name; the flags of one name form a mutually exclusive group (the budget: one of them).
-    required: the flag (or positional) must be given.
-    spelled: the dataclass's values the command line spells otherwise ({value: spelling}); the dataclass's own
-        spelling is refused on the command line, naming the flag's.
+    required: the flag must be given.
     minimum: the smallest value the command takes (None, where the default is None, stays allowed).
     """
-    meta = _metadata(
-        help=help,
-        flag=flag,
-        positional=positional,
-        nargs=nargs,
-        repeat=repeat,
-        parse=parse,
-        choices=tuple(choices) if choices is not None else None,
-        metavar=metavar,
-        renamed_from=renamed_from,
-        advanced=advanced,
-        group=group,
-        exclusive=exclusive,
-        required=required,
-        spelled=spelled,
-        minimum=minimum,
-    )
-    if repeat or nargs in ("+", "*") or isinstance(default, list):
+    meta = _metadata(help=help, **options)
+    if meta.get("repeat") or meta.get("nargs") in ("+", "*") or isinstance(default, list):
         given = list(default or ())
         return field(default_factory=lambda: list(given), metadata=meta)
     return field(default=default, metadata=meta)

@@ -11,10 +11,6 @@ from pathlib import Path
 from .errors import UsageError
 
 
-def print_json(obj) -> None:
-    print(json.dumps(obj, indent=2, default=str))
-
-
 def read_text_arg(path: str | None, default: Path | None = None) -> str:
     p = Path(path) if path else default
     if p is None:
@@ -102,6 +98,17 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def read_json(path: Path, what: str, fix: str):
+    """The JSON at ``path``. Missing or corrupt, it is a UsageError that names ``what`` the directory should hold and
+    the ``fix``."""
+    if not path.exists():
+        raise UsageError(f"{path.parent} holds no {what} (no {path.name}); {fix}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path} is corrupt ({e}); {fix}") from None
+
+
 def write_json_atomic(path: Path, obj) -> None:
     """Write JSON so that a reader (or a run killed meanwhile) sees the old file or the new one, never half."""
     write_text_atomic(path, json.dumps(obj, indent=2, default=str))
@@ -109,7 +116,7 @@ def write_json_atomic(path: Path, obj) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -10,7 +10,6 @@ embedded model's own GGUF file (Q4_1 for SmolLM2) and a Q8_0 file exported from 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import ctypes
 import importlib.util
@@ -25,7 +24,7 @@ import numpy as np
 from ..errors import UsageError
 from ..settings import setting
 from ..util import machine
-from .report import int_list, str_list, token_range
+from .report import choice_list, int_list, str_list, token_range
 
 MISSING = (
     "`looplm bench llamacpp` needs llama-cpp-python, the optional `bench` extra: pip install -e .[bench] "
@@ -43,15 +42,6 @@ ROUNDING = "rounding (as `looplm quantize`)"
 LOOPED = "a looped model at batch 1, against llama.cpp running the vanilla model"
 
 
-def weight_formats(text: str) -> list[str]:
-    """A comma list of our engine's weight formats."""
-    formats = str_list(text)
-    bad = [f for f in formats if f not in FORMATS]
-    if not formats or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(FORMATS)}, got {text!r}")
-    return formats
-
-
 @dataclass
 class Settings:
     """`looplm bench llamacpp`'s settings."""
@@ -61,7 +51,7 @@ class Settings:
         ["fp32", "int8", "int4"],
         "our engine's weight formats, a comma list of fp32, bf16, int8, int4",
         flag="--weights",
-        parse=weight_formats,
+        parse=choice_list(*FORMATS),
         metavar="LIST",
     )
     compile: bool = setting(False, "our engine compiled (its graphs are built before timing)")
@@ -104,7 +94,7 @@ class Settings:
         ["int4"],
         "its weight formats, a comma list of fp32, bf16, int8, int4",
         flag="--looped-weights",
-        parse=weight_formats,
+        parse=choice_list(*FORMATS),
         metavar="LIST",
         group=LOOPED,
     )

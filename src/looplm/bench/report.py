@@ -4,9 +4,10 @@ command lines spell (token ranges, comma lists)."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
+
+from ..util import write_json_atomic
 
 
 def median(xs) -> float:
@@ -27,16 +28,16 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def finish(result: dict, header: list[str], rows: list[list], out: str | None, say=print) -> None:
+def finish(result: dict, header: list[str], rows: list[list], out: str | None) -> None:
     """Print the machine and the table, and write ``result`` as JSON to ``out`` (when given)."""
     m = result["machine"]
-    say(f"\n{m['cpu']}, {m['torch_threads']} torch threads, {m['device']}, torch {m['torch']}")
-    say(table(header, rows))
+    print(f"\n{m['cpu']}, {m['torch_threads']} torch threads, {m['device']}, torch {m['torch']}")
+    print(table(header, rows))
     if out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        say(f"wrote {path}")
+        write_json_atomic(path, result)
+        print(f"wrote {path}")
 
 
 def token_range(text: str) -> tuple[int, int]:
@@ -65,3 +66,15 @@ def int_list(text: str) -> list[int]:
 def str_list(text: str) -> list[str]:
     """A comma list of words."""
     return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def choice_list(*choices: str):
+    """An argparse ``type``: a comma list of some of ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        words = str_list(text)
+        if not words or any(w not in choices for w in words):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}, got {text!r}")
+        return words
+
+    return parse

@@ -1,14 +1,18 @@
-"""The `looplm` command. Every command is one settings dataclass and one function (a ``Command``), listed by the
-module of its area (``COMMANDS`` in commands/convert.py, data.py, ...); its flags, help, defaults, choices and
-advanced group come from the dataclass (looplm/settings.py ``setting``). This file builds the parser, reads
-``--config FILE`` and dispatches, turning known errors into one-line messages with exit code 2."""
+"""The `looplm` command. Every command is one settings dataclass and one function, registered by ``@command(WORDS)``
+in the module of its area (commands/convert.py, data.py, ...); its flags, help, defaults, choices and advanced group
+come from the dataclass (looplm/settings.py ``setting``), its one-line help from the dataclass's docstring. This file
+builds the parser, reads ``--config FILE`` and dispatches, turning known errors into one-line messages with exit code
+2."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import inspect
 import json
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,10 +22,10 @@ from .args import HelpFormatter, RawEpilogFormatter, add_flags, add_positionals,
 
 MODULES = ("convert", "data", "eval", "train", "serve", "bench", "docs")
 GROUPS = {  # commands with subcommands
-    "data": "training corpora",
-    "eval": "evaluate a model",
-    "bench": "benchmarks: serving, llama.cpp side by side, speculation, a heal step, a train step",
-    "docs": "the project's docs",
+    "data": "Training corpora.",
+    "eval": "Evaluate a model.",
+    "bench": "Benchmarks: serving, llama.cpp side by side, speculation, a heal step, a train step.",
+    "docs": "The project's docs.",
 }
 
 
@@ -39,8 +43,29 @@ class Command:
         return "looplm " + " ".join(self.words)
 
 
+_REGISTERED: list[Command] = []
+
+
+def command(*words: str, help: str | None = None, first: tuple[str, ...] = (), epilog=None):
+    """Register ``run(settings) -> exit code`` as `looplm WORDS`. Its settings dataclass is the type of its one
+    parameter; its help is ``help``, else the first paragraph of that dataclass's docstring."""
+
+    def register(run: Callable) -> Callable:
+        (settings,) = (kind for name, kind in typing.get_type_hints(run).items() if name != "return")
+        doc = settings.__doc__ or ""
+        if help is None and doc.startswith(settings.__name__ + "("):  # the signature a dataclass writes for itself
+            raise TypeError(f"{settings.__name__} needs a docstring or `looplm {' '.join(words)}` a help")
+        text = help or " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+        _REGISTERED.append(Command(words, settings, run, text, first, epilog))
+        return run
+
+    return register
+
+
 def all_commands() -> list[Command]:
-    return [c for m in MODULES for c in importlib.import_module(f"{__name__}.{m}").COMMANDS]
+    for module in MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+    return list(_REGISTERED)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,17 +115,7 @@ def _config_defaults(path: str, cmd: Command) -> dict:
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise UsageError(f"--config {path}: {', '.join(unknown)} are not settings of `{cmd.name}`; see its --help")
-    spelled = {k: known[k].metadata.get("spelled", {}) for k in values}
-    return {k: spelled[k].get(v, v) if spelled[k] else v for k, v in values.items()}
-
-
-def _config_path(argv: list[str]) -> str | None:
-    for i, word in enumerate(argv):
-        if word == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if word.startswith("--config="):
-            return word.partition("=")[2]
-    return None
+    return values
 
 
 def parse(argv: list[str] | None = None):
@@ -108,7 +123,9 @@ def parse(argv: list[str] | None = None):
     defaults (the flags given beside it win), so a setting the file gives need not be given again."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    path = _config_path(argv)
+    config = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    config.add_argument("--config")
+    path = config.parse_known_args(argv)[0].config
     if path is not None:
         words = tuple(w for w in argv[:2] if not w.startswith("-"))
         cmd = next((c for c in all_commands() if c.words == words[: len(c.words)]), None)
@@ -125,6 +142,21 @@ def parse(argv: list[str] | None = None):
     return args._command, from_args(args._command.settings, args)
 
 
+def _run(cmd: Command, settings) -> int:
+    """Run a command. It returns its exit code (an int or None), or its result: with ``--json`` the result is printed
+    as one JSON document, and whatever the run printed went to stderr, so that stdout holds that one document. A
+    result whose ``ok`` is false exits 1."""
+    as_json = getattr(settings, "json", False)
+    stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        result = cmd.run(settings)
+    if result is None or isinstance(result, int):
+        return int(result or 0)
+    if as_json:
+        print(json.dumps(result, indent=2, default=str), file=stdout)
+    return 1 if isinstance(result, dict) and result.get("ok") is False else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     name = "looplm " + next((w for w in words if not w.startswith("-")), "")
@@ -138,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(settings.threads)
-        return int(cmd.run(settings) or 0)
+        return _run(cmd, settings)
     except (UsageError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
@@ -147,4 +179,4 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["Command", "all_commands", "build_parser", "main", "parse"]
+__all__ = ["Command", "all_commands", "build_parser", "command", "main", "parse"]

@@ -61,18 +61,6 @@ def add_renamed(parser, old: str, new: str) -> None:
     parser.add_argument(old, dest=f"_renamed_{old.lstrip('-').replace('-', '_')}", action=_Renamed, new=new)
 
 
-def renamed_choices(flag: str, renamed: dict[str, str], kind=str):
-    """An argparse ``type`` for an enumeration some of whose values were renamed: an old value is refused with
-    its new name."""
-
-    def convert(value: str):
-        if value in renamed:
-            raise argparse.ArgumentTypeError(f"{flag} {value} was renamed: use {flag} {renamed[value]}")
-        return kind(value)
-
-    return convert
-
-
 def flag_name(f: Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
@@ -107,7 +95,7 @@ def add_positionals(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in positional_fields(cls):
         m = f.metadata
-        nargs = m.get("nargs") or (None if m.get("required") else "?")
+        nargs = m.get("nargs") or (None if _default(f) is None else "?")  # None: the argument must be given
         kwargs: dict = {"help": m["help"], "nargs": nargs, "default": _default(f)}
         if m.get("parse") or _value_type(hints[f.name]) is not str:
             kwargs["type"] = m.get("parse") or _value_type(hints[f.name])
@@ -159,9 +147,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...]
             else:  # True, or None: the recipe chooses
                 kwargs.update(action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            spelled, default = m.get("spelled", {}), _default(f)
-            convert = renamed_choices(name, spelled) if spelled else (m.get("parse") or kind)
-            kwargs.update(type=convert, default=spelled.get(default, default) if spelled else default)
+            kwargs.update(type=m.get("parse") or kind, default=_default(f))
             if m.get("repeat"):
                 kwargs["action"] = "append"
             if "choices" in m:
@@ -176,17 +162,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, first: tuple[str, ...]
 
 
 def from_args(cls: type, args: argparse.Namespace):
-    """The settings ``cls`` of parsed arguments: every field the arguments hold (a flag's value in the dataclass's
-    spelling), the others at their defaults; a value below its field's ``minimum`` is refused."""
+    """The settings ``cls`` of parsed arguments: every field the arguments hold, the others at their defaults; a
+    value below its field's ``minimum`` is refused."""
     given = vars(args)
-    values = {}
-    for f in fields(cls):
-        if f.name in given:
-            value = given[f.name]
-            spelled = f.metadata.get("spelled")
-            if spelled:
-                value = {v: k for k, v in spelled.items()}.get(value, value)
-            values[f.name] = value
+    values = {f.name: given[f.name] for f in fields(cls) if f.name in given}
     for f in fields(cls):  # flags and --config files alike
         low, value = f.metadata.get("minimum"), values.get(f.name, _default(f))
         if low is not None and value is not None and value < low:

@@ -6,19 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bench.llamacpp import FORMATS
 from ..bench.llamacpp import Settings as LlamacppSettings
-from ..bench.report import token_range
+from ..bench.report import choice_list, token_range
 from ..errors import UsageError
 from ..settings import setting
 from ..train.heal import E2E_ROWS, HealConfig
 from ..train.loop import TrainConfig
 from ..train.settings import PRECISIONS
-from . import Command
+from . import command
 from .args import call_with, setting_values
 from .serve import OnTheFly, check_engine_args
 
 PRECISION_HELP = "auto: bf16 autocast where the hardware has bf16 matmuls"
 TRADEOFF = "the exit-policy table and the paper's simulated throughput"
+SPECULATION_MODES = ("context", "loop1", "both")
 
 
 @dataclass
@@ -31,9 +33,17 @@ class BenchOutput:
 
 @dataclass
 class Speculate(BenchOutput):
+    """Speculative decoding (--speculate) against plain decoding at batch 1, greedy, side by side."""
+
     models: list[str] = setting([], "embedded names or model directories", positional=True, nargs="+", metavar="MODEL")
-    weights: str = setting("fp32", "comma list of weight formats (fp32, bf16, int8, int4)")
-    modes: str = setting("context,loop1,both", "comma list of speculation modes to time")
+    weights: list[str] = setting(
+        ["fp32"], f"comma list of weight formats ({', '.join(FORMATS)})", parse=choice_list(*FORMATS)
+    )
+    modes: list[str] = setting(
+        ["context", "loop1", "both"],
+        "comma list of speculation modes to time",
+        parse=choice_list("context", "loop1", "both"),
+    )
     new_tokens: int = setting(256, "generated tokens per prompt (EOS ignored)", minimum=1)
     rounds: int = setting(1, "times each run repeats, interleaved (the best is kept)", minimum=1)
     llamacpp: str | None = setting(
@@ -47,13 +57,17 @@ class Speculate(BenchOutput):
 
 @dataclass
 class BenchServe(OnTheFly, BenchOutput):
+    """Static vs sequence-wise vs depth-wise batching on real-text traces."""
+
     model: str = setting("smollm2-135m", "the vanilla model (embedded name or directory)", positional=True)
     looped: str | None = setting(None, "a saved looped model (default: convert MODEL on the fly)")
     loops: int = setting(2, "B when converting on the fly")
     requests: int = setting(24, "requests in the trace", minimum=1)
     prompt_len: tuple[int, int] = setting((16, 96), "prompt tokens", parse=token_range, metavar="LO:HI")
     output_len: tuple[int, int] = setting((8, 64), "generated tokens", parse=token_range, metavar="LO:HI")
-    arrivals: str = setting("all,poisson", "comma list of all (at once), poisson")
+    arrivals: list[str] = setting(
+        ["all", "poisson"], "comma list of all (at once), poisson", parse=choice_list("all", "poisson")
+    )
     rate: float | None = setting(
         None,
         "Poisson requests/s (default: about 80%% of the sequence-wise capacity measured on the all-at-once trace)",
@@ -115,12 +129,14 @@ class BenchServe(OnTheFly, BenchOutput):
 
 @dataclass
 class Llamacpp(LlamacppSettings, BenchOutput):
-    pass
+    """Our engine and llama.cpp side by side (needs the `bench` extra)."""
 
 
 @dataclass
 class HealStep(BenchOutput):
-    model: str | None = setting(None, "the converted student (a looplm directory)", positional=True, required=True)
+    """Seconds of a layer-local, an end-to-end and an exit-adapter step of `looplm heal`."""
+
+    model: str | None = setting(None, "the converted student (a looplm directory)", positional=True)
     teacher: str | None = setting(None, "the original model the student was converted from", required=True)
     data: str | None = setting(None, "a corpus from `looplm data build`", required=True)
     seq_len: int = setting(HealConfig.seq_len, "tokens per row")
@@ -142,9 +158,9 @@ class HealStep(BenchOutput):
 
 @dataclass
 class TrainStep(BenchOutput):
-    model: str | None = setting(
-        None, "the model to train (embedded name, HF or looplm directory)", positional=True, required=True
-    )
+    """Seconds of a `looplm train` step."""
+
+    model: str | None = setting(None, "the model to train (embedded name, HF or looplm directory)", positional=True)
     data: str | None = setting(None, "a corpus from `looplm data build`", required=True)
     teacher: str | None = setting(None, "distil from this model too (as `looplm train --teacher`)")
     batch_size: int = setting(TrainConfig.batch_size, "sequences per step")
@@ -154,29 +170,21 @@ class TrainStep(BenchOutput):
     precision: str = setting(TrainConfig.precision, PRECISION_HELP, choices=PRECISIONS)
 
 
-def _report(s: BenchOutput, result: dict, table_of, say=print) -> None:
-    """The settings the benchmark ran with into its result; the result as JSON (``--json``), the machine and the
-    benchmark's table (``table_of(result) -> (header, rows)``) printed, and the JSON written to ``--out``."""
+def _report(s: BenchOutput, result: dict, table_of) -> dict:
+    """The result with the settings the benchmark ran with; the machine and the benchmark's table (``table_of(result)
+    -> (header, rows)``) printed, and the result written to ``--out``."""
     from ..bench.report import finish
-    from ..util import print_json
 
     result["settings"] = setting_values(s)
-    if getattr(s, "json", False):
-        print_json(result)
-    finish(result, *table_of(result), s.out, say)
+    finish(result, *table_of(result), s.out)
+    return result
 
 
-def cmd_speculate(s: Speculate) -> int:
-    import functools
-    import sys
-
+@command("bench", "speculate")
+def cmd_speculate(s: Speculate) -> dict:
     from ..bench.speculate import bench_speculate, speculate_table
     from ..util import machine
 
-    weights = [w.strip() for w in s.weights.split(",") if w.strip()]
-    modes = [m.strip() for m in s.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("context", "loop1", "both") for m in modes):
-        raise UsageError(f"--modes takes a comma list of context, loop1, both; got {s.modes!r}")
     gguf = s.llamacpp
     if gguf:  # before anything loads
         from ..bench.llamacpp import check_available
@@ -186,86 +194,52 @@ def cmd_speculate(s: Speculate) -> int:
         gguf = str(embedded_gguf(gguf)) if gguf in EMBEDDED else gguf
         if not Path(gguf).is_file():
             raise UsageError(f"--llamacpp {gguf}: no such GGUF file; give a file or an embedded model's name")
-    say = functools.partial(print, file=sys.stderr, flush=True) if s.json else print
-    result = bench_speculate(
-        s.models, weights, modes, s.new_tokens, s.rounds, log=say, llamacpp=gguf, threads=s.threads
-    )
+    result = bench_speculate(s.models, s.weights, s.modes, s.new_tokens, s.rounds, llamacpp=gguf, threads=s.threads)
     result["machine"] = machine()
-    _report(s, result, speculate_table, say)
-    return 0
+    return _report(s, result, speculate_table)
 
 
-def cmd_serve(s: BenchServe) -> int:
-    import functools
-    import sys
-
+@command("bench", "serve")
+def cmd_serve(s: BenchServe) -> dict:
     from ..bench.serving import bench_serve, serve_table
     from ..util import machine
 
-    arrivals = [a.strip() for a in s.arrivals.split(",") if a.strip()]
-    if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
-        raise UsageError(f"--arrivals takes a comma list of all, poisson; got {s.arrivals!r}")
     check_engine_args(s)
     if not s.looped and not s.hf_only:  # before anything loads
         from ..serve.on_the_fly import check_unhealed
 
         check_unhealed(s.model, s.loops, s.allow_unhealed)
-    say = functools.partial(print, file=sys.stderr, flush=True) if s.json else print
-    result = bench_serve(s, arrivals, log=say)
+    result = bench_serve(s, s.arrivals)
     result["machine"] = {**machine(), **result.get("machine", {})}
-    _report(s, result, serve_table, say)
-    return 0
+    return _report(s, result, serve_table)
 
 
-def cmd_llamacpp(s: Llamacpp) -> int:
+@command("bench", "llamacpp")
+def cmd_llamacpp(s: Llamacpp) -> dict:
     from ..bench.llamacpp import bench_llamacpp, check_available, llamacpp_table
 
     check_available()  # before any model loads
     if s.equalize and not s.calib_data:
         raise UsageError("--equalize chooses its scales on calibration rows: add --calib-data DATA")
-    r = bench_llamacpp(s)
-    _report(s, r, llamacpp_table)
+    r = _report(s, bench_llamacpp(s), llamacpp_table)
     for part, ratios in r["ratios"].items():
         if ratios:
             print(f"{part}: " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
-    return 0
+    return r
 
 
-def cmd_heal_step(s: HealStep) -> int:
+@command("bench", "heal-step")
+def cmd_heal_step(s: HealStep) -> dict:
     from ..bench.heal_step import heal_step, heal_step_table
 
     # out: the benchmark's JSON; the steps run in a directory of their own
     cfg = call_with(HealConfig, s, out=None, progress=False)
-    _report(s, heal_step(cfg, s.rounds), heal_step_table)
-    return 0
+    return _report(s, heal_step(cfg, s.rounds), heal_step_table)
 
 
-def cmd_train_step(s: TrainStep) -> int:
+@command("bench", "train-step")
+def cmd_train_step(s: TrainStep) -> dict:
     from ..bench.train_step import train_step, train_step_table
 
     cfg = call_with(TrainConfig, s, out=None, max_steps=s.steps, progress=False)
-    _report(s, train_step(cfg, s.warmup), train_step_table)
-    return 0
-
-
-COMMANDS = [
-    Command(
-        ("bench", "serve"), BenchServe, cmd_serve, "static vs sequence-wise vs depth-wise batching on real-text traces"
-    ),
-    Command(
-        ("bench", "llamacpp"), Llamacpp, cmd_llamacpp, "our engine and llama.cpp side by side (needs the `bench` extra)"
-    ),
-    Command(
-        ("bench", "heal-step"),
-        HealStep,
-        cmd_heal_step,
-        "seconds of a layer-local, an end-to-end and an exit-adapter step of `looplm heal`",
-    ),
-    Command(("bench", "train-step"), TrainStep, cmd_train_step, "seconds of a `looplm train` step"),
-    Command(
-        ("bench", "speculate"),
-        Speculate,
-        cmd_speculate,
-        "speculative decoding (--speculate) against plain decoding at batch 1, greedy, side by side",
-    ),
-]
+    return _report(s, train_step(cfg, s.warmup), train_step_table)

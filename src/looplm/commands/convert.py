@@ -8,8 +8,7 @@ from ..errors import UsageError
 from ..recipes.convert import ConvertConfig
 from ..recipes.quantize import QuantizeConfig
 from ..settings import setting
-from ..util import print_json
-from . import Command
+from . import command
 from .args import write_settings
 
 JSON_HELP = "print one JSON object instead of text"
@@ -17,22 +16,25 @@ JSON_HELP = "print one JSON object instead of text"
 
 @dataclass
 class Convert(ConvertConfig):
+    """Convert a pretrained model into a (Relaxed) Recursive Transformer."""
+
     json: bool = setting(False, JSON_HELP)
 
 
 @dataclass
 class Unroll:
-    model: str | None = setting(
-        None, "a looped model: embedded name or looplm directory", positional=True, required=True
-    )
+    """Export the equivalent vanilla model: each depth's LoRA merged into dense weights."""
+
+    model: str | None = setting(None, "a looped model: embedded name or looplm directory", positional=True)
     out: str | None = setting(None, "directory of the unrolled model", required=True)
 
 
 @dataclass
 class ExportGguf:
-    model: str | None = setting(
-        None, "embedded name or float looplm directory (Llama/SmolLM2 family)", positional=True, required=True
-    )
+    """Write a looped model, unrolled (LoRA merged per depth), as a llama-architecture GGUF file for llama.cpp and
+    ollama."""
+
+    model: str | None = setting(None, "embedded name or float looplm directory (Llama/SmolLM2 family)", positional=True)
     out: str | None = setting(None, "the .gguf file to write", required=True)
     weights: str = setting(
         "f32",
@@ -44,6 +46,8 @@ class ExportGguf:
 
 @dataclass
 class Baseline:
+    """The reduced-size baseline: some of the original's layers, run once (or as many fresh ones)."""
+
     model: str = setting("smollm2-135m", "the vanilla (full-size) model: embedded name or directory", positional=True)
     out: str | None = setting(None, "directory of the baseline model", required=True)
     layers: int | None = setting(
@@ -63,9 +67,9 @@ class Baseline:
 
 @dataclass
 class Info:
-    model: str | None = setting(
-        None, "embedded name, HF/looplm directory or .gguf file", positional=True, required=True
-    )
+    """Parameter counts (N-emb, total) and the layer map of a model."""
+
+    model: str | None = setting(None, "embedded name, HF/looplm directory or .gguf file", positional=True)
     json: bool = setting(False, JSON_HELP)
 
 
@@ -75,18 +79,17 @@ def _ppl(model, tok, text, max_tokens):
     return perplexity(model, tok, text, seq_len=512, max_tokens=max_tokens)
 
 
-def cmd_convert(s: Convert) -> int:
+@command("convert")
+def cmd_convert(s: Convert) -> dict:
     from ..models import save_model
     from ..recipes.convert import convert_model
 
     model, tok, report = convert_model(s)
     save_model(model, tok, report["out"])
     write_settings(report["out"], "looplm convert", s)
-    if s.json:
-        print_json(report)
-    else:
+    if not s.json:
         _print_conversion(s, model.config, report)
-    return 0
+    return report
 
 
 def _print_conversion(s: Convert, config, r: dict) -> None:
@@ -107,15 +110,15 @@ def _print_conversion(s: Convert, config, r: dict) -> None:
     print(f"wrote {r['out']}")
 
 
-def cmd_info(s: Info) -> int:
+@command("info")
+def cmd_info(s: Info) -> dict:
     from ..convert import describe
     from ..models import load_model
 
     model, _ = load_model(s.model)
     info = describe(model)
     if s.json:
-        print_json(info)
-        return 0
+        return info
     print(
         f"{s.model}: {info['family']}, depth {info['depth']} = {info['plan']}: "
         f"{info['shared_layers']} shared layers x {info['loops']} loops, {info['unique_layers']} unique"
@@ -143,9 +146,10 @@ def cmd_info(s: Info) -> int:
             + (", each depth's LoRA merged into its own weight (counted in N-emb)" if q.get("lora") == "merged" else "")
         )
     print("layer map  " + " ".join(f"{d}->{k}" for d, k in enumerate(info["layer_map"])))
-    return 0
+    return info
 
 
+@command("unroll")
 def cmd_unroll(s: Unroll) -> int:
     from ..convert import count_parameters, unroll
     from ..models import load_model, save_model
@@ -160,6 +164,7 @@ def cmd_unroll(s: Unroll) -> int:
     return 0
 
 
+@command("quantize", help="Store a model with int8 or int4 weights for CPU serving.")
 def cmd_quantize(s: QuantizeConfig) -> int:
     from ..recipes.quantize import quantize_model
 
@@ -181,6 +186,7 @@ def cmd_quantize(s: QuantizeConfig) -> int:
     return 0
 
 
+@command("export-gguf")
 def cmd_export_gguf(s: ExportGguf) -> int:
     from ..convert.gguf_export import export_gguf, source_pre
     from ..models import load_model
@@ -199,6 +205,7 @@ def cmd_export_gguf(s: ExportGguf) -> int:
     return 0
 
 
+@command("baseline")
 def cmd_baseline(s: Baseline) -> int:
     from ..models import load_model, save_model
     from ..train.baselines import scratch_model, stepwise_model
@@ -216,29 +223,3 @@ def cmd_baseline(s: Baseline) -> int:
     what = "fresh weights" if s.init == "scratch" else f"pretrained layers {layers}"
     print(f"wrote {s.out}: {len(layers)} layers, {n:,} parameters, {what}")
     return 0
-
-
-COMMANDS = [
-    Command(("convert",), Convert, cmd_convert, "convert a pretrained model into a (Relaxed) Recursive Transformer"),
-    Command(
-        ("unroll",),
-        Unroll,
-        cmd_unroll,
-        "export the equivalent vanilla model: each depth's LoRA merged into dense weights",
-    ),
-    Command(("quantize",), QuantizeConfig, cmd_quantize, "store a model with int8 or int4 weights for CPU serving"),
-    Command(
-        ("export-gguf",),
-        ExportGguf,
-        cmd_export_gguf,
-        "write a looped model, unrolled (LoRA merged per depth), as a llama-architecture GGUF file for llama.cpp and "
-        "ollama",
-    ),
-    Command(
-        ("baseline",),
-        Baseline,
-        cmd_baseline,
-        "the reduced-size baseline: some of the original's layers, run once (or as many fresh ones)",
-    ),
-    Command(("info",), Info, cmd_info, "parameter counts (N-emb, total) and the layer map of a model"),
-]

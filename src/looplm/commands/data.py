@@ -3,12 +3,12 @@ commands/serve.py (it drives the engine)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..settings import setting
-from . import Command
+from ..util import write_text_atomic
+from . import command
 from .args import call_with, write_settings
 
 
@@ -20,6 +20,8 @@ def _default_sources() -> list[str]:
 
 @dataclass
 class Build:
+    """Fetch sources, split held-out text, tokenise and pack into a corpus dir."""
+
     model: str = setting("smollm2-135m", "the model whose tokenizer packs the corpus", positional=True)
     out: str | None = setting(None, "corpus directory (re-running it skips finished work)", required=True)
     sources: str = setting(
@@ -36,7 +38,10 @@ class Build:
 
 @dataclass
 class Text:
-    corpus: str | None = setting(None, "corpus dir from `looplm data build`", positional=True, required=True)
+    """Decode rows of a built corpus's training split into a .txt file (calibration text for `looplm convert --calib-
+    data`; never held-out rows)."""
+
+    corpus: str | None = setting(None, "corpus dir from `looplm data build`", positional=True)
     out: str | None = setting(None, "directory to write train.txt into", required=True)
     rows: int = setting(32, "training rows to decode (x the corpus's seq-len tokens)")
     seed: int = setting(1234, "which rows: a seeded random choice")
@@ -48,6 +53,7 @@ def _sources_epilog() -> str:
     return "sources:\n" + "\n".join(f"  {k:12s} {v}" for k, v in SOURCES.items())
 
 
+@command("data", "build", epilog=_sources_epilog)
 def cmd_build(s: Build) -> int:
     from ..data.corpus import build
 
@@ -61,6 +67,7 @@ def cmd_build(s: Build) -> int:
     return 0
 
 
+@command("data", "text")
 def cmd_text(s: Text) -> int:
     import numpy as np
 
@@ -75,26 +82,6 @@ def cmd_text(s: Text) -> int:
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
     text = corpus.training_text(picks)
-    tmp = out / ".train.txt.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out / "train.txt")
+    write_text_atomic(out / "train.txt", text)
     print(f"wrote {out / 'train.txt'}: {s.rows} training rows of {s.corpus} ({len(text):,} characters)")
     return 0
-
-
-COMMANDS = [
-    Command(
-        ("data", "build"),
-        Build,
-        cmd_build,
-        "fetch sources, split held-out text, tokenise and pack into a corpus dir",
-        epilog=_sources_epilog,
-    ),
-    Command(
-        ("data", "text"),
-        Text,
-        cmd_text,
-        "decode rows of a built corpus's training split into a .txt file (calibration text for `looplm convert "
-        "--calib-data`; never held-out rows)",
-    ),
-]

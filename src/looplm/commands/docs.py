@@ -7,15 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..settings import setting
-from . import Command
+from . import command
 
 
 @dataclass
 class Render:
+    """Write the figures of README.md and docs/ from their results files (docs/results/figures/)."""
+
     check: bool = setting(False, "write nothing; exit 1 listing every figure that differs")
     root: str = setting(".", "the repository root")
 
 
+@command("docs", "render")
 def cmd_render(s: Render) -> int:
     from ..docs.render import render
 
@@ -27,13 +30,3 @@ def cmd_render(s: Render) -> int:
         what = "differ from their results files" if s.check else "cannot be rendered"
         print(f"looplm docs render: {len(problems)} markers or figures {what}", file=sys.stderr)
     return 1 if problems else 0
-
-
-COMMANDS = [
-    Command(
-        ("docs", "render"),
-        Render,
-        cmd_render,
-        "write the figures of README.md and docs/ from their results files (docs/results/figures/)",
-    )
-]

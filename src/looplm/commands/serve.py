@@ -9,8 +9,7 @@ from ..convert.recursive import INITS
 from ..errors import UsageError
 from ..recipes.teacher_text import GenerateConfig
 from ..settings import setting
-from ..util import print_json
-from . import Command
+from . import command
 from .args import call_with, write_settings
 
 EXIT_POLICY_HELP = (
@@ -82,7 +81,9 @@ class OnTheFly(EngineSettings):
 
 @dataclass
 class Generate(EngineSettings):
-    model: str | None = setting(None, "embedded name or saved model directory", positional=True, required=True)
+    """Generate text with the serving engine."""
+
+    model: str | None = setting(None, "embedded name or saved model directory", positional=True)
     prompt: list[str] = setting([], "one or more prompts, generated as one batch", positional=True, nargs="+")
     max_new_tokens: int = setting(
         32, "generated tokens per prompt at most", metavar="N", renamed_from=("--max-tokens",)
@@ -102,7 +103,9 @@ class Generate(EngineSettings):
 
 @dataclass
 class Serve(OnTheFly):
-    model: str | None = setting(None, "embedded model name or a saved model directory", positional=True, required=True)
+    """OpenAI-compatible HTTP server on the depth-wise engine."""
+
+    model: str | None = setting(None, "embedded model name or a saved model directory", positional=True)
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on")
     max_concurrency: int = setting(8, "requests served at once (KV cache rows)", minimum=1)
@@ -138,9 +141,9 @@ class Serve(OnTheFly):
 
 @dataclass
 class FitExitProbe:
-    model: str | None = setting(
-        None, "a saved looped model directory (the probe is written into it)", positional=True, required=True
-    )
+    """Fit the learned exit probe (the `probe` exit policy) of a saved looped model on a corpus' training split."""
+
+    model: str | None = setting(None, "a saved looped model directory (the probe is written into it)", positional=True)
     data: str | None = setting(None, "a corpus from `looplm data build` (its training split is used)", required=True)
     fit_rows: int = setting(32, "training-split rows to fit on")
     calib_rows: int = setting(16, "other training-split rows to calibrate the threshold on")
@@ -184,6 +187,8 @@ def check_engine_args(s, device: str = "cpu") -> None:
         check_compile_available(device)
 
 
+# a source of `looplm data build --sources ...,DIR`
+@command("data", "generate", help="Sample a training corpus from a model with the serving engine (resumable).")
 def cmd_data_generate(s: GenerateConfig) -> int:
     from ..recipes.teacher_text import generate_corpus
 
@@ -197,6 +202,7 @@ def cmd_data_generate(s: GenerateConfig) -> int:
     return 0
 
 
+@command("serve")
 def cmd_serve(s: Serve) -> int:
     from ..serve.exits import parse_policy
     from ..serve.schedulers import scheduler_name
@@ -217,23 +223,19 @@ def cmd_serve(s: Serve) -> int:
     return main(s)
 
 
-def cmd_fit_exit_probe(s: FitExitProbe) -> int:
-    import sys
-
+@command("fit-exit-probe")
+def cmd_fit_exit_probe(s: FitExitProbe) -> dict:
     from ..recipes.exit_probe import fit_exit_probe
 
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if s.json else print
-    report = call_with(fit_exit_probe, s, log=log)
-    if s.json:
-        print_json(report)
-    else:
+    report = call_with(fit_exit_probe, s)
+    if not s.json:
         at = report["calib_at_threshold"]
         print(
             f"wrote {report['probe']}: threshold {report['threshold']} (calibration rows: "
             f"{at['early_exit_fraction']:.1%} of tokens leave early at {at['agreement']:.3f} agreement with the final "
             f"loop); use it with --exit-policy probe (or probe:THRESHOLD)"
         )
-    return 0
+    return report
 
 
 def _prompt_requests(s: Generate, model, tok) -> list:
@@ -253,8 +255,9 @@ def _prompt_requests(s: Generate, model, tok) -> list:
     ]
 
 
-def _print_generated(s: Generate, tok, reqs: list, seconds: float, speculator) -> None:
-    """Each prompt's continuation (or error) as text, or with --json every figure as one object."""
+def _generated(s: Generate, tok, reqs: list, seconds: float, speculator) -> dict:
+    """Every figure of a generation: per prompt its text, token ids and the loop each token left at; tokens/s; with
+    speculation the acceptance figures. ``ok``: every request finished."""
     from ..serve.speculative import figures
 
     out = [
@@ -270,19 +273,16 @@ def _print_generated(s: Generate, tok, reqs: list, seconds: float, speculator) -
         }
         for p, r in zip(s.prompt, reqs)
     ]
-    if s.json:
-        total = sum(len(r.output) for r in reqs)
-        summary = {"results": out, "seconds": round(seconds, 3)}
-        summary["tokens_per_second"] = round(total / seconds, 2) if seconds > 0 else None
-        if s.speculate != "off":
-            summary["speculation"] = {"mode": s.speculate, **figures(speculator.stats)}
-        print_json(summary)
-    else:
-        for o in out:
-            print(o["prompt"] + (o["text"] if o["status"] == "done" else f"  [error: {o['error']}]"))
+    total = sum(len(r.output) for r in reqs)
+    summary = {"ok": all(r.status == "done" for r in reqs), "results": out, "seconds": round(seconds, 3)}
+    summary["tokens_per_second"] = round(total / seconds, 2) if seconds > 0 else None
+    if s.speculate != "off":
+        summary["speculation"] = {"mode": s.speculate, **figures(speculator.stats)}
+    return summary
 
 
-def cmd_generate(s: Generate) -> int:
+@command("generate")
+def cmd_generate(s: Generate) -> dict:
     from ..models import load_model
     from ..models.quantized import load_dtype, prepare
     from ..serve import Engine
@@ -306,24 +306,8 @@ def cmd_generate(s: Generate) -> int:
     warm_up(engine)
     scheduler = make_scheduler(scheduler_name(s.scheduler, s.speculate), engine)
     res = replay(scheduler, reqs)
-    _print_generated(s, tok, reqs, res["seconds"], getattr(scheduler, "speculator", None))
-    return 0 if all(r.status == "done" for r in reqs) else 1
-
-
-COMMANDS = [
-    Command(
-        ("data", "generate"),
-        GenerateConfig,
-        cmd_data_generate,
-        "sample a training corpus from a model with the serving engine (resumable); use the directory as a source of "
-        "`looplm data build --sources ...,DIR`",
-    ),
-    Command(
-        ("fit-exit-probe",),
-        FitExitProbe,
-        cmd_fit_exit_probe,
-        "fit the learned exit probe (the `probe` exit policy) of a saved looped model on a corpus' training split",
-    ),
-    Command(("generate",), Generate, cmd_generate, "generate text with the serving engine"),
-    Command(("serve",), Serve, cmd_serve, "OpenAI-compatible HTTP server on the depth-wise engine"),
-]
+    summary = _generated(s, tok, reqs, res["seconds"], getattr(scheduler, "speculator", None))
+    if not s.json:
+        for o in summary["results"]:
+            print(o["prompt"] + (o["text"] if o["status"] == "done" else f"  [error: {o['error']}]"))
+    return summary

@@ -11,25 +11,16 @@ from pathlib import Path
 from ..settings import setting
 from ..train.heal.config import HealConfig
 from ..train.loop import TrainConfig
-from . import Command
+from . import command
 from .args import write_settings
 
 # the flags each command's help lists first, in this order (the others follow in their dataclass's order: the
 # command's own settings, then those every run has: train/settings.py RunSettings)
-TRAIN_FLAGS_FIRST = (
-    "data",
-    "out",
-    "teacher",
-    "kd",
-    "kd_weight",
-    "early_exit",
-    "max_steps",
-    "train_tokens",
-    "budget_minutes",
-)
-HEAL_FLAGS_FIRST = ("teacher", "data", "out", "budget_minutes", "train_tokens", "base_weights", "compile")
+TRAIN_FIRST = ("data", "out", "teacher", "kd", "kd_weight", "early_exit", "max_steps", "train_tokens", "budget_minutes")
+HEAL_FIRST = ("teacher", "data", "out", "budget_minutes", "train_tokens", "base_weights", "compile")
 
 
+@command("train", help="Uptrain or early-exit train a (relaxed) recursive model.", first=TRAIN_FIRST)
 def cmd_train(s: TrainConfig) -> int:
     from ..train.loop import train
 
@@ -40,6 +31,11 @@ def cmd_train(s: TrainConfig) -> int:
     return 0
 
 
+@command(
+    "heal",
+    help="Heal a converted model: layer-local, then end-to-end distillation from the original.",
+    first=HEAL_FIRST,
+)
 def cmd_heal(s: HealConfig) -> int:
     from ..recipes.heal import fill_recipe_defaults
     from ..train.heal import heal
@@ -68,10 +64,13 @@ def cmd_heal(s: HealConfig) -> int:
 
 @dataclass
 class Plot:
+    """Loss and perplexity curves of one or more runs as PNG."""
+
     runs: list[str] = setting([], "run directories of `looplm train` or `looplm heal`", positional=True, nargs="+")
     out: str | None = setting(None, "directory for the PNGs (default: the first run)")
 
 
+@command("plot")
 def cmd_plot(s: Plot) -> int:
     from ..train.plot import plot_runs
 
@@ -79,18 +78,3 @@ def cmd_plot(s: Plot) -> int:
     for p in paths:
         print(f"wrote {p}")
     return 0
-
-
-COMMANDS = [
-    Command(
-        ("train",), TrainConfig, cmd_train, "uptrain / early-exit train a (relaxed) recursive model", TRAIN_FLAGS_FIRST
-    ),
-    Command(
-        ("heal",),
-        HealConfig,
-        cmd_heal,
-        "heal a converted model: layer-local then end-to-end distillation from the original",
-        HEAL_FLAGS_FIRST,
-    ),
-    Command(("plot",), Plot, cmd_plot, "loss and perplexity curves of one or more runs as PNG"),
-]

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..models.loading import tokenizer_fingerprint
-from ..util import write_json_atomic
+from ..util import read_json, write_json_atomic
 from .generated import read_manifest
 from .sources import DEFAULT_SOURCES, resolve_sources, sha256_file
 
@@ -278,13 +278,7 @@ class PackedCorpus:
         d = Path(directory)
         if not d.exists():
             raise UsageError(f"corpus directory {d} does not exist; build it with `looplm data build --out {d}`")
-        meta_path = d / "meta.json"
-        if not meta_path.exists():
-            raise UsageError(f"{d} has no meta.json: not a finished corpus; run `looplm data build --out {d}`")
-        try:
-            self.meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{meta_path} is corrupt ({e}); re-run `looplm data build --out {d}`") from None
+        self.meta = read_json(d / "meta.json", "finished corpus", f"run `looplm data build --out {d}`")
         self.dir, self.seq_len, self.dtype = d, int(self.meta["seq_len"]), np.dtype(self.meta["dtype"])
         self.splits = {}
         for split in ("train", "heldout"):

@@ -6,8 +6,9 @@ scored (out-of-domain and in-domain perplexity, the seven-task average), the tab
 standard error, each model's training budget, and the decision: held or not held when the gap is beyond two
 standard errors, else "not decided at this budget"; a claim that A keeps B's quality is held unless A is worse
 beyond two standard errors. A claim no results file holds for one of the originals it is tested on reads "not
-run", with the command that runs it. Nothing is rescored: the suite's JSON keeps every window's loss and every
-document's score.
+run", with the command that runs it. A claim healed again with other seeds (``seeds``: the suffixes of those
+models' names) gets one more row per metric: the gap over the seeds, its error their spread beside the text's
+(stats.across_seeds). Nothing is rescored: the suite's JSON keeps every window's loss and every document's score.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ HEAL_STEPS = "data convert heal suite claims"
 class Claim:
     """The paper says model ``better`` beats model ``worse`` (suite names), or with ``keeps`` that it is no worse.
     ``runs``: experiments/paper_comparison.sh's settings that make and score both, and ``originals`` the models it
-    is tested on (each a "not run" row until a results file holds it)."""
+    is tested on (each a "not run" row until a results file holds it). ``seeds``: suffixes of the names of the pair
+    healed again with another seed (e.g. "-seed1": ``better``-seed1 against ``worse``-seed1)."""
 
     text: str
     better: str
@@ -46,6 +48,7 @@ class Claim:
     # decided on the second half of the windows and documents, after a choice made on the first (stats.half)
     halves: bool = False
     script: str = "experiments/paper_comparison.sh"
+    seeds: tuple[str, ...] = ()
 
     def command(self, original: str) -> str:
         family = f"FAMILIES={FAMILIES.get(original, original)} " if self.script.endswith("paper_comparison.sh") else ""
@@ -151,20 +154,25 @@ CLAIMS = (
 )
 
 
-def _plans(text: str, a: str, b: str, tag: str = "") -> Claim:
-    """Plan ``a`` against ``b``; with ``tag`` (-mix) both healed on the recipe's corpus, their suite names tagged."""
-    runs = f'STUDENTS="{a} {b}"'
+def _plans(text: str, a: str, b: str, tag: str = "", seeds: tuple[str, ...] = ()) -> Claim:
+    """Plan ``a`` against ``b``; with ``tag`` (-mix) both healed on the recipe's corpus, their suite names tagged;
+    ``seeds``: both healed again with these seeds too (-seedN students)."""
+    runs = f'STUDENTS="{" ".join(f"{a}{s} {b}{s}" for s in ("", *seeds))}"'
     if tag:
         a, b = a + tag, b + tag
         runs += f" HEAL_DATA=out/corpus-smollm2-135m{tag}-512 OUT=out/sharing/smollm2{tag} TAG={tag}"
-    return Claim(text, a, b, runs, halves=True, script="experiments/sharing_comparison.sh")
+    return Claim(text, a, b, runs, halves=True, script="experiments/sharing_comparison.sh", seeds=seeds)
 
 
 # Sharing plans against each other and against the reduced-size model of their own N-emb (SmolLM2-135M, B=2,
 # rank 0 unless named; names as experiments/sharing_comparison.sh gives them): chosen on the held-out split and the
 # first half of the suite's windows, decided on the second half.
 PLAN_CLAIMS = (
-    _plans("Middle-cycle (1 + 14 x 2 + 1) beats the reduced-size model of its N-emb (16 layers)", "mc", "reduced16"),
+    _plans(
+        "Middle-cycle (1 + 14 x 2 + 1) beats the reduced-size model of its N-emb (16 layers)",
+        *("mc", "reduced16"),
+        seeds=("-seed1",),
+    ),
     _plans(
         "Middle-cycle beats the reduced-size model of its N-emb, both healed on the recipe's corpus (the original's "
         "own text beside real text)",
@@ -269,6 +277,7 @@ def decide(
                             "command": result.get("reproduce") or result.get("command") or "",
                         }
                     )
+        out += _across_seeds(claim, results, resamples, seed)
         for original in (o for o in claim.originals if o not in found):
             out.append(
                 {
@@ -280,6 +289,52 @@ def decide(
                     "command": claim.command(original),
                 }
             )
+    return out
+
+
+def _across_seeds(claim: Claim, results: list[tuple[Path, dict]], resamples: int, seed: int) -> list[dict]:
+    """With ``claim.seeds``: for every metric (and half) that two or more seeds' pairs were scored on, the gap over
+    the seeds with the seeds' spread in its error; each seed's pair is read from the first file holding it."""
+    gaps: dict[tuple, list[dict]] = {}
+    for suffix in ("", *claim.seeds):
+        a, b = claim.better + suffix, claim.worse + suffix
+        held = next(((p, r) for p, r in results if {a, b} <= {row["name"] for row in r["rows"]}), None)
+        if held is None:
+            continue
+        path, result = held
+        reference, budget = result["rows"][0]["model"], stats.row_by_name(result["rows"], a).get("budget")
+        for part in stats.HALVES if claim.halves else (None,):
+            cut = stats.half(result, part) if part else result
+            for metric in (m for m in CLAIM_METRICS if m in stats.metrics_of(cut)):
+                c = stats.compare(cut, a, b, metric, resamples, seed)
+                seen = {"gap": (c["difference"], c["se"]), "path": path, "result": result, "budget": budget}
+                gaps.setdefault((reference, part, metric), []).append(seen)
+    out = []
+    for (reference, part, metric), got in gaps.items():
+        if len(got) < 2:
+            continue
+        difference, se = stats.across_seeds([g["gap"] for g in got])
+        verdict = stats.verdict(difference, se, claim.better, claim.worse, lower_is_better=metric != "average")
+        name = metric_name(metric, got[0]["result"]) + (f", {part} half" if part else "") + f", over {len(got)} seeds"
+        out.append(
+            {
+                "claim": claim.text,
+                "better": claim.better,
+                "worse": claim.worse,
+                "reference": reference,
+                "metric": metric,
+                "half": part,
+                "seeds": len(got),
+                "metric_name": name,
+                "difference": difference,
+                "se": se,
+                "number": _number({"metric": metric, "difference": difference, "se": se}),
+                "budget": " / ".join(sorted({g["budget"] or "as given" for g in got})),
+                "decision": decision(verdict, claim) + (" (chooses)" if part == "select" else ""),
+                "results": str(got[-1]["path"]),
+                "command": claim.command(reference),
+            }
+        )
     return out
 
 
@@ -309,6 +364,12 @@ def markdown(entries: list[dict], title: str = "The paper's claims", base: str |
             "Each pair is compared on two halves: the held-out split and the first half of every out-of-domain "
             "domain's windows and every task's documents choose (rows marked \"chooses\"); the second half, which "
             "the choice never saw, decides.",
+        ]
+    if any(e.get("seeds") for e in entries):
+        lines += [
+            "",
+            'Rows "over N seeds": the pair healed with N seeds, scored on the same text; the gap is the seeds\' '
+            "mean, and its error adds their spread to the text's.",
         ]
     lines += [
         "",

@@ -156,28 +156,19 @@ def heldout_sources(text: str | None, data: str | None) -> dict:
     return {"heldout_sample": sample_text()}
 
 
-def score_source(
-    model,
-    tok,
-    source,
-    seq_len: int = 512,
-    batch_size: int = 4,
-    exit_loop: int | None = None,
-    max_tokens: int | None = None,
-    progress: bool = False,
-) -> dict:
-    """Perplexity of one text, or of the held-out rows of a packed corpus (cut to ``seq_len``)."""
+def score_sources(model, tok, sources: dict, seq_len: int = 512, **kw) -> dict:
+    """`looplm eval ppl`'s result: the perplexity of every source of ``heldout_sources`` (a text, or the held-out rows
+    of a packed corpus, cut to ``seq_len``; ``kw``: ``perplexity``'s batch_size, exit_loop, max_tokens, progress),
+    and over several their token-weighted perplexity, each one's under "files"."""
+    results = {name: _score_source(model, tok, source, seq_len, kw) for name, source in sources.items()}
+    if len(results) == 1:
+        return {**next(iter(results.values())), "name": "+".join(results)}
+    return {**combine(results), "name": "+".join(results), "files": results}
+
+
+def _score_source(model, tok, source, seq_len: int, kw: dict) -> dict:
     if isinstance(source, str):
-        return perplexity(
-            model,
-            tok,
-            source,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            exit_loop=exit_loop,
-            max_tokens=max_tokens,
-            progress=progress,
-        )
+        return perplexity(model, tok, source, seq_len=seq_len, **kw)
     from ..models.loading import tokenizer_fingerprint
 
     if tokenizer_fingerprint(tok) != source.tokenizer:
@@ -189,15 +180,7 @@ def score_source(
     if len(rows) == 0:
         raise UsageError(f"the corpus {source.dir} has no held-out split; rebuild it with a held-out fraction")
     windows = [row[i : i + seq_len].tolist() for row in rows for i in range(0, len(row), seq_len)]
-    return score_windows(
-        model,
-        tok,
-        [w for w in windows if len(w) > 1],
-        batch_size=batch_size,
-        exit_loop=exit_loop,
-        max_tokens=max_tokens,
-        progress=progress,
-    )
+    return score_windows(model, tok, [w for w in windows if len(w) > 1], **kw)
 
 
 def combine(results: dict) -> dict:

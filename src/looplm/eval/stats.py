@@ -81,6 +81,19 @@ def verdict(difference: float, se: float, a: str, b: str, lower_is_better: bool)
     return f"{a} better" if a_lower == lower_is_better else f"{b} better"
 
 
+def across_seeds(gaps: list[tuple[float, float]]) -> tuple[float, float]:
+    """One pair's gap when both were healed again with other seeds and scored on the same text: ``gaps`` holds each
+    seed's (difference, standard error). The gap is the seeds' mean; its error adds the seeds' spread (the standard
+    error of their mean) to the text's. The seeds share the windows and documents, so the text's error does not
+    average away over them: it enters as the seeds' mean standard error, not divided by their number."""
+    if len(gaps) < 2:
+        raise UsageError("the spread of seeds needs at least two seeds")
+    differences = np.array([g[0] for g in gaps])
+    spread = differences.std(ddof=1) / math.sqrt(len(gaps))
+    text = float(np.mean([g[1] for g in gaps]))
+    return float(differences.mean()), math.hypot(spread, text)
+
+
 def perplexity_stats(
     rows: list[dict], key: str, resamples: int = RESAMPLES, seed: int = SEED
 ) -> tuple[list[str], np.ndarray] | None:

@@ -150,8 +150,8 @@ def run_suite(
     compare: list[tuple[str, str]] | None = None,
     resamples: int = stats.RESAMPLES,
     seed: int = stats.SEED,
-    scored: list[dict] | None = None,
-    on_row=None,
+    out: str | Path | None = None,
+    resume: bool = False,
     log=print,
     progress: bool = False,
 ) -> dict:
@@ -159,9 +159,11 @@ def run_suite(
     its standard error and interval, and ``compare``'s pairs of names (default: the first non-reference model
     against every later one) on every metric scored.
 
-    ``scored``: rows of an earlier run with the same settings (``settings``); a row of the same name and model is
-    kept instead of scored again. ``on_row(rows)`` is called after each model, e.g. to save a partial result;
-    ``progress``: a bar per domain and per task on stderr."""
+    ``out``: OUT.json keeps the rows scored so far, saved after each model; with ``resume`` a row it already holds
+    (the same name and model, scored with the same ``settings``) is kept instead of scored again. ``progress``: a
+    bar per domain and per task on stderr."""
+    if resume and out is None:
+        raise UsageError("--resume continues the result in --out: give --out too")
     names = parse_domains(domains)
     corpus = _heldout_corpus(data)
     labelled = _labelled_specs(specs, compare)
@@ -175,12 +177,19 @@ def run_suite(
         "batch_size": batch_size,
         "progress": progress,
     }
-    earlier = {(r["name"], r["model"]): r for r in scored or [] if r.get("tokenizer")}
-    rows = _score_rows(labelled, earlier, data, score, on_row, log)
+    expected = settings(names, windows, seq_len, data, tasks, limit)
+    js = Path(out).with_suffix(".json") if out is not None else None
+    earlier = {(r["name"], r["model"]): r for r in earlier_rows(js, expected) if r.get("tokenizer")} if resume else {}
+
+    def save_partial(rows):  # each scored model is kept at once: resume goes on from it
+        js.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(js, {**expected, "partial": True, "rows": rows})
+
+    rows = _score_rows(labelled, earlier, data, score, save_partial if js is not None else None, log)
     _add_ratios(rows)
     result = {
         "reference": rows[0]["name"],
-        **settings(names, windows, seq_len, data, tasks, limit),
+        **expected,
         # the text the held-out figures are measured on
         **({"in_domain_sources": corpus.sources_of("heldout", windows)} if corpus is not None else {}),
         "rows": rows,

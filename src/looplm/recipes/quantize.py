@@ -20,9 +20,7 @@ def _note(message: str) -> None:
 class QuantizeConfig:
     """How `looplm quantize` (and ``quantize_model``) stores a float model with int8 or int4 weights."""
 
-    model: str | None = setting(
-        None, "a float model: embedded name or looplm directory", positional=True, required=True
-    )
+    model: str | None = setting(None, "a float model: embedded name or looplm directory", positional=True)
     out: str | None = setting(None, "directory of the quantized model", required=True)
     weights: str = setting(
         "int4",

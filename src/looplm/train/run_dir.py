@@ -64,21 +64,26 @@ FORMER_NAMES = {
 }
 
 
+# values renamed since: a run directory saved before records them by the former value
+FORMER_VALUES = {"base_weights": {"float": "fp32"}}  # heal
+
+
 def current_names(config: dict) -> dict:
-    """A saved config with every setting under its current name (FORMER_NAMES), in its order. A config that holds
-    both names (never written so) keeps both, and the current one is read."""
+    """A saved config with every setting under its current name (FORMER_NAMES) and value (FORMER_VALUES), in its
+    order. A config that holds both names (never written so) keeps both, and the current one is read."""
     renamed = {}
     for name, value in config.items():
         new = FORMER_NAMES.get(name, name)
+        value = FORMER_VALUES.get(new, {}).get(value, value) if isinstance(value, str) else value
         renamed[name if new in config and new != name else new] = value
     return renamed
 
 
 def changed_settings(saved: dict, cfg, fixed: tuple[str, ...], former_defaults: dict) -> list[str]:
     """The settings in ``fixed`` that ``cfg`` (a dataclass) sets otherwise than the run it resumes did, as
-    "name: was -> now". ``saved`` may name settings by a former name (FORMER_NAMES). A setting the run did not
-    record had its default then: ``former_defaults`` names the defaults that changed since, the dataclass's field
-    the others."""
+    "name: was -> now". ``saved`` may name settings by a former name or value (FORMER_NAMES, FORMER_VALUES). A
+    setting the run did not record had its default then: ``former_defaults`` names the defaults that changed since,
+    the dataclass's field the others."""
     saved = current_names(saved)
     fields = type(cfg).__dataclass_fields__
     was = {k: saved.get(k, former_defaults.get(k, fields[k].default)) for k in fixed}

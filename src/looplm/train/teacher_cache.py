@@ -36,7 +36,7 @@ import torch
 from ..data.corpus import PackedCorpus, sha256_file
 from ..errors import UsageError
 from ..models.config import architecture
-from ..util import write_json_atomic
+from ..util import read_json, write_json_atomic
 
 FORMAT = 1
 
@@ -67,13 +67,7 @@ class TeacherCache:
 
     def __init__(self, directory: str | Path, verify: bool = True):
         d = Path(directory)
-        meta_path = d / "meta.json"
-        if not meta_path.exists():
-            raise UsageError(f"{d} holds no finished teacher cache (no meta.json); delete it and re-run to rebuild")
-        try:
-            self.meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{meta_path} is corrupt ({e}); delete {d} and re-run to rebuild the cache") from None
+        self.meta = read_json(d / "meta.json", "finished teacher cache", f"delete {d} and re-run to rebuild it")
         self.dir = d
         L1, n, t, hdim = self.meta["shape"]
         path = d / "states.bin"

@@ -14,7 +14,7 @@ from ..settings import RunSettings
 LOCAL_MODES = ("parallel", "sequential")
 E2E_ROWS = ("cache", "online")
 EXIT_TARGETS = ("teacher", "final")
-BASE_WEIGHTS = ("float", "int4", "int8")
+BASE_WEIGHTS = ("fp32", "int4", "int8")
 
 
 DEFAULT_HEAL_MINUTES = 60.0  # the budget the healing recipe is measured at
@@ -26,9 +26,7 @@ class HealConfig(RunSettings):
     """`looplm heal`'s settings; a None is chosen by the recipe when the command line leaves it out
     (recipes/heal.py ``fill_recipe_defaults``)."""
 
-    model: str = setting(
-        "", "the converted model (looplm directory from `looplm convert`)", positional=True, required=True
-    )
+    model: str = setting("", "the converted model (looplm directory from `looplm convert`)", positional=True)
     teacher: str | None = setting(
         None, "the original model it was converted from (default: the one its conversion recorded)"
     )
@@ -53,12 +51,11 @@ class HealConfig(RunSettings):
         renamed_from=("--tokens",),
     )
     base_weights: str = setting(
-        "float",
+        "fp32",
         "int8, int4: round the shared weights to this format first (GPTQ) and keep them frozen, so that the LoRA, "
         "norms and biases learn around the rounding the served model will have (`looplm quantize --weights FMT` "
         "then rounds nothing new)",
-        choices=("fp32", "int8", "int4"),
-        spelled={"float": "fp32"},  # "float" in run.json, so that earlier runs resume
+        choices=BASE_WEIGHTS,
     )
     compile: bool | None = setting(
         None,

@@ -94,7 +94,7 @@ def heal(cfg: HealConfig, log=print) -> dict:
     cache_original(run)
     if "plan" not in run.settings:
         plan_budget(run)
-    if run.cfg.base_weights != "float" and not resumed:
+    if run.cfg.base_weights != "fp32" and not resumed:
         stages.round_base(run)  # a resumed run's checkpoint holds the rounded weights already
     if not run.evals("converted"):
         run.log_eval(tag="converted")

@@ -60,7 +60,7 @@ def unfreeze(module, base_weights: str) -> list[torch.nn.Parameter]:
     """``module``'s parameters made trainable and returned, except the shared weights when they were rounded
     (``--base-weights``): those stay frozen on their grid, and the LoRA, norms and biases learn around them."""
     module.requires_grad_(True)
-    if base_weights != "float":
+    if base_weights != "fp32":
         for _, lin in linears(module):
             lin.weight.requires_grad_(False)
     return [p for p in module.parameters() if p.requires_grad]
