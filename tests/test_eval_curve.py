@@ -64,6 +64,12 @@ def test_scatter_about_the_line_widens_the_interval(tmp_path):
     noisy = build_curve([result_file(tmp_path / "b.json", TOKENS, noise=(0.1, -0.1, 0.1, -0.1))])
     width = lambda c: c["fit"]["b_high"] - c["fit"]["b_low"]  # noqa: E731
     assert noisy["fit"]["reduced_chi2"] > 1 and width(noisy) > 2 * width(exact)
+    # the band holds the fitted line and is wider where the scatter is
+    band, f = noisy["band"], noisy["fit"]
+    line = np.exp(f["a"] * np.array(band["tokens"]) ** -f["b"])
+    assert np.all(np.array(band["low"]) <= line) and np.all(line <= np.array(band["high"]))
+    spread = lambda c: np.array(c["band"]["high"]) / np.array(c["band"]["low"])  # noqa: E731
+    assert np.all(spread(noisy) >= spread(exact))
 
 
 def test_points_from_several_files_scored_alike_make_one_curve(tmp_path):

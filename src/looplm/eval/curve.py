@@ -90,6 +90,14 @@ def tokens_for(fit: dict, ratio: float, draws: np.ndarray) -> dict:
     return {"ratio": ratio, "tokens": point, "low": float(low), "high": float(high)}
 
 
+def band(draws: np.ndarray, tokens: np.ndarray) -> dict:
+    """The fit's 95% band of the out-of-domain ratio at ``tokens``, from the coefficient draws."""
+    with np.errstate(over="ignore"):  # a steep draw's ratio far from its points: inf, beyond the band
+        ratios = np.exp(np.exp(draws[:, :1] + draws[:, 1:] * np.log(tokens)[None, :]))
+    low, high = np.percentile(ratios, [2.5, 97.5], axis=0)
+    return {"tokens": tokens.tolist(), "low": low.tolist(), "high": high.tolist()}
+
+
 def _point(row: dict) -> dict:
     st = row.get("ood_ratio_stats") or {}
     lambada = (row.get("tasks") or {}).get("lambada") or {}
@@ -134,6 +142,7 @@ def build_curve(paths: list[str], targets: tuple[float, ...] = TARGETS, seed: in
             "reduced_chi2": fit["chi2"],
         },
         "targets": [tokens_for(fit, r, draws) for r in targets],
+        "band": band(draws, np.geomspace(tokens.min() / 2, tokens.max() * 8, 60)),
         "seed": seed,
     }
 
@@ -174,6 +183,7 @@ def plot(curve: dict, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     pts, f = curve["points"], curve["fit"]
     x = np.array([p["heal_tokens"] for p in pts], dtype=float)
@@ -181,11 +191,16 @@ def plot(curve: dict, path: Path) -> Path:
     y = np.array([p["ood_ratio"] for p in pts])
     err = [y - np.array([p["ood_low"] for p in pts]), np.array([p["ood_high"] for p in pts]) - y]
     ax.errorbar(x, y, yerr=err, ls="none", marker="o", capsize=3, label="healed (95% interval)")
-    grid = np.geomspace(x.min() / 2, x.max() * 8, 100)
+    grid = np.array(curve["band"]["tokens"])
     ax.plot(grid, np.exp(f["a"] * grid ** -f["b"]), ls="--", color="C1", label=f"fit: {f['form']}, b={f['b']:.2f}")
+    ax.fill_between(grid, curve["band"]["low"], curve["band"]["high"], color="C1", alpha=0.15, label="95% band")
     for t in curve["targets"]:
         ax.axhline(t["ratio"], color="grey", lw=0.6, ls=":")
+        ax.annotate(f"{t['ratio']}x", (grid[0], t["ratio"]), fontsize=7, color="grey", va="bottom")
     ax.set(xscale="log", yscale="log", xlabel="healing tokens", ylabel="out-of-domain perplexity (x original)")
+    ax.set_ylim(min(t["ratio"] for t in curve["targets"]) * 0.9, max(y) * 1.6)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.legend(fontsize=8)
     lam = [p for p in pts if p["lambada"] is not None]
     if lam:
