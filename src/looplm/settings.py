@@ -46,8 +46,8 @@ def setting(default, help: str, **options) -> Field:
     help: the argument's help (the default is added to it by the help formatter, unless the help names it).
     The options (keywords; any other is refused):
     flag: the flag's name (default ``--`` and the field's name with dashes).
-    positional: an argument, not a flag: it must be given where its default is None, else it may be left out; ``nargs``
-        "+" or "*" takes a list.
+    positional: an argument, not a flag: it must be given where its default is None, else it may be left out;
+        ``nargs`` "?" leaves it out at None too, "+" or "*" takes a list.
     repeat: a flag that may be given again, each value added to a list (the default: an empty list).
     parse: the function that turns the text into the value (default: the field's type).
     choices, metavar: as argparse's.

@@ -180,12 +180,7 @@ def run_suite(
     expected = settings(names, windows, seq_len, data, tasks, limit)
     js = Path(out).with_suffix(".json") if out is not None else None
     earlier = {(r["name"], r["model"]): r for r in earlier_rows(js, expected) if r.get("tokenizer")} if resume else {}
-
-    def save_partial(rows):  # each scored model is kept at once: resume goes on from it
-        js.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(js, {**expected, "partial": True, "rows": rows})
-
-    rows = _score_rows(labelled, earlier, data, score, save_partial if js is not None else None, log)
+    rows = _score_rows(labelled, earlier, data, score, _partial_saver(js, expected), log)
     _add_ratios(rows)
     result = {
         "reference": rows[0]["name"],
@@ -200,6 +195,19 @@ def run_suite(
     pairs = stats.default_pairs(result) if compare is None else compare
     result["comparisons"] = stats.comparisons(result, pairs, resamples, seed)
     return result
+
+
+def _partial_saver(js: Path | None, expected: dict):
+    """``save(rows)``: OUT.json with the rows scored so far, after each model, so that a resume goes on from it; None
+    without an OUT."""
+    if js is None:
+        return None
+
+    def save(rows: list[dict]) -> None:
+        js.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(js, {**expected, "partial": True, "rows": rows})
+
+    return save
 
 
 def _heldout_corpus(data: str | None):

@@ -76,6 +76,7 @@ class TrainConfig(RunSettings):
         "the student: embedded name, looplm/HF directory or .gguf (convert first with `looplm convert`; default with "
         "--resume: the run's)",
         positional=True,
+        nargs="?",  # optional: a resumed run names its model itself
     )
     data: str = setting("", "corpus dir from `looplm data build`", required=True)
     out: str | None = refine(RunSettings, "out", required=True)
