@@ -237,6 +237,35 @@ def _number(c: dict) -> str:
     return f"{c['difference']:+.4f} ± {c['se']:.4f} ({100 * math.expm1(c['difference']):+.1f}% ppl)"
 
 
+def _metrics(claim: Claim, result: dict):
+    """(half, the result cut to it, metric) for each metric a claim is decided on: on both halves with ``halves``."""
+    for part in stats.HALVES if claim.halves else (None,):
+        cut = stats.half(result, part) if part else result
+        scored = stats.metrics_of(cut)
+        for metric in (m for m in CLAIM_METRICS if m in scored):
+            yield part, cut, metric
+
+
+def _entry(claim: Claim, reference: str, part, metric: str, name: str, c: dict, budget: str, path, command) -> dict:
+    """A decided row: ``c`` holds the gap A - B (difference, se) and its verdict."""
+    return {
+        "claim": claim.text,
+        "better": claim.better,
+        "worse": claim.worse,
+        "reference": reference,
+        "metric": metric,
+        "half": part,
+        "metric_name": name + (f", {part} half" if part else ""),
+        "difference": c["difference"],
+        "se": c["se"],
+        "number": _number({"metric": metric, **c}),
+        "budget": budget,
+        "decision": decision(c["verdict"], claim) + (" (chooses)" if part == "select" else ""),
+        "results": str(path),
+        "command": command,
+    }
+
+
 def decide(
     claims: tuple[Claim, ...], results: list[tuple[Path, dict]], resamples: int = stats.RESAMPLES, seed: int = 0
 ) -> list[dict]:
@@ -252,31 +281,16 @@ def decide(
                 continue
             reference = result["rows"][0]["model"]
             found.add(reference)
-            for part in stats.HALVES if claim.halves else (None,):
-                cut = stats.half(result, part) if part else result
-                scored = stats.metrics_of(cut)
-                for metric in (m for m in CLAIM_METRICS if m in scored and (reference, part, m) not in decided):
-                    decided.add((reference, part, metric))
-                    c = stats.compare(cut, claim.better, claim.worse, metric, resamples, seed)
-                    budgets = [rows[n].get("budget") or "as given" for n in (claim.better, claim.worse)]
-                    out.append(
-                        {
-                            "claim": claim.text,
-                            "better": claim.better,
-                            "worse": claim.worse,
-                            "reference": reference,
-                            "metric": metric,
-                            "half": part,
-                            "metric_name": metric_name(metric, result) + (f", {part} half" if part else ""),
-                            "difference": c["difference"],
-                            "se": c["se"],
-                            "number": _number(c),
-                            "budget": budgets[0] if budgets[0] == budgets[1] else " / ".join(budgets),
-                            "decision": decision(c["verdict"], claim) + (" (chooses)" if part == "select" else ""),
-                            "results": str(path),
-                            "command": result.get("reproduce") or result.get("command") or "",
-                        }
-                    )
+            budgets = [rows[n].get("budget") or "as given" for n in (claim.better, claim.worse)]
+            budget = budgets[0] if budgets[0] == budgets[1] else " / ".join(budgets)
+            command = result.get("reproduce") or result.get("command") or ""
+            for part, cut, metric in _metrics(claim, result):
+                if (reference, part, metric) in decided:
+                    continue
+                decided.add((reference, part, metric))
+                c = stats.compare(cut, claim.better, claim.worse, metric, resamples, seed)
+                name = metric_name(metric, result)
+                out.append(_entry(claim, reference, part, metric, name, c, budget, path, command))
         out += _across_seeds(claim, results, resamples, seed)
         for original in (o for o in claim.originals if o not in found):
             out.append(
@@ -303,38 +317,21 @@ def _across_seeds(claim: Claim, results: list[tuple[Path, dict]], resamples: int
             continue
         path, result = held
         reference, budget = result["rows"][0]["model"], stats.row_by_name(result["rows"], a).get("budget")
-        for part in stats.HALVES if claim.halves else (None,):
-            cut = stats.half(result, part) if part else result
-            for metric in (m for m in CLAIM_METRICS if m in stats.metrics_of(cut)):
-                c = stats.compare(cut, a, b, metric, resamples, seed)
-                seen = {"gap": (c["difference"], c["se"]), "path": path, "result": result, "budget": budget}
-                gaps.setdefault((reference, part, metric), []).append(seen)
+        for part, cut, metric in _metrics(claim, result):
+            c = stats.compare(cut, a, b, metric, resamples, seed)
+            seen = {"gap": (c["difference"], c["se"]), "path": path, "result": result, "budget": budget}
+            gaps.setdefault((reference, part, metric), []).append(seen)
     out = []
     for (reference, part, metric), got in gaps.items():
         if len(got) < 2:
             continue
         difference, se = stats.across_seeds([g["gap"] for g in got])
         verdict = stats.verdict(difference, se, claim.better, claim.worse, lower_is_better=metric != "average")
-        name = metric_name(metric, got[0]["result"]) + (f", {part} half" if part else "") + f", over {len(got)} seeds"
-        out.append(
-            {
-                "claim": claim.text,
-                "better": claim.better,
-                "worse": claim.worse,
-                "reference": reference,
-                "metric": metric,
-                "half": part,
-                "seeds": len(got),
-                "metric_name": name,
-                "difference": difference,
-                "se": se,
-                "number": _number({"metric": metric, "difference": difference, "se": se}),
-                "budget": " / ".join(sorted({g["budget"] or "as given" for g in got})),
-                "decision": decision(verdict, claim) + (" (chooses)" if part == "select" else ""),
-                "results": str(got[-1]["path"]),
-                "command": claim.command(reference),
-            }
-        )
+        c = {"difference": difference, "se": se, "verdict": verdict}
+        name = metric_name(metric, got[0]["result"]) + f", over {len(got)} seeds"
+        budget = " / ".join(sorted({g["budget"] or "as given" for g in got}))
+        entry = _entry(claim, reference, part, metric, name, c, budget, got[-1]["path"], claim.command(reference))
+        out.append({**entry, "seeds": len(got)})
     return out
 
 
