@@ -542,11 +542,33 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
 
 
+@pytest.mark.parametrize(
+    "budget, compiled",
+    [
+        ({"train_tokens": 99_999}, False),
+        ({"train_tokens": 100_000}, True),
+        ({"budget_minutes": 9}, False),
+        ({"budget_minutes": 10}, True),
+    ],
+)
+def test_heal_compiles_from_ten_minutes_or_100k_tokens_where_a_compiler_is(tmp_path, monkeypatch, budget, compiled):
+    from looplm.recipes import heal as recipe
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(recipe, "cpu_compiler", lambda: "cc")
+    s = HealConfig(model=str(tmp_path), teacher="t", data="d", out="o", **budget)
+    assert recipe.fill_recipe_defaults(s) == ["compiled" if compiled else "not compiled"] and s.compile is compiled
+    monkeypatch.setattr(recipe, "cpu_compiler", lambda: None)
+    s = HealConfig(model=str(tmp_path), teacher="t", data="d", out="o", **budget)
+    recipe.fill_recipe_defaults(s)
+    assert s.compile is (compiled and torch.cuda.is_available())  # no compiler: only CUDA's triton
+
+
 def test_heal_fills_what_the_command_line_leaves_out_and_says_so(setup, tmp_path):
-    """Without --teacher the conversion's recorded source teaches; without --out the run goes to
-    out/<model>-healed; a time budget defaults to the recipe's hour (compiled) and a token budget stays
-    uncompiled; the choices are printed. A model that records no source, or is no converted directory, is
-    refused in one line that names the fix."""
+    """Without --teacher the conversion's recorded source teaches; without --out the run goes to out/<model>-healed;
+    a time budget defaults to the recipe's hour (compiled), and a token budget compiles from COMPILE_TOKENS on (this
+    one, below, stays uncompiled); the choices are printed. A model that records no source, or is no converted
+    directory, is refused in one line that names the fix."""
     tmp, models, corpus = setup
     student = tmp_path / "student"
     shutil.copytree(models["student"], student)
@@ -839,7 +861,8 @@ def test_e2e_weight_average_is_evaluated_beside_the_weights_ends_the_stage_and_r
             with pytest.raises(KeyboardInterrupt):
                 heal(cfg, log=lambda *a: None)
             monkeypatch.setattr(heal_steps, "e2e_step", step)
-            assert (out / "checkpoints" / (out / "latest").read_text().strip() / "average.pt").exists()
+            latest = out / "checkpoints" / (out / "latest").read_text().strip()
+            assert set(torch.load(latest / "training.pt")) == {"optimizer", "average"}
             cfg.resume = True
         r = heal(cfg, log=lambda *a: None)
         records = metrics(out)

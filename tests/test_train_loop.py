@@ -11,12 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_train_fixtures import SRC, build_corpus, free_port, make_models, metrics, run_cli
+from test_train_fixtures import ROOT, SRC, build_corpus, free_port, make_models, metrics, run_cli
 
 from looplm.commands import main
 from looplm.models import load_model
+from looplm.models.checkpoint import load_checkpoint
 from looplm.train.loop import TrainConfig, batch_indices, lr_lambda_factory, train
 from looplm.util import cpu_model
+
+FSDP_CONFIG = ROOT / "configs" / "accelerate" / "fsdp.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,10 @@ def test_kill9_then_resume_repeats_the_uninterrupted_losses(setup):
     assert ckpts == ["step-0000032", "step-0000036"] and (cut / "latest").read_text().strip() == "step-0000036"
 
 
-def test_two_gloo_processes_equal_one_process(setup):
+@pytest.mark.parametrize("launch", ["data-parallel", "fsdp"])
+def test_two_gloo_processes_equal_one_process(setup, launch):
+    """Two processes, whole (the gradients averaged after the backward) or with the layers sharded (FSDP2, the
+    config's launch), take one process's steps: the same losses, step by step."""
     tmp, models, corpus = setup
     args = [
         models["student"],
@@ -121,43 +127,34 @@ def test_two_gloo_processes_equal_one_process(setup):
         "fp32",
         "--no-progress",
     ]
-    r1 = run_cli("train", *args, "--out", tmp / "one", "--batch-size", 2, "--grad-accum", 2)
-    assert r1.returncode == 0, r1.stderr
+    one = tmp / "one"
+    if not (one / "final").exists():
+        r1 = run_cli("train", *args, "--out", one, "--batch-size", 2, "--grad-accum", 2)
+        assert r1.returncode == 0, r1.stderr
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    if launch == "fsdp":  # with no GPU, accelerate launch starts gloo processes on the CPU
+        starter = ["accelerate.commands.launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "2"]
+        starter += ["--main_process_port", str(free_port())]
+    else:
+        starter = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    two = tmp / f"two-{launch}"
+    command = [sys.executable, "-m", *starter, "-m", "looplm", "train", *map(str, args), "--out", str(two)]
     r2 = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "looplm",
-            "train",
-            *map(str, args),
-            "--out",
-            str(tmp / "two"),
-            "--batch-size",
-            "1",
-            "--grad-accum",
-            "2",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        command + ["--batch-size", "1", "--grad-accum", "2"], env=env, capture_output=True, text=True, timeout=240
     )
     assert r2.returncode == 0, r2.stderr
-    run = json.loads((tmp / "two" / "run.json").read_text())
+    run = json.loads((two / "run.json").read_text())
     assert run["world"] == 2 and run["global_batch"] == 4
-    a, b = metrics(tmp / "one"), metrics(tmp / "two")
+    a, b = metrics(one), metrics(two)
     assert len(a) == len(b) == 7
     for x, y in zip(a, b):
         for k in ("loss", "ce_1", "ce_2", "kd", "eval_loss_1", "eval_loss_2"):
             if k in x:
                 assert abs(x[k] - y[k]) <= 1e-5, (x["step"], k, x[k], y[k])
+    # the final model holds the whole weights, however they were held in training
+    final_one, final_two = load_checkpoint(one / "final"), load_checkpoint(two / "final")
+    for (n, p), q in zip(final_one.state_dict().items(), final_two.state_dict().values()):
+        assert torch.allclose(p, q, atol=1e-5), n
 
 
 def _cfg(setup, out, **kw):

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import UsageError
 from ..models.checkpoint import read_config
-from ..train.heal.config import COMPILE_MINUTES, DEFAULT_HEAL_MINUTES, HealConfig
+from ..train.heal.config import COMPILE_MINUTES, COMPILE_TOKENS, DEFAULT_HEAL_MINUTES, HealConfig
 from ..util import cpu_compiler
 from .teacher_text import recipe_corpus
 
@@ -37,6 +37,7 @@ def fill_recipe_defaults(s: HealConfig) -> list[str]:
         chosen.append(f"{s.budget_minutes:g} minutes")
     if s.compile is None:
         compiler = torch.cuda.is_available() or cpu_compiler() is not None
-        s.compile = bool(s.budget_minutes and s.budget_minutes >= COMPILE_MINUTES and compiler)
+        long = (s.budget_minutes or 0) >= COMPILE_MINUTES or (s.train_tokens or 0) >= COMPILE_TOKENS
+        s.compile = bool(long and compiler)
         chosen.append("compiled" if s.compile else "not compiled")
     return chosen

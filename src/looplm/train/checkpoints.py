@@ -1,109 +1,93 @@
-"""Checkpoints of a `looplm train` run: what each holds (the model directory, Accelerate's state of every
-process, state.json), written into the shared run directory (run_dir.py) by every process together; and the final
-model, whose config records the rows the run read."""
+"""Checkpoints of a training run, `looplm train`'s and healing's alike: one format, one writer, one reader.
+
+A checkpoint is a looplm model directory (config.json, model.safetensors, tokenizer: `looplm eval` reads it as it is)
+with state.json beside it (where the run is: the recipe's position) and training.pt (what the recipe's stage keeps
+besides the weights: AdamW's moments, the schedule, a weight average), every tensor whole. It is written under a
+temporary name and committed whole (run_dir.py): a kill never leaves a half checkpoint, and the newest ``keep``
+stay. On several processes all take part in gathering what FSDP shards (``full_state``: collective) and the main
+process writes; data parallel, every process holds the same state and the main one alone writes it."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-from ..errors import UsageError
+import torch
+
 from ..util import write_json_atomic
+from .distributed import full_state
 from .run_dir import RunDir
-from .step_loop import Position
+
+TRAINING = "training.pt"
+# what checkpoints written before training.pt hold instead: Accelerate's state (`looplm train`), or the optimizer's
+# and the weight average's state in files of their own (healing)
+FORMER_TRAINING = {
+    "optimizer": ("accelerate/optimizer.bin", "optimizer.pt"),
+    "scheduler": ("accelerate/custom_checkpoint_0.pkl",),  # the one object the Trainer registered
+    "average": ("average.pt",),
+}
 
 
-class Checkpoints:
-    """The Trainer's checkpoint methods (a mixin: they read the Trainer's accelerator, model, config and corpus)."""
+class Checkpointer:
+    """Writes and reads the checkpoints of the run directory ``run_dir``; ``sharded``: the model's layers are sharded
+    over ``processes`` (FSDP), so every process takes part in a save."""
 
-    def _save(self, out: Path, position: Position) -> None:
-        acc, run, step = self.acc, RunDir(out), position.step
-        name = f"step-{step:07d}"
-        tmp = run.checkpoints / f".{name}.tmp"
-        if acc.is_main_process:
-            run.staging(name).mkdir(parents=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp / "accelerate"), safe_serialization=False)
-        self._export(tmp, step)
-        if acc.is_main_process:
-            write_json_atomic(
-                tmp / "state.json",
-                {
-                    "step": step,
-                    "tokens": position.tokens,
-                    "time": position.time,
-                    "global_batch": self.global_batch,
-                    "world": self.world,
-                    "epoch": step // (len(self.corpus) // self.global_batch),
-                },
-            )
-            run.commit(tmp, name, self.cfg.keep, order=lambda p: p.name)  # step-NNNNNNN: names sort by step
-        acc.wait_for_everyone()
+    def __init__(self, run_dir: RunDir, processes, sharded: bool, keep: int):
+        self.run_dir, self.processes, self.sharded, self.keep = run_dir, processes, sharded, keep
+        self.main = processes.is_main_process
 
-    def _export(self, directory: Path, step: int) -> None:
-        """Write the student as a looplm model directory (config.json, model.safetensors, tokenizer), its
-        config recording the rows read up to ``step``. Every process must call it: under FSDP / ZeRO-3
-        gathering the full weights is collective."""
-        from safetensors.torch import save_file
+    def save(self, name: str, model, tok, state: dict, training: dict | None = None) -> None:
+        """Checkpoint ``name``: ``model`` (a LoopLMForCausalLM, its config as it should be read back) with ``tok``,
+        ``state`` (JSON) and ``training`` (state dicts), committed as the latest."""
+        from ..models.checkpoint import save_checkpoint
 
-        sd = self.acc.get_state_dict(self.module)
-        if not self.acc.is_main_process:
+        if not (self.main or self.sharded):
             return
-        directory.mkdir(parents=True, exist_ok=True)
-        lm = self.acc.unwrap_model(self.module).lm
-        sd = {k[len("lm.") :]: v for k, v in sd.items() if k.startswith("lm.")}
-        if lm.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        lm.config.conversion = {
-            **(lm.config.conversion or {}),
-            "training": self.prior_training + [self.training_record(step)],
-        }
-        lm.config.save_pretrained(str(directory))
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in sd.items()},
-            str(directory / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        self.tok.save_pretrained(str(directory))
+        weights = full_state(model.state_dict(), keep=self.main)
+        training = full_state(training, keep=self.main) if training else None
+        if not self.main:
+            return
+        tmp = self.run_dir.staging(name)
+        save_checkpoint(model, tmp, state_dict={k: v.detach().cpu() for k, v in weights.items()})
+        tok.save_pretrained(str(tmp))
+        if training:
+            torch.save(training, tmp / TRAINING)
+        write_json_atomic(tmp / "state.json", state)
+        self.run_dir.commit(tmp, name, keep=self.keep)
 
-    def _write_final(self, out: Path, step: int) -> None:
-        """The trained model as OUT/final, replaced whole (written under a temporary name, then renamed)."""
-        acc = self.acc
-        acc.wait_for_everyone()
-        tmp = out / ".final.tmp"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        acc.wait_for_everyone()
-        self._export(tmp, step)
-        if acc.is_main_process:
-            old = out / ".final.old"
-            if (out / "final").exists():
-                (out / "final").rename(old)
-            tmp.rename(out / "final")
-            shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
+    def training(self, ck: Path | None = None) -> dict:
+        """What checkpoint ``ck`` (the latest) keeps besides the weights, read onto the host: ``restore`` puts a
+        state into its optimizer or schedule."""
+        ck = ck or self.run_dir.latest_dir()
+        if (ck / TRAINING).exists():
+            return torch.load(ck / TRAINING, map_location="cpu")
+        found = {}
+        for key, paths in FORMER_TRAINING.items():
+            for path in (ck / p for p in paths):
+                if path.exists():
+                    found[key] = torch.load(path, map_location="cpu", weights_only=False)
+                    break
+        return found
 
-    def training_record(self, step: int) -> dict:
-        """What this run has read so far, kept in the trained model's config (conversion.training) so that
-        a later run with --data-rows new skips it."""
-        return {
-            "corpus": self.corpus_id,
-            "seed": self.cfg.seed,
-            "global_batch": self.global_batch,
-            "steps": step,
-            "new_rows": self.cfg.data_rows == "new",
-        }
+    def write_final(self, model, tok, out: Path) -> None:
+        """The trained model as OUT/final, replaced whole; where its layers are sharded, read from the last
+        checkpoint, which holds them whole (the run saves one at its end)."""
+        from ..models import save_model
+        from ..models.checkpoint import load_checkpoint
 
-    def _load(self, ck: Path) -> Position:
-        state = json.loads((ck / "state.json").read_text())
-        if state["global_batch"] != self.global_batch:
-            raise UsageError(
-                f"checkpoint {ck} was trained with global batch {state['global_batch']}, this run has "
-                f"{self.global_batch}; keep batch-size x grad-accum x processes the same"
-            )
-        self.acc.load_state(str(ck / "accelerate"))
-        return Position(int(state["step"]), int(state["tokens"]), float(state["time"]))
+        if self.main:
+            final = load_checkpoint(self.run_dir.latest_dir()) if self.sharded else model.cpu()
+            save_model(final, tok, out / "final")
+        self.processes.wait_for_everyone()  # no process ends before the run directory is complete
+
+
+def restore(target, state: dict) -> None:
+    """An optimizer's or a schedule's ``state`` (saved whole) loaded into ``target``: an optimizer's per-parameter
+    tensors sharded as their parameters are."""
+    from .distributed import shard_optimizer_state
+
+    if isinstance(target, torch.optim.Optimizer):
+        state = shard_optimizer_state(state, target)
+    target.load_state_dict(state)
 
 
 def tensorboard_writer(out: Path):

@@ -1,7 +1,8 @@
 """The training loop: uptraining (CE + online KD from a frozen teacher) and early-exit training.
 
-One recipe for one CPU, one GPU or many (Hugging Face Accelerate: DDP, FSDP, DeepSpeed ZeRO via
-`accelerate launch --config_file configs/accelerate/...`).
+One recipe for one CPU, one GPU or many: `accelerate launch --config_file configs/accelerate/ddp.yaml` (data parallel)
+or fsdp.yaml (the layers sharded, FSDP2), as `looplm heal` runs; the gradients are reduced as healing's are
+(distributed.py).
 
 Run directory::
 
@@ -9,20 +10,21 @@ Run directory::
     metrics.jsonl            one JSON object per logged step / evaluation
     latest                   name of the newest complete checkpoint (replaced atomically)
     checkpoints/step-NNNNNNN looplm model dir (config.json, model.safetensors, tokenizer) + state.json +
-                             accelerate/ (optimizer, scheduler, RNG states of every process)
+                             training.pt (optimizer and schedule): checkpoints.py, as healing's
     final/                   the trained model (looplm dir; `looplm eval`/`convert` read it)
     tb/                      TensorBoard events, when tensorboard is installed
 
 Exact resume: the data order is a pure function of (seed, step) and everything else that changes
-(weights, AdamW moments, schedule, RNG states) is in the checkpoint, so a resumed run repeats the
+(weights, AdamW moments, schedule) is in the checkpoint, so a resumed run repeats the
 uninterrupted run's losses bit for bit on CPU in float32.
 
 The settings are TrainConfig (train/settings.py makes the command line from them); the checks made before the run
-directory is touched are in preflight.py, checkpoints and the final model in checkpoints.py.
+directory is touched are in preflight.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -41,8 +43,17 @@ from ..models.quantized import has_bf16_matmuls
 from ..settings import refine, setting
 from ..util import with_this_machine
 from .budget import steps_to_fill
-from .checkpoints import Checkpoints, tensorboard_writer
+from .checkpoints import Checkpointer, restore, tensorboard_writer
 from .data_order import batch_indices, micro_batch
+from .distributed import (
+    apart_by_sharding,
+    average_gradients,
+    clip_gradients,
+    launched,
+    mean_values,
+    shard_layers,
+    start_processes,
+)
 from .evaluate import heldout_rows, perplexity, score_rows
 from .losses import objective
 from .optim import adamw, cosine
@@ -191,8 +202,7 @@ class TrainConfig(RunSettings):
 
 
 class TrainModule(nn.Module):
-    """The student with its objective: forward returns (loss, parts). Going through one module's
-    forward is what DDP/FSDP need to synchronise gradients."""
+    """The student with its objective: forward returns (loss, parts), or, evaluating, every exit's summed NLL."""
 
     def __init__(self, lm, cfg: TrainConfig):
         super().__init__()
@@ -277,7 +287,7 @@ def evaluate_exits(module, corpus, n_rows: int, seq: int, acc, autocast) -> dict
 # the run
 
 
-class Trainer(Checkpoints):
+class Trainer:
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg, self._log = cfg, log
 
@@ -288,8 +298,6 @@ class Trainer(Checkpoints):
 
     # ----- validation: everything that can be wrong is found before the run directory is touched (preflight.py)
     def prepare(self):
-        from accelerate import Accelerator
-
         c = self.cfg
         adapter_spec = check_config(c)
         out = Path(c.out)
@@ -301,9 +309,7 @@ class Trainer(Checkpoints):
             raise UsageError(f"--seq-len {seq} must be between 2 and the corpus's {self.corpus.seq_len}")
         self.seq = seq
 
-        self.acc = Accelerator(
-            mixed_precision="no", step_scheduler_with_optimizer=False, cpu=not torch.cuda.is_available()
-        )
+        self.acc = start_processes("train")
         acc = self.acc
         self.precision = resolve_precision(c.precision, acc.device)
         self.world, self.rank = acc.num_processes, acc.process_index
@@ -403,31 +409,36 @@ class Trainer(Checkpoints):
 
     # ----- the run itself
     def _start(self) -> tuple[Position, bool]:
-        """The model, optimizer and schedule under Accelerate, and the run directory opened (a new run's run.json
-        written); a resumed run continues from its checkpoint. Returns where the run is and whether the run
-        directory was made now."""
+        """The model (a resumed run's weights read first), its optimizer and schedule, on the device (the layers
+        sharded under FSDP), and the run directory opened (a new run's run.json written); a resumed run continues
+        from its checkpoint. Returns where the run is and whether the run directory was made now."""
         c, acc, out = self.cfg, self.acc, Path(self.cfg.out)
         torch.manual_seed(c.seed)
         np.random.seed(c.seed)
-        module = TrainModule(self.model, c)
-        optimizer = adamw(param_groups(self.model, c.weight_decay), lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self._lr_factor(s))
-        module, optimizer = acc.prepare(module, optimizer)
-        acc.register_for_checkpointing(scheduler)
+        self.sharded = self.world > 1 and launched()
+        self.checkpoints = Checkpointer(RunDir(out), acc, self.sharded, keep=c.keep)
+        position, created = Position(), False
+        ck = out / "checkpoints" / self.latest if self.latest else None
+        if ck is not None:  # into the whole model, before its layers are sharded
+            position = self._load(ck)
+        if self.sharded:  # sharded before the move: the whole layers never sit on the device
+            shard_layers(self.model)
+        self.model.to(acc.device)
+        self.module = TrainModule(self.model, c)
+        groups = param_groups(self.model, c.weight_decay)
+        groups = apart_by_sharding(groups) if self.sharded else groups
+        self.optimizer = adamw(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: self._lr_factor(s))
+        if ck is not None:
+            saved = self.checkpoints.training(ck)
+            restore(self.optimizer, saved["optimizer"])
+            restore(self.scheduler, saved["scheduler"])
+            self.log(f"resumed {out} at step {position.step} ({position.tokens:,} tokens)")
         if self.teacher is not None:
             self.teacher.to(acc.device)
-        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
-        dev = acc.device
-        self.autocast = (
-            (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
-            if self.precision == "bf16"
-            else (lambda: torch.autocast(dev.type, enabled=False))
-        )
+        bf16 = self.precision == "bf16"
+        self.autocast = lambda: torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-        position, created = Position(), False
-        if self.latest:
-            position = self._load(out / "checkpoints" / self.latest)
-            self.log(f"resumed {out} at step {position.step} ({position.tokens:,} tokens)")
         step = position.step
         run_dir = RunDir(out)
         if acc.is_main_process:
@@ -460,11 +471,12 @@ class Trainer(Checkpoints):
         record's values, the loss parts averaged over the micro-batches and the processes, the gradient norm before
         clipping and the learning rate the step used."""
         c, acc, module, optimizer = self.cfg, self.acc, self.module, self.optimizer
+        params = [p for p in module.parameters() if p.requires_grad]
         t0 = time.perf_counter()
         train = self.corpus.splits["train"]
         idx = self.rows[batch_indices(step, self.global_batch, len(self.rows), c.seed)]
         module.train()
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         for m in range(c.grad_accum):
             rows = micro_batch(idx, m, self.rank, self.world, c.batch_size)
             ids = torch.from_numpy(np.asarray(train[rows][:, : self.seq], dtype=np.int64)).to(acc.device)
@@ -472,27 +484,20 @@ class Trainer(Checkpoints):
             if self.teacher is not None:
                 with torch.no_grad(), self.autocast():
                     teacher_logits = self.teacher(ids).logits
-            sync = m == c.grad_accum - 1
-            ctx = acc.no_sync(module) if not sync else _null()
-            with ctx:
-                with self.autocast():
-                    loss, parts = module(ids, teacher_logits)
-                acc.backward(loss / c.grad_accum)
+            with self.autocast():
+                loss, parts = module(ids, teacher_logits)
+            (loss / c.grad_accum).backward()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v.float() / c.grad_accum
-        grad_norm = (
-            acc.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], c.grad_clip)
-            if c.grad_clip and c.grad_clip > 0
-            else None
-        )
+        if self.world > 1:  # once per step, after the micro-batches accumulated
+            average_gradients(params)
+        grad_norm = clip_gradients(params, c.grad_clip) if c.grad_clip and c.grad_clip > 0 else None
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        keys = sorted(sums)
-        means = acc.reduce(torch.stack([sums[k] for k in keys]).to(acc.device), reduction="mean")
         return {
-            **{k: float(v) for k, v in zip(keys, means)},
+            **mean_values(acc, {k: float(v) for k, v in sorted(sums.items())}),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tok_per_s": self.global_batch * self.seq / (time.perf_counter() - t0),
@@ -521,7 +526,7 @@ class Trainer(Checkpoints):
             show=c.progress and acc.is_main_process,
             record=lambda r: run_dir.append(r, tb) if acc.is_main_process else None,
             record_every=c.log_every,
-            save=lambda: self._save(out, position),
+            save=lambda: self._save(position),
             save_every=Every(steps=c.save_every_steps or None),
             evaluate=lambda: self._log_eval(out, tb, position),
             evaluate_every=Every(steps=c.eval_every_steps or None),
@@ -535,7 +540,7 @@ class Trainer(Checkpoints):
             if loop.run():
                 if c.eval_every_steps:
                     self._log_eval(out, tb, position)
-                self._save(out, position)
+                self._save(position)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if isinstance(e, torch.OutOfMemoryError) or "memory" in str(e).lower():
                 if created and position.step == 0 and acc.is_main_process:
@@ -549,8 +554,49 @@ class Trainer(Checkpoints):
         finally:
             if tb is not None:
                 tb.close()
-        self._write_final(out, position.step)
+        self._stamp(position.step)
+        self.checkpoints.write_final(self.model, self.tok, out)
         return {"out": str(out), "steps": position.step, "tokens": position.tokens, "seconds": round(position.time, 2)}
+
+    # ----- checkpoints (checkpoints.py)
+    def _save(self, position: Position) -> None:
+        self._stamp(position.step)
+        state = {
+            "step": position.step,
+            "tokens": position.tokens,
+            "time": position.time,
+            "global_batch": self.global_batch,
+            "world": self.world,
+            "epoch": position.step // (len(self.corpus) // self.global_batch),
+        }
+        training = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        self.checkpoints.save(f"step-{position.step:07d}", self.model, self.tok, state, training)
+
+    def _load(self, ck: Path) -> Position:
+        """Checkpoint ``ck``'s weights, read into the whole model, and where the run was."""
+        from ..models.checkpoint import load_checkpoint
+
+        state = json.loads((ck / "state.json").read_text())
+        if state["global_batch"] != self.global_batch:
+            raise UsageError(
+                f"checkpoint {ck} was trained with global batch {state['global_batch']}, this run has "
+                f"{self.global_batch}; keep batch-size x grad-accum x processes the same"
+            )
+        self.model.load_state_dict(load_checkpoint(ck).state_dict())
+        return Position(int(state["step"]), int(state["tokens"]), float(state["time"]))
+
+    def _stamp(self, step: int) -> None:
+        """The rows the run has read up to ``step``, kept in the model's config (conversion.training) for the
+        checkpoint and the final model: a later run with --data-rows new skips them."""
+        record = {
+            "corpus": self.corpus_id,
+            "seed": self.cfg.seed,
+            "global_batch": self.global_batch,
+            "steps": step,
+            "new_rows": self.cfg.data_rows == "new",
+        }
+        config = self.model.config
+        config.conversion = {**(config.conversion or {}), "training": self.prior_training + [record]}
 
     # ----- evaluation
     def evaluate(self) -> dict | None:
@@ -568,14 +614,6 @@ class Trainer(Checkpoints):
                 f"held-out perplexity at step {position.step}: "
                 + ", ".join(f"loop {k.split('_')[1]} {v:.2f}" for k, v in ev.items() if k.startswith("ppl_"))
             )
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def train(cfg: TrainConfig, log=print) -> dict:

@@ -149,14 +149,14 @@ class RunDir:
         shutil.rmtree(tmp, ignore_errors=True)
         return tmp
 
-    def commit(self, tmp: Path, name: str, keep: int, order: Callable[[Path], object]) -> None:
-        """The written checkpoint ``tmp`` becomes ``name`` and the latest; of the checkpoints sorted by ``order``,
-        the newest ``keep`` stay (0: all)."""
+    def commit(self, tmp: Path, name: str, keep: int) -> None:
+        """The written checkpoint ``tmp`` becomes ``name`` and the latest; the newest ``keep`` by the time they were
+        written stay (0: all): names need not sort in that order (healing's are stage-visit-step)."""
         final = self.checkpoints / name
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         write_text_atomic(self.out / "latest", name + "\n")
-        kept = sorted((p for p in self.checkpoints.iterdir() if not p.name.startswith(".")), key=order)
+        kept = sorted((p for p in self.checkpoints.iterdir() if not p.name.startswith(".")), key=_written)
         for old in kept[:-keep] if keep > 0 else []:
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -170,3 +170,7 @@ class RunDir:
 
     def truncate(self, keep: Callable[[dict], bool]) -> None:
         truncate_records(self.metrics, keep)
+
+
+def _written(path: Path) -> float:
+    return path.stat().st_mtime

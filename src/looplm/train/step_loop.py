@@ -92,9 +92,12 @@ class Every:
     def ever(self) -> bool:
         return self.steps is not None or self.seconds is not None
 
-    def due(self, step: int, seconds_since: float) -> bool:
+    def due(self, step: int, seconds_since: float, seconds_left: float | None = None) -> bool:
+        """Whether the action is due after ``step``, ``seconds_since`` it last ran. By time, it is not when the loop
+        ends within half a period (``seconds_left``, None: not known): the recipe ends a loop with its own."""
         by_steps = bool(self.steps) and step % self.steps == 0
-        return by_steps or (self.seconds is not None and seconds_since >= self.seconds)
+        by_time = self.seconds is not None and seconds_since >= self.seconds
+        return by_steps or (by_time and not (seconds_left is not None and seconds_left < self.seconds / 2))
 
 
 def _nothing(*args) -> None:
@@ -137,6 +140,7 @@ class StepLoop:
         bar = tqdm(total=self.total, initial=p.step, desc=self.desc, unit="step", disable=not self.show)
         mark = None  # (step, clock) the next fix times from: after this process's first step, which warms up
         last_save = last_eval = time.perf_counter()
+        started = self.clock()  # of this call's steps: the seconds left are timed from them
         try:
             while self.total is None or p.step < self.total:
                 s = p.step
@@ -165,8 +169,9 @@ class StepLoop:
                 ):
                     self.save()
                     last_save = time.perf_counter()
+                left = (self.total - p.step) * (self.clock() - started) / (p.step - first) if self.total else None
                 if self.evaluate_every.ever and agreed(
-                    self.processes, self.evaluate_every.due(p.step, time.perf_counter() - last_eval)
+                    self.processes, self.evaluate_every.due(p.step, time.perf_counter() - last_eval, left)
                 ):
                     self.evaluate()
                     last_eval = time.perf_counter()

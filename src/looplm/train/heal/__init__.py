@@ -50,15 +50,16 @@ counted) or ``tokens``, divided among the stages by plan.py. Run directory (run_
     run.json          settings and the step plan (checked on --resume)
     metrics.jsonl     one JSON object per logged step and evaluation (time, tokens, losses, perplexity)
     latest            name of the newest complete checkpoint (replaced atomically)
-    checkpoints/NAME  looplm model dir + state.json (+ optimizer.pt in the end-to-end stage)
+    checkpoints/NAME  looplm model dir + state.json (+ training.pt in the end-to-end stage: train/checkpoints.py)
     final/            the healed model (looplm dir: `looplm eval`, `serve` and `generate` read it)
     heal.png          held-out and out-of-domain perplexity against wall time and against tokens
     cache/            the teacher cache (unless --cache puts it elsewhere)
 
-The modules, in the order a run uses them: config (settings and their checks), inputs (what the run reads, each
-step's rows), sharding (the layers sharded over processes, FSDP2), plan (the budget as step counts), steps (the step
-math as plain functions), run (progress, clock, records, checkpoints, evaluations), stages (local, end to end, exit
-adapters; the last two on train/step_loop.py's loop), recipe (``heal``: all of it from top to bottom).
+The modules, in the order a run uses them: config (settings and their checks), inputs (what the run reads, each step's
+rows), plan (the budget as step counts), steps (the step math as plain functions), run (progress, clock, records,
+checkpoints, evaluations), stages (local, end to end, exit adapters; the last two on train/step_loop.py's loop), recipe
+(``heal``: all of it from top to bottom). What it shares with `looplm train`: the step loop, the checkpoints
+(train/checkpoints.py) and the processes' gradients (train/distributed.py).
 """
 
 from ..losses import relative_error, relative_error_log1p, token_errors

@@ -14,11 +14,11 @@ from ...data.corpus import PackedCorpus
 from ...data.ood import DOMAINS, domain_windows
 from ...errors import UsageError
 from ...util import check_compile_available
+from ..distributed import launched
 from ..loop import resolve_precision
 from ..losses import read_weights
 from ..teacher_cache import TeacherCache, build_cache, teacher_states
 from .config import HealConfig
-from .sharding import launched
 
 EXIT_STAGE_SALT = 500_009  # the exit stage's cached-row draws are seeded apart from the end-to-end stage's
 
@@ -58,7 +58,7 @@ class HealInputs:
     channels: torch.Tensor  # each channel's weight in the hidden-state errors: as the original's norms read it
     rank: int = 0  # this process among ``world`` (torchrun / accelerate launch): each takes its share of a step's rows
     world: int = 1
-    sharded: bool = False  # the layers sharded over the processes (FSDP2, sharding.py), not whole on each (DDP)
+    sharded: bool = False  # the layers sharded over the processes (FSDP2, train/distributed.py), not whole on each
 
     def autocast(self):
         """bf16 autocast for the training forward passes (weights, optimizer state and evaluations stay fp32)."""

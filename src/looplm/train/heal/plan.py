@@ -14,9 +14,9 @@ import numpy as np
 
 from ...errors import UsageError
 from ..budget import steps_to_fill
+from ..distributed import sharded_copy
 from ..optim import adamw
 from .config import HealConfig
-from .sharding import sharded_copy
 from .steps import body_params, compile_layers, e2e_step, eager, exit_params, exit_step, local_step, local_visits
 
 STAGE_NAMES = {"e2e": "end-to-end", "exit": "exit adapters"}
@@ -86,8 +86,8 @@ def propagation_seconds(c: HealConfig, model_config, t_local: float) -> float:
 def time_steps(inputs, cache, c: HealConfig, exit_spec, log) -> tuple[float, float, float]:
     """Seconds of one local step (one shared layer), one end-to-end step and one exit-adapter step (0 without
     an exit stage), measured on copies of the student (nothing of the run is trained); on several processes, of a
-    process's share of a step's rows. The exchange between processes is not counted (the stages' replans time it),
-    except under FSDP, where every process runs the steps on a copy sharded as the student is."""
+    process's share of a step's rows, the exchange of the gradients included (every process runs them; under FSDP on a
+    copy sharded as the student is)."""
     probe = sharded_copy(inputs.student, inputs.device) if inputs.sharded else copy.deepcopy(inputs.student)
     if c.compile:  # the stages run compiled: so are the steps that plan them (the copy's first one compiles)
         compile_layers(probe, inputs.teacher)

@@ -3,9 +3,9 @@ states, plan the budget, then the stages in order, each skipped when a resumed r
 model, its plot and a summary.
 
 Under torchrun or `accelerate launch` every process runs this, on its share of each step's rows (``HealInputs.share``):
-the cache is built by rows, the local stage's gradients are averaged, the end-to-end and exit stages run under DDP.
-Launched with an FSDP config, the student's layers are sharded over the processes instead, and the original's once
-the cache is built (sharding.py): each layer's backward averages its gradients, every process runs every forward of
+the cache is built by rows and every stage averages its gradients (train/distributed.py). Launched with an FSDP
+config, the student's layers are sharded over the processes instead, and the original's once the cache is built:
+each layer's backward averages its gradients, every process runs every forward of
 the model (the plan's timed steps too), and all gather the full weights for each checkpoint. The main process writes
 the run directory; the others wait for it where they read it."""
 
@@ -19,30 +19,21 @@ import torch
 
 from ...errors import UsageError
 from ...util import keep_freed_host_memory, with_this_machine, write_json_atomic
+from ..distributed import shard_layers, start_processes
 from ..plot import plot_heal
 from ..run_dir import RunDir, check_resume_settings
 from . import plan, stages
 from .config import HealConfig, check_config
 from .inputs import load_inputs, open_cache
 from .run import HealRun, logged_by
-from .sharding import shard_layers
 
 
 def prepare(cfg: HealConfig, log=print) -> HealRun:
     """A run whose every input was read and checked; nothing written yet. Anything wrong is refused here, before
     the run directory is touched."""
-    from accelerate import Accelerator
-
     c = cfg
     exit_spec = check_config(c)
-    # the processes torchrun or accelerate launch started (one when neither did), on CUDA when there is one
-    processes = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
-    if processes.distributed_type.name not in ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"):
-        raise UsageError(
-            f"looplm heal runs on one process, data parallel (DDP) or fully sharded (FSDP2), not under "
-            f"{processes.distributed_type.name}; launch it with torchrun, or `accelerate launch --config_file "
-            f"configs/accelerate/ddp.yaml` (fsdp.yaml for a student whose training state does not fit one device)"
-        )
+    processes = start_processes("heal")
     out = Path(c.out)
     settings = RunDir(out).settings()
     if settings is not None:
@@ -150,7 +141,7 @@ def plan_budget(run: HealRun) -> None:
 def run_stages(run: HealRun) -> None:
     """Layer-local, end to end, then the exit adapters: each from where a resumed run stopped, each ending on a
     checkpoint."""
-    c, out, progress, steps_planned = run.cfg, Path(run.cfg.out), run.progress, run.plan
+    out, progress, steps_planned = Path(run.cfg.out), run.progress, run.plan
     if progress.stage == "cache":
         progress.stage = "local"
     if progress.stage == "local":
@@ -163,12 +154,10 @@ def run_stages(run: HealRun) -> None:
     if progress.stage == "e2e":
         if progress.step == 0 and not (out / "local-end").exists():
             run.keep_local_end()  # killed between the save above and the copy, or started at a local end
-        stages.e2e_stage(run)
+        stages.e2e_stage(run)  # not evaluated at its end: the exit adapters leave the final exit as it is, and
+        # the final evaluation follows them
         progress.stage, progress.step = "exit", 0
         run.save()
-        if steps_planned["e2e_steps"] and steps_planned.get("exit_steps") and not c.e2e_average:
-            run.log_eval(tag="e2e")  # the body's final state, before the exit adapters (logged by the stage
-            # itself when it ends on a weight average)
     if progress.stage == "exit":
         stages.exit_stage(run)
         progress.stage = "done"
@@ -177,9 +166,6 @@ def run_stages(run: HealRun) -> None:
 
 def finish(run: HealRun) -> dict:
     """The final evaluation, then the healed model, its plot and heal.json, written by the main process."""
-    from ...models import save_model
-    from ...models.checkpoint import load_checkpoint
-
     inputs, out, progress, steps_planned = run.inputs, Path(run.cfg.out), run.progress, run.plan
     after_local = run.evals("local")
     trained_after_local = steps_planned["e2e_steps"] or steps_planned.get("exit_steps")
@@ -196,10 +182,8 @@ def finish(run: HealRun) -> dict:
         "exit_adapter": run.exit_spec,
         "converted": (run.evals("converted") or [None])[0],
     }
+    run.checkpoints.write_final(inputs.student, inputs.tok, out)  # the last checkpoint: stage done
     if run.main:
-        # the last checkpoint (stage done) holds the final weights whole, also where the layers are sharded
-        final_model = load_checkpoint(run.run_dir.latest_dir()) if inputs.sharded else inputs.student.cpu()
-        save_model(final_model, inputs.tok, out / "final")
         plot_heal(out)
         write_json_atomic(out / "heal.json", summary)
     run.processes.wait_for_everyone()  # no process ends before the run directory is complete

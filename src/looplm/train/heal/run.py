@@ -23,15 +23,15 @@ import torch
 from ...data.ood import geometric_ratio
 from ...errors import UsageError
 from ...models.exit_adapter import add_exit_adapters
-from ...util import write_json_atomic
+from ..checkpoints import Checkpointer, restore
+from ..distributed import mean_values
 from ..evaluate import exit_sums, heldout_rows, perplexity, score_rows
 from ..optim import WeightAverage
 from ..run_dir import RunDir
-from ..step_loop import Position, RunClock, agreed
+from ..step_loop import Every, Position, RunClock, agreed
 from ..teacher_cache import OneProcess
 from .config import HealConfig
 from .inputs import HealInputs
-from .sharding import full_state, shard_as, shard_optimizer_state
 from .steps import eager
 
 CHECKPOINTS_KEPT = 2
@@ -67,6 +67,7 @@ class HealRun:
         self.cfg, self.inputs, self.exit_spec = cfg, inputs, exit_spec
         self.log = log if self.main else lambda *a: None
         self.run_dir = RunDir(cfg.out)
+        self.checkpoints = Checkpointer(self.run_dir, self.processes, inputs.sharded, keep=CHECKPOINTS_KEPT)
         self.settings = settings  # run.json: None until the run writes it
         self.progress = Progress()
         self.cache = None  # the teacher cache, once open
@@ -92,12 +93,7 @@ class HealRun:
 
     def mean(self, values: dict) -> dict:
         """Each of ``values`` (floats: this process's losses on its share of a step) averaged over the processes."""
-        if self.processes.num_processes == 1:
-            return values
-        from accelerate.utils import reduce
-
-        mean = reduce(torch.tensor(list(values.values()), device=self.inputs.device), reduction="mean")
-        return dict(zip(values, mean.tolist()))
+        return mean_values(self.processes, values)
 
     # ----- records
     def append(self, record: dict) -> None:
@@ -144,8 +140,11 @@ class HealRun:
         nll, agree, count = score_rows(exit_sums(model, final_only), rows, self.inputs.device, self.processes)
         return nll, agree, int(count)
 
-    def eval_due(self) -> bool:
-        return self.agreed(time.perf_counter() - self._last_eval > self.cfg.eval_every_seconds)
+    def eval_due(self, seconds_left: float) -> bool:
+        """Whether a held-out evaluation is due amid the local stage, which ends in ``seconds_left`` (on the step
+        loop's cadence, ``Every``)."""
+        every = Every(seconds=self.cfg.eval_every_seconds)
+        return self.agreed(every.due(0, time.perf_counter() - self._last_eval, seconds_left))
 
     def log_eval(self, tag: str) -> dict:
         """Evaluate the student, append the record and say it."""
@@ -172,32 +171,15 @@ class HealRun:
         )
         return ev
 
-    # ----- checkpoints
+    # ----- checkpoints (train/checkpoints.py)
     def save(self, opt=None, average: WeightAverage | None = None) -> None:
-        """A checkpoint: the student (a looplm model directory), the stage's optimizer and weight average, and the
-        progress. Under FSDP every process takes part in gathering the sharded tensors whole and the main one writes
-        them: the files are those one process writes."""
-        from ...models.checkpoint import save_checkpoint
-
-        if not (self.main or self.inputs.sharded):  # data parallel: every process holds the same state
-            return
-        weights = full_state(self.inputs.student.state_dict(), keep=self.main)
-        optimizer = full_state(opt.state_dict(), keep=self.main) if opt is not None else None
-        averaged = full_state(average.state_dict(), keep=self.main) if average is not None else None
-        if not self.main:
-            return
+        """A checkpoint: the student, the progress, and the stage's optimizer and weight average."""
         p = self.progress
+        training = {"optimizer": opt.state_dict()} if opt is not None else {}
+        if average is not None:
+            training["average"] = average.state_dict()
         name = f"{p.stage}-{p.visit:03d}-{p.step:06d}"
-        tmp = self.run_dir.staging(name)
-        save_checkpoint(self.inputs.student, tmp, state_dict=weights)
-        self.inputs.tok.save_pretrained(str(tmp))
-        if optimizer is not None:
-            torch.save(optimizer, tmp / "optimizer.pt")
-        if averaged is not None:
-            torch.save(averaged, tmp / "average.pt")
-        write_json_atomic(tmp / "state.json", asdict(p))
-        # the names (stage-visit-step) do not sort in the order written: the newest by time stay
-        self.run_dir.commit(tmp, name, keep=CHECKPOINTS_KEPT, order=lambda path: path.stat().st_mtime)
+        self.checkpoints.save(name, self.inputs.student, self.inputs.tok, asdict(p), training)
 
     def load(self, ck: Path) -> None:
         """The student's weights and the progress of checkpoint ``ck``: read into the whole student, before its
@@ -214,15 +196,11 @@ class HealRun:
         self.progress = Progress.read(ck / "state.json")
 
     def load_optimizer(self, opt, average: WeightAverage | None) -> None:
-        """The optimizer's (and weight average's) state of the latest checkpoint, saved by a stage in progress; its
-        tensors sharded as their parameters are. Read onto the host: loading them moves each to its parameter's
-        device."""
-        state = torch.load(self.run_dir.latest_dir() / "optimizer.pt", map_location="cpu")
-        opt.load_state_dict(shard_optimizer_state(state, opt))
+        """The optimizer's (and weight average's) state of the latest checkpoint, saved by a stage in progress."""
+        saved = self.checkpoints.training()
+        restore(opt, saved["optimizer"])
         if average is not None:
-            state = torch.load(self.run_dir.latest_dir() / "average.pt", map_location="cpu")
-            state["average"] = [shard_as(a, p) for a, p in zip(state["average"], average.params)]
-            average.load_state_dict(state)
+            restore(average, saved["average"])
 
     def keep_local_end(self) -> None:
         """A copy of the checkpoint at the end of the local stage, kept as OUT/local-end (the rotation deletes

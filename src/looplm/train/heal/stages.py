@@ -14,12 +14,12 @@ import torch
 
 from ...models.gptq import gptq_portable, input_moments, output_error
 from ...models.quantized import dequantize, linears
+from ..distributed import full_state, shard_as
 from ..optim import WeightAverage, adamw, cosine
 from ..step_loop import Every, StepLoop
 from . import steps
 from .plan import replan_local, replan_stage
 from .run import HealRun
-from .sharding import full_state, shard_as
 
 BASE_CALIBRATION_ROWS = 16  # cached rows whose inputs calibrate the rounding of --base-weights
 
@@ -141,7 +141,8 @@ def local_stage(run: HealRun) -> None:
                 | {"time": round(progress.time, 2), "local_tokens": progress.local_tokens, "tokens": progress.tokens}
             )
             run.save()
-            if run.eval_due() and v + 1 < len(order):  # the stage's end is evaluated by the recipe
+            left = sum(counts[v + 1 :]) * (progress.time - started) / max(counts[v], 1)
+            if v + 1 < len(order) and run.eval_due(left):  # the stage's end is evaluated by the recipe
                 run.log_eval(tag="local")
     finally:
         bar.close()
@@ -154,15 +155,6 @@ def local_rows(c, n_rows: int, done: list[int]):
     for _ in range(sum(done)):
         rng.choice(n_rows, size=c.local_batch, replace=False)
     return rng
-
-
-def synced(run: HealRun, loss):
-    """The student for a stage's steps: itself on one process and under FSDP (its sharded layers average their
-    gradients themselves, the steps the rest); on several otherwise, ``StageLoss(student, loss)`` under DDP, wrapped
-    when the stage starts (what it trains is set by then)."""
-    if run.inputs.world == 1 or run.inputs.sharded:
-        return run.inputs.student
-    return run.processes.prepare_model(steps.StageLoss(run.inputs.student, loss))
 
 
 def e2e_stage(run: HealRun) -> None:
@@ -179,8 +171,7 @@ def e2e_stage(run: HealRun) -> None:
         "heal: end to end",
         steps.body_params(inputs.student, c.base_weights),
         c.e2e_lr,
-        lambda *a: steps.e2e_step(inputs, run.cache, c, *a),
-        synced(run, steps.e2e_loss),
+        partial(steps.e2e_step, inputs, run.cache, c, inputs.student),
         total,
         tokens_per_step=c.e2e_batch * c.seq_len,
         evaluate=True,
@@ -202,8 +193,7 @@ def exit_stage(run: HealRun) -> None:
             "heal: exit adapters",
             params,
             c.exit_lr,
-            lambda *a: steps.exit_step(inputs, run.cache, c, *a),
-            synced(run, steps.exit_loss),
+            partial(steps.exit_step, inputs, run.cache, c, inputs.student),
             total,
             # its steps read the budget's tokens as the end-to-end ones do (plan.py: its share of --train-tokens)
             tokens_per_step=c.e2e_batch * c.seq_len,
@@ -235,19 +225,18 @@ def train_steps(
     params,
     base_lr: float,
     step_fn,
-    model,
     total: int,
     tokens_per_step: int = 0,
     evaluate: bool = False,
     average: float = 0.0,
 ) -> None:
     """The end-to-end and exit stages on the step loop (train/step_loop.py): AdamW on ``params`` (its state restored
-    on resume), a cosine schedule over ``total`` steps, ``step_fn(model, step, opt, lr) -> record`` each step
-    (``model``: the student, or its DDP wrapper, ``synced``), a JSONL record per step (the losses averaged over the
-    processes), a checkpoint every ``save_every_seconds`` and, with ``evaluate``, held-out evaluations every
-    ``eval_every_seconds``. Under a time budget the count is fixed again at the loop's ``replan_due`` steps. With
-    ``average`` (a decay), an exponential moving average of ``params`` is kept beside them (``WeightAverage``),
-    evaluated beside them (tag ``<stage>-average``), and copied into them when the stage ends."""
+    on resume), a cosine schedule over ``total`` steps, ``step_fn(step, opt, lr) -> record`` each step, a JSONL
+    record per step (the losses averaged over the processes), a checkpoint every ``save_every_seconds`` and, with
+    ``evaluate``, held-out evaluations every ``eval_every_seconds``. Under a time budget the count is fixed again at
+    the loop's ``replan_due`` steps. With ``average`` (a decay), an exponential moving average of ``params`` is kept
+    beside them (``WeightAverage``), evaluated beside them (tag ``<stage>-average``), and copied into them when the
+    stage ends."""
     c, student, progress = run.cfg, run.inputs.student, run.progress
     opt = adamw(params, lr=base_lr, weight_decay=0.0)
     avg = WeightAverage(params, average) if average else None
@@ -256,7 +245,7 @@ def train_steps(
 
     def step(s: int, total: int) -> dict:
         lr = base_lr * cosine(s, total, warmup_steps(total))
-        values = {"lr": lr, **run.mean(step_fn(model, s, opt, lr))}
+        values = {"lr": lr, **run.mean(step_fn(s, opt, lr))}
         if avg is not None:
             avg.update()
         return values

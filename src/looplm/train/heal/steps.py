@@ -7,24 +7,18 @@
 - ``exit_loss``: every intermediate exit learns the model's own final output, the body frozen.
 
 Every step is ``update(opt, loss, params, lr, clip)`` after its loss. On several processes each computes the loss
-on its share of the step's rows and the gradients are averaged before the update: by DDP in the end-to-end and exit
-stages (``StageLoss``: the loss as one module's forward), by ``average_gradients`` in the local stage (a shared layer
-runs once per tied depth in a step, which DDP's one forward per backward does not allow). Under FSDP (sharding.py)
-a sharded layer's backward averages its gradients itself, whatever the forwards before it; ``average_gradients``
-averages the rest (the exit adapters, whole on every process).
+on its share of the step's rows and the gradients are averaged before the update (train/distributed.py: as in
+`looplm train`).
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from ...models.exit_adapter import add_exit_adapters, freeze_all_but_exit_adapter
 from ...models.quantized import linears
+from ..distributed import average_gradients, clip_gradients
 from ..losses import HIDDEN_LOSSES, head_kd_loss, kd_loss, relative_error
 from ..optim import set_lr
 from ..teacher_cache import TeacherCache
@@ -87,44 +81,8 @@ def update(opt, loss: torch.Tensor, params, lr: float, clip: float, average: boo
     loss.backward()
     if average:
         average_gradients(params)
-    torch.nn.utils.clip_grad_norm_(params, clip)
+    clip_gradients(params, clip)
     opt.step()
-
-
-def average_gradients(params) -> None:
-    """Each gradient of ``params`` replaced by its mean over the processes (one all-reduce of them all, flattened):
-    every process then takes the same step, that of the mean loss over all of the step's rows. A sharded
-    parameter's gradient (FSDP) is left alone: its backward's reduce-scatter averaged it already."""
-    from accelerate.utils import reduce
-
-    grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
-    if not grads:
-        return
-    mean = reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
-    for g, m in zip(grads, mean.split([g.numel() for g in grads])):
-        g.copy_(m.view_as(g))
-
-
-class StageLoss(torch.nn.Module):
-    """A stage's loss on the student as one module's forward, ``loss(student, *args)``: the module DDP wraps (its
-    backward then averages the gradients over the processes) when the stage runs on several."""
-
-    def __init__(self, student, loss):
-        super().__init__()
-        self.student, self.loss = student, loss
-
-    def forward(self, *args):
-        return self.loss(self.student, *args)
-
-
-def student_of(model):
-    """The student itself, unwrapped from a stage's DDP wrapper (``StageLoss``)."""
-    return model.module.student if isinstance(model, DistributedDataParallel) else model
-
-
-def loss_of(model, loss):
-    """``loss(student, *args)`` as a function of ``args``: through ``model``'s DDP wrapper when it has one."""
-    return model if isinstance(model, DistributedDataParallel) else partial(loss, model)
 
 
 # ----- layer-local
@@ -282,20 +240,18 @@ def logged(loss: torch.Tensor, parts: dict) -> dict:
 
 
 def e2e_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> dict:
-    """End-to-end step ``step`` (its rows: ``step_batch``, this process's share) of ``model`` (the student, or its
-    ``StageLoss`` under DDP) with ``opt`` at ``lr``; returns this process's loss and its parts. Under FSDP the
-    gradients not sharded are averaged here (``average_gradients``)."""
+    """End-to-end step ``step`` of ``model`` (the student, or the plan's copy of it; its rows: ``step_batch``, this
+    process's share) with ``opt`` at ``lr``; returns this process's loss and its parts."""
     ids, boundary = step_batch(inputs, cache, c, step, "e2e")
-    args = (inputs.teacher, ids, boundary, inputs.spans, c, inputs.autocast, inputs.channels)
-    loss, parts = loss_of(model, e2e_loss)(*args)
-    params = [p for p in student_of(model).parameters() if p.requires_grad]
-    update(opt, loss, params, lr, c.grad_clip, average=inputs.sharded)
+    loss, parts = e2e_loss(model, inputs.teacher, ids, boundary, inputs.spans, c, inputs.autocast, inputs.channels)
+    params = [p for p in model.parameters() if p.requires_grad]
+    update(opt, loss, params, lr, c.grad_clip, average=inputs.world > 1)
     return logged(loss, parts)
 
 
 def exit_step(inputs, cache, c: HealConfig, model, step: int, opt, lr: float) -> dict:
     """Exit-adapter step ``step``: only the adapters learn (``exit_params``)."""
     ids, _ = step_batch(inputs, cache, c, step, "exit")
-    loss, parts = loss_of(model, exit_loss)(ids, inputs.autocast, c.compile)
-    update(opt, loss, student_of(model).exit_adapter.parameters(), lr, c.grad_clip, average=inputs.sharded)
+    loss, parts = exit_loss(model, ids, inputs.autocast, c.compile)
+    update(opt, loss, model.exit_adapter.parameters(), lr, c.grad_clip, average=inputs.world > 1)
     return logged(loss, parts)
