@@ -85,9 +85,10 @@ def average_gradients(params) -> None:
         g.copy_(m.view_as(g))
 
 
-def clip_gradients(params, clip: float) -> float:
+def clip_gradients(params, clip: float) -> torch.Tensor:
     """The gradients of ``params`` scaled to total norm at most ``clip``; their total norm before. Sharded and whole
-    gradients are normed apart and their norms combined: one ``clip_grad_norm_`` takes either kind, not both."""
+    gradients are normed apart and their norms combined: one ``clip_grad_norm_`` takes either kind, not both. The
+    norm stays a tensor: reading it would wait for the device."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     params = [p for p in params if p.grad is not None]
@@ -100,12 +101,12 @@ def clip_gradients(params, clip: float) -> float:
         if g
     ]
     if not groups:
-        return 0.0
+        return torch.zeros(())
     norms = [get_total_norm([p.grad for p in g]) for g in groups]
     norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
     for g in groups:
         clip_grads_with_norm_(g, clip, norm)
-    return float(norm)
+    return norm
 
 
 def mean_values(processes, values: dict) -> dict:
