@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..util import write_json_atomic
-from .distributed import full_state
+from .distributed import full_state, shard_optimizer_state
 from .run_dir import RunDir
 
 TRAINING = "training.pt"
@@ -83,8 +83,6 @@ class Checkpointer:
 def restore(target, state: dict) -> None:
     """An optimizer's or a schedule's ``state`` (saved whole) loaded into ``target``: an optimizer's per-parameter
     tensors sharded as their parameters are."""
-    from .distributed import shard_optimizer_state
-
     if isinstance(target, torch.optim.Optimizer):
         state = shard_optimizer_state(state, target)
     target.load_state_dict(state)

@@ -18,8 +18,7 @@ BASE_WEIGHTS = ("fp32", "int4", "int8")
 
 
 DEFAULT_HEAL_MINUTES = 60.0  # the budget the healing recipe is measured at
-# From these budgets on, compiling (about a minute) pays back in faster steps: the quick start's 131,072 tokens
-# (about ten minutes of healing) took 9.0 minutes of the run clock compiled against 9.8 uncompiled (EPYC, AVX-512).
+# From these budgets on, compiling (about a minute) pays back in faster steps (experiments/INDEX.md).
 COMPILE_MINUTES = 10.0
 COMPILE_TOKENS = 100_000
 
